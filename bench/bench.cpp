@@ -1,0 +1,118 @@
+#include "bench.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+
+#include <CLI/CLI.hpp>
+
+namespace kvferry::bench {
+namespace {
+
+struct Suite {
+  std::string help;
+  SuiteFn fn;
+};
+
+std::map<std::string, Suite>& registry() {
+  static std::map<std::string, Suite> r;
+  return r;
+}
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      o += buf;
+    } else {
+      o += c;
+    }
+  }
+  return o;
+}
+
+std::string json_num(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.6g", v);
+  return buf;
+}
+
+}  // namespace
+
+double Row::ratio() const {
+  if (limit <= 0 || value <= 0) return 0;
+  return higher_is_better ? value / limit : limit / value;
+}
+
+SuiteRegistrar::SuiteRegistrar(const char* name, const char* help, SuiteFn fn) {
+  registry()[name] = Suite{help, std::move(fn)};
+}
+
+std::string human_bytes(int64_t b) {
+  if (b >= (1 << 30) && b % (1 << 30) == 0) return std::to_string(b >> 30) + "GiB";
+  if (b >= (1 << 20) && b % (1 << 20) == 0) return std::to_string(b >> 20) + "MiB";
+  if (b >= (1 << 10) && b % (1 << 10) == 0) return std::to_string(b >> 10) + "KiB";
+  return std::to_string(b) + "B";
+}
+
+int Report::finish(const Options& opts) const {
+  std::printf("\n== kvferry-bench %s ==\n", suite_.c_str());
+  std::printf("%-44s %12s %-6s %12s %-26s %7s %7s\n", "case", "value", "unit", "limit", "limit is", "ratio", "target");
+  for (const Row& r : rows_) {
+    char target[16] = "-";
+    if (r.target > 0) std::snprintf(target, sizeof target, "%.2f", r.target);
+    std::printf("%-44s %12.3f %-6s %12.3f %-26s %7.3f %7s%s%s\n", r.name.c_str(), r.value, r.unit.c_str(), r.limit,
+                r.limit_name.c_str(), r.ratio(), target, r.note.empty() ? "" : "  ", r.note.c_str());
+  }
+  for (const std::string& n : notes_) std::printf("note: %s\n", n.c_str());
+  if (opts.json_path.empty()) return 0;
+  std::ofstream out(opts.json_path);
+  if (!out) {
+    std::fprintf(stderr, "kvferry-bench: cannot write %s\n", opts.json_path.c_str());
+    return 1;
+  }
+  out << "{\"suite\":\"" << json_escape(suite_) << "\",\"rows\":[";
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    const Row& r = rows_[i];
+    out << (i ? "," : "") << "{\"name\":\"" << json_escape(r.name) << "\",\"value\":" << json_num(r.value)
+        << ",\"unit\":\"" << json_escape(r.unit) << "\",\"limit\":" << json_num(r.limit) << ",\"limit_name\":\""
+        << json_escape(r.limit_name) << "\",\"ratio\":" << json_num(r.ratio()) << ",\"target\":" << json_num(r.target)
+        << ",\"note\":\"" << json_escape(r.note) << "\"}";
+  }
+  out << "],\"notes\":[";
+  for (size_t i = 0; i < notes_.size(); ++i) out << (i ? "," : "") << "\"" << json_escape(notes_[i]) << "\"";
+  out << "]}\n";
+  std::printf("wrote %s\n", opts.json_path.c_str());
+  return out.good() ? 0 : 1;
+}
+
+}  // namespace kvferry::bench
+
+int main(int argc, char** argv) {
+  using namespace kvferry::bench;
+  CLI::App app{"kvferry-bench: measures each kvferry capability against a limit measured in the same run"};
+  std::string suite;
+  Options opts;
+  std::string suites_help = "suite to run:";
+  for (const auto& [name, s] : registry()) suites_help += "\n  " + name + ": " + s.help;
+  app.add_option("suite", suite, suites_help)->required();
+  app.add_option("--json", opts.json_path, "write the results as JSON to this file");
+  app.add_flag("--quick", opts.quick, "fewer sizes and iterations (a smoke run)");
+  app.add_option("--device", opts.device, "CUDA device index");
+  app.add_option("args", opts.args, "suite-specific arguments (after --)");
+  CLI11_PARSE(app, argc, argv);
+  auto it = registry().find(suite);
+  if (it == registry().end()) {
+    std::fprintf(stderr, "kvferry-bench: unknown suite '%s'; known suites:\n", suite.c_str());
+    for (const auto& [name, s] : registry()) std::fprintf(stderr, "  %s: %s\n", name.c_str(), s.help.c_str());
+    return 2;
+  }
+  return it->second.fn(opts);
+}

@@ -1,0 +1,27 @@
+#pragma once
+// Which compute backend is present, and the one converter from cudaError_t to Status.
+#include <string>
+
+#include "kvferry/layouts/status.h"
+
+namespace kvferry {
+
+/// True when kvferry was built with CUDA.
+bool built_with_cuda();
+
+/// Number of usable CUDA devices; 0 without a build with CUDA, without a driver or without a GPU
+/// (any CUDA error counts as "no GPU": without one cudaGetDeviceCount returns error 35).
+int cuda_device_count();
+
+/// A one-line description of the CUDA situation, e.g. "CUDA 13.0, 1 device: NVIDIA H200" or
+/// "built without CUDA" or "no CUDA device (cudaErrorInsufficientDriver)".
+std::string cuda_summary();
+
+/// Status for a CUDA runtime error code `err` (an int so callers need no CUDA header), naming the
+/// call and where it was made. Ok when err == 0.
+Status cuda_status(int err, const char* call, const char* file, int line);
+
+}  // namespace kvferry
+
+/// KVFERRY_CUDA_TRY(cudaMemcpyAsync(...)); returns a kCuda Status naming the call on failure.
+#define KVFERRY_CUDA_TRY(call) KVFERRY_TRY(::kvferry::cuda_status(static_cast<int>(call), #call, __FILE__, __LINE__))

@@ -1,0 +1,65 @@
+#include "kvferry/kernels/device.h"
+
+#include <string>
+
+#if defined(KVFERRY_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace kvferry {
+
+bool built_with_cuda() {
+#if defined(KVFERRY_WITH_CUDA)
+  return true;
+#else
+  return false;
+#endif
+}
+
+int cuda_device_count() {
+#if defined(KVFERRY_WITH_CUDA)
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+#else
+  return 0;
+#endif
+}
+
+std::string cuda_summary() {
+#if defined(KVFERRY_WITH_CUDA)
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    return std::string("no CUDA device (") + cudaGetErrorName(e) + ")";
+  }
+  if (n == 0) return "no CUDA device";
+  cudaDeviceProp p{};
+  std::string name = cudaGetDeviceProperties(&p, 0) == cudaSuccess ? p.name : "?";
+  int rt = 0;
+  (void)cudaRuntimeGetVersion(&rt);
+  return "CUDA " + std::to_string(rt / 1000) + "." + std::to_string(rt % 1000 / 10) + ", " + std::to_string(n) +
+         " device(s), device 0: " + name;
+#else
+  return "built without CUDA";
+#endif
+}
+
+Status cuda_status(int err, const char* call, const char* file, int line) {
+  if (err == 0) return Status::Ok();
+  std::string what = std::string(call) + " failed";
+#if defined(KVFERRY_WITH_CUDA)
+  const auto e = static_cast<cudaError_t>(err);
+  what += std::string(": ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+#else
+  what += ": CUDA error " + std::to_string(err);
+#endif
+  what += " at " + std::string(file) + ":" + std::to_string(line);
+  return {ErrorCode::kCuda, what};
+}
+
+}  // namespace kvferry

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command: installs what is missing, builds, checks formatting, runs every test.
+# GPU-labelled tests skip with a message where there is no CUDA device.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/build.sh "$@"
+bash scripts/check-format.sh
+BUILD=${KVFERRY_BUILD_DIR:-build}
+ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)" --timeout 300

@@ -1,0 +1,1 @@
+# Tests of the daemon area (kvferry_add_gtest(...)).

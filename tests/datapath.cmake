@@ -1,0 +1,1 @@
+# Tests of the datapath area (kvferry_add_gtest(...)).

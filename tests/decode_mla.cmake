@@ -1,0 +1,1 @@
+# Tests of the decode_mla area (kvferry_add_gtest(...)).
