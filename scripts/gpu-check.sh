@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Run on a GPU machine, from the repository root: configures for the local GPU, builds what the
+# machine can build, runs the gpu-labelled tests (then unit and integration), and every
+# benchmark suite, writing logs and JSON to OUTDIR.
+#   bash scripts/gpu-check.sh OUTDIR [--quick] [--only SUITE[,SUITE]] [--tests REGEX]
+# Header-only dependencies the machine lacks can be carried as .deb files in .gpu-deps/
+# (scripts/gpu-deps.sh fetches them); they are unpacked into a private prefix.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUTDIR=${1:?usage: gpu-check.sh OUTDIR [--quick] [--only SUITES] [--tests REGEX]}
+shift
+QUICK=""
+ONLY=""
+TESTS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK="--quick" ;;
+    --only) ONLY="$2"; shift ;;
+    --tests) TESTS="$2"; shift ;;
+    *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu-check.log"
+exec > >(tee -a "$LOG") 2>&1
+t0=$(date +%s)
+stamp() { echo "[gpu-check +$(( $(date +%s) - t0 ))s] $*"; }
+
+PREFIX=/tmp/kvferry-deps
+if ls .gpu-deps/*.deb >/dev/null 2>&1; then
+  mkdir -p "$PREFIX"
+  for f in .gpu-deps/*.deb; do dpkg -x "$f" "$PREFIX"; done
+  export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export CPATH="$PREFIX/usr/include${CPATH:+:$CPATH}"
+fi
+[ -d /usr/local/cuda/bin ] && export PATH=/usr/local/cuda/bin:$PATH
+nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
+CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d . | tr -d ' ')
+ARCH=${KVFERRY_CUDA_ARCH:-${CAP:-90}}
+[ "$ARCH" = "90" ] && ARCH=90a
+stamp "configuring for sm_$ARCH"
+GEN="-G Ninja"
+command -v ninja >/dev/null || GEN=""
+BUILD=build-gpu
+cmake -S . -B $BUILD $GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$ARCH" \
+  -DKVFERRY_WITH_CUDA=ON >"$OUTDIR/configure.log" 2>&1 || { cat "$OUTDIR/configure.log"; exit 1; }
+grep -A8 "kvferry .* configuration" "$OUTDIR/configure.log"
+stamp "building"
+if ! cmake --build $BUILD -j "$(nproc)" >"$OUTDIR/build.log" 2>&1; then
+  grep -E "error|Error" "$OUTDIR/build.log" | head -60
+  stamp "BUILD FAILED"
+  exit 1
+fi
+stamp "built"
+rc=0
+if [ -n "$TESTS" ]; then
+  ctest --test-dir $BUILD -R "$TESTS" --output-on-failure --timeout 300 >"$OUTDIR/ctest-selected.log" 2>&1 || rc=1
+  tail -40 "$OUTDIR/ctest-selected.log"
+else
+  stamp "gpu tests"
+  ctest --test-dir $BUILD -L gpu --output-on-failure --timeout 300 >"$OUTDIR/ctest-gpu.log" 2>&1 || rc=1
+  grep -E "Failed|SKIPPED|Skipped|tests passed|tests failed" "$OUTDIR/ctest-gpu.log" | tail -40
+  stamp "unit + integration tests"
+  ctest --test-dir $BUILD -L "unit|integration" -j 8 --output-on-failure --timeout 300 >"$OUTDIR/ctest-cpu.log" 2>&1 || rc=1
+  grep -E "\*\*\*Failed|tests passed|tests failed" "$OUTDIR/ctest-cpu.log" | tail -20
+fi
+SUITES=$($BUILD/bin/kvferry-bench --help 2>/dev/null | sed -n 's/^ *\([a-z_-]*\): .*/\1/p' | sort -u)
+[ -n "$ONLY" ] && SUITES=$(echo "$ONLY" | tr , ' ')
+for s in $SUITES; do
+  stamp "bench $s"
+  timeout 240 $BUILD/bin/kvferry-bench "$s" $QUICK --json "$OUTDIR/bench-$s.json" >"$OUTDIR/bench-$s.log" 2>&1 || {
+    echo "bench $s exited $?"; rc=1; }
+  sed -n '/^== kvferry-bench/,$p' "$OUTDIR/bench-$s.log"
+done
+stamp "done (rc=$rc)"
+exit $rc
