@@ -1,0 +1,116 @@
+#pragma once
+// kvferry's configuration: plain structs with defaults, filled from YAML through one declarative
+// table (key, default, doc, parser, reloadable). Absent key -> default; present but invalid ->
+// error naming the key, the file and the line; unknown key -> error suggesting the nearest known key.
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/layouts/kv_cache_spec.h"
+#include "kvferry/layouts/status.h"
+
+namespace kvferry::config {
+
+enum class Backend : uint8_t { kAuto = 0, kCuda = 1, kCpu = 2 };
+enum class LogLevel : uint8_t { kTrace, kDebug, kInfo, kWarn, kError, kOff };
+enum class Checksum : uint8_t { kXxh3 = 0, kNone = 1 };
+
+struct DaemonConfig {
+  std::string socket = "/run/kvferry/kvferry.sock";  ///< control socket path
+  uint32_t socket_mode = 0660;                       ///< permission bits of the socket file
+  std::string group;                                 ///< group owning the socket ("" = daemon's)
+  std::vector<uint32_t> allowed_uids;                ///< SO_PEERCRED uids allowed (empty + empty gids = daemon's uid and root)
+  std::vector<uint32_t> allowed_gids;                ///< SO_PEERCRED gids allowed
+  LogLevel log_level = LogLevel::kInfo;
+  std::string metrics_listen = "127.0.0.1:9464";     ///< host:port of /metrics and /healthz ("" = off)
+};
+
+struct DeviceConfig {
+  Backend backend = Backend::kAuto;  ///< auto: CUDA when a GPU is usable, else CPU
+  int gpu = 0;                       ///< CUDA device index
+  bool mps = false;                  ///< the operator runs MPS: the daemon may launch SM kernels
+};
+
+/// A region created at start-up.
+struct RegionConfig {
+  std::string name;
+  KvCacheSpec spec;  ///< layers, blocks, block_size, format, layout
+};
+
+struct HostTierConfig {
+  uint64_t capacity = uint64_t{1} << 30;  ///< bytes of pinned host pool
+  int numa_node = -1;                     ///< -1 = no binding
+  double high_watermark = 0.95;           ///< start evicting above this fraction
+  double low_watermark = 0.85;            ///< evict down to this fraction
+};
+
+struct DiskTierConfig {
+  std::string path;                   ///< "" = disk tier off
+  uint64_t capacity = 0;
+  uint32_t queue_depth = 64;
+  bool direct_io = true;
+};
+
+struct RemoteTierConfig {
+  std::string listen;                 ///< "" = remote tier off; "host:port"
+  std::vector<std::string> peers;     ///< "host:port" of peer daemons
+  std::string transport = "tcp";      ///< UCX_TLS value
+};
+
+struct IntegrityConfig {
+  Checksum checksum = Checksum::kXxh3;
+  bool verify_on_load = true;         ///< verify every block loaded from a lower tier
+};
+
+struct LimitsConfig {
+  uint32_t max_clients = 64;
+  uint32_t ring_entries = 1024;       ///< per-client submission/completion ring slots (power of two)
+  std::chrono::milliseconds request_timeout{30000};
+  std::chrono::milliseconds watchdog{0};  ///< 0 = take WATCHDOG_USEC from systemd
+};
+
+struct Config {
+  DaemonConfig daemon;
+  DeviceConfig device;
+  std::vector<RegionConfig> regions;
+  HostTierConfig host;      ///< yaml: tiers.host
+  DiskTierConfig disk;      ///< yaml: tiers.disk
+  RemoteTierConfig remote;  ///< yaml: tiers.remote
+  IntegrityConfig integrity;
+  LimitsConfig limits;
+};
+
+/// One row of the schema: the dotted key, its default as YAML text, a one-line doc, and whether
+/// SIGHUP can apply a change of it to a running daemon.
+struct KeyDoc {
+  std::string key;
+  std::string default_value;
+  std::string doc;
+  bool reloadable = false;
+};
+
+/// The schema, in the order --check-config prints it.
+const std::vector<KeyDoc>& schema();
+
+/// Loads and validates a YAML file. Errors name the file, the line and the key.
+Result<Config> load_file(const std::string& path);
+/// Same from text; `origin` stands for the file name in messages.
+Result<Config> load_string(std::string_view yaml, std::string_view origin = "<string>");
+
+/// The effective configuration as YAML (every key, defaults included), for --check-config.
+std::string to_yaml(const Config& c);
+
+/// Keys whose value differs between `a` and `b` and that cannot be reloaded (for SIGHUP).
+std::vector<std::string> non_reloadable_changes(const Config& a, const Config& b);
+/// Keys whose value differs and that can be reloaded.
+std::vector<std::string> reloadable_changes(const Config& a, const Config& b);
+
+/// "64GiB", "512MiB", "1.5G", "4096" (bytes) -> bytes. Binary (KiB, MiB, GiB, TiB) and decimal
+/// (KB/K, MB/M, GB/G, TB/T) units.
+Result<uint64_t> parse_size(std::string_view s);
+/// "500ms", "30s", "2m", "1h", "250us" -> duration.
+Result<std::chrono::nanoseconds> parse_duration(std::string_view s);
+
+}  // namespace kvferry::config
