@@ -55,6 +55,15 @@ SuiteRegistrar::SuiteRegistrar(const char* name, const char* help, SuiteFn fn) {
   registry()[name] = Suite{help, std::move(fn)};
 }
 
+int run_suite(const std::string& name, const Options& opts) {
+  auto it = registry().find(name);
+  if (it == registry().end()) {
+    std::fprintf(stderr, "kvferry-bench: suite '%s' is not built in\n", name.c_str());
+    return 2;
+  }
+  return it->second.fn(opts);
+}
+
 std::string human_bytes(int64_t b) {
   if (b >= (1 << 30) && b % (1 << 30) == 0) return std::to_string(b >> 30) + "GiB";
   if (b >= (1 << 20) && b % (1 << 20) == 0) return std::to_string(b >> 20) + "MiB";
@@ -106,6 +115,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", opts.json_path, "write the results as JSON to this file");
   app.add_flag("--quick", opts.quick, "fewer sizes and iterations (a smoke run)");
   app.add_option("--device", opts.device, "CUDA device index");
+  app.add_flag("--mha", opts.mha, "decode: measure paged MHA/GQA decode instead of MLA");
   app.add_option("args", opts.args, "suite-specific arguments (after --)");
   CLI11_PARSE(app, argc, argv);
   auto it = registry().find(suite);

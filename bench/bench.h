@@ -55,6 +55,10 @@ struct SuiteRegistrar {
   SuiteRegistrar(const char* name, const char* help, SuiteFn fn);
 };
 
+/// Runs the registered suite `name` (so one suite can hand over to another, e.g. decode --mha
+/// to decode-mha). Returns 2 when there is no such suite.
+int run_suite(const std::string& name, const Options& opts);
+
 /// Wall-clock seconds.
 inline double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();

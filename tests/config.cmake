@@ -1,0 +1,1 @@
+# Tests of the config module and deploy files (kvferry_add_gtest(...)).
