@@ -14,6 +14,7 @@ struct Options {
   std::string json_path;          ///< --json FILE ("" = no JSON)
   bool quick = false;             ///< --quick: fewer sizes and iterations (smoke runs, CI)
   int device = 0;                 ///< --device N
+  bool mha = false;               ///< --mha: the decode suite measures paged MHA/GQA decode instead of MLA
   std::vector<std::string> args;  ///< suite-specific extra arguments (after --)
 };
 

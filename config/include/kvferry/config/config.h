@@ -21,10 +21,10 @@ struct DaemonConfig {
   std::string socket = "/run/kvferry/kvferry.sock";  ///< control socket path
   uint32_t socket_mode = 0660;                       ///< permission bits of the socket file
   std::string group;                                 ///< group owning the socket ("" = daemon's)
-  std::vector<uint32_t> allowed_uids;                ///< SO_PEERCRED uids allowed (empty + empty gids = daemon's uid and root)
-  std::vector<uint32_t> allowed_gids;                ///< SO_PEERCRED gids allowed
+  std::vector<uint32_t> allowed_uids;  ///< SO_PEERCRED uids allowed (empty + empty gids = daemon's uid and root)
+  std::vector<uint32_t> allowed_gids;  ///< SO_PEERCRED gids allowed
   LogLevel log_level = LogLevel::kInfo;
-  std::string metrics_listen = "127.0.0.1:9464";     ///< host:port of /metrics and /healthz ("" = off)
+  std::string metrics_listen = "127.0.0.1:9464";  ///< host:port of /metrics and /healthz ("" = off)
 };
 
 struct DeviceConfig {
@@ -47,26 +47,26 @@ struct HostTierConfig {
 };
 
 struct DiskTierConfig {
-  std::string path;                   ///< "" = disk tier off
+  std::string path;  ///< "" = disk tier off
   uint64_t capacity = 0;
   uint32_t queue_depth = 64;
   bool direct_io = true;
 };
 
 struct RemoteTierConfig {
-  std::string listen;                 ///< "" = remote tier off; "host:port"
-  std::vector<std::string> peers;     ///< "host:port" of peer daemons
-  std::string transport = "tcp";      ///< UCX_TLS value
+  std::string listen;              ///< "" = remote tier off; "host:port"
+  std::vector<std::string> peers;  ///< "host:port" of peer daemons
+  std::string transport = "tcp";   ///< UCX_TLS value
 };
 
 struct IntegrityConfig {
   Checksum checksum = Checksum::kXxh3;
-  bool verify_on_load = true;         ///< verify every block loaded from a lower tier
+  bool verify_on_load = true;  ///< verify every block loaded from a lower tier
 };
 
 struct LimitsConfig {
   uint32_t max_clients = 64;
-  uint32_t ring_entries = 1024;       ///< per-client submission/completion ring slots (power of two)
+  uint32_t ring_entries = 1024;  ///< per-client submission/completion ring slots (power of two)
   std::chrono::milliseconds request_timeout{30000};
   std::chrono::milliseconds watchdog{0};  ///< 0 = take WATCHDOG_USEC from systemd
 };
