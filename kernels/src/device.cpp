@@ -49,6 +49,28 @@ std::string cuda_summary() {
 #endif
 }
 
+Status pin_host_memory(void* ptr, size_t bytes, bool* pinned) {
+  *pinned = false;
+#if defined(KVFERRY_WITH_CUDA)
+  if (cuda_device_count() == 0 || bytes == 0) return Status::Ok();
+  KVFERRY_CUDA_TRY(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable | cudaHostRegisterMapped));
+  *pinned = true;
+#else
+  (void)ptr;
+  (void)bytes;
+#endif
+  return Status::Ok();
+}
+
+Status unpin_host_memory(void* ptr) {
+#if defined(KVFERRY_WITH_CUDA)
+  KVFERRY_CUDA_TRY(cudaHostUnregister(ptr));
+#else
+  (void)ptr;
+#endif
+  return Status::Ok();
+}
+
 Status cuda_status(int err, const char* call, const char* file, int line) {
   if (err == 0) return Status::Ok();
   std::string what = std::string(call) + " failed";

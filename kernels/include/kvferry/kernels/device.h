@@ -1,5 +1,6 @@
 #pragma once
 // Which compute backend is present, and the one converter from cudaError_t to Status.
+#include <cstddef>
 #include <string>
 
 #include "kvferry/layouts/status.h"
@@ -16,6 +17,13 @@ int cuda_device_count();
 /// A one-line description of the CUDA situation, e.g. "CUDA 13.0, 1 device: NVIDIA H200" or
 /// "built without CUDA" or "no CUDA device (cudaErrorInsufficientDriver)".
 std::string cuda_summary();
+
+/// Page-locks `bytes` of existing host memory at `ptr` for DMA (cudaHostRegister, portable and
+/// mapped) when a CUDA device is present. Without CUDA or a device: Ok and nothing happens,
+/// `*pinned` says which. The caller unpins with unpin_host_memory before freeing.
+Status pin_host_memory(void* ptr, size_t bytes, bool* pinned);
+/// Undoes pin_host_memory (cudaHostUnregister).
+Status unpin_host_memory(void* ptr);
 
 /// Status for a CUDA runtime error code `err` (an int so callers need no CUDA header), naming the
 /// call and where it was made. Ok when err == 0.

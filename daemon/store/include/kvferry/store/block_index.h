@@ -1,0 +1,161 @@
+#pragma once
+// BlockIndex: key -> stored block (format, bytes, checksum, where it is, pins, last use) over the
+// host pool, with LRU eviction between watermarks. A block being written is invisible until it
+// is committed; a block being read (held) or pinned is never evicted. One mutex guards the
+// metadata only: copies run outside it, so lookups never wait behind transfers. Thread-safe.
+#include <cstdint>
+#include <list>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kvferry/layouts/kv_cache_spec.h"
+#include "kvferry/layouts/status.h"
+#include "kvferry/store/block_key.h"
+#include "kvferry/store/host_pool.h"
+
+namespace kvferry::store {
+
+using ClientId = uint64_t;
+
+/// The shape of a stored block: every layer of one block of `block_size` tokens of `format`,
+/// block-major (layer pages back to back), `layers * block_size * bytes_per_token` bytes.
+struct BlockShape {
+  int64_t layers = 0;
+  int64_t block_size = 0;
+  EntryFormat format;
+  int64_t bytes() const { return layers * block_size * format.bytes_per_token(); }
+  /// A one-block block-major spec of this shape (what copy_plan needs for a slot).
+  KvCacheSpec slot_spec() const { return {layers, 1, block_size, format, Layout::kBlockMajor}; }
+  bool operator==(const BlockShape& o) const {
+    return layers == o.layers && block_size == o.block_size && format == o.format;
+  }
+};
+
+/// What the index knows of one stored block.
+struct EntryMeta {
+  BlockShape shape;
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+
+/// A slot reserved for a block being saved; commit() or abort() it exactly once.
+struct SaveReservation {
+  NsKey key;
+  Slot slot;
+  uint8_t* data = nullptr;
+  uint64_t bytes = 0;
+};
+
+/// A stored block held for reading (not evictable until release()).
+struct Hold {
+  NsKey key;
+  Slot slot;
+  uint8_t* data = nullptr;
+  EntryMeta meta;
+};
+
+struct LookupResult {
+  std::vector<uint8_t> present;  ///< 1 per key found (ready)
+  uint32_t prefix = 0;           ///< number of leading keys all present
+};
+
+struct IndexStats {
+  uint64_t entries = 0;
+  uint64_t writing = 0;
+  uint64_t pinned = 0;
+  uint64_t used_bytes = 0;
+  uint64_t capacity_bytes = 0;
+  uint64_t evictions = 0;
+  uint64_t evicted_bytes = 0;
+};
+
+struct ListEntry {
+  std::string ns;
+  BlockKey key;
+  std::string format;
+  uint64_t bytes = 0;
+  uint32_t pins = 0;
+  std::string tier;  ///< "host"
+};
+
+class BlockIndex {
+ public:
+  struct Options {
+    double high_watermark = 0.95;  ///< evict when the pool is fuller than this fraction
+    double low_watermark = 0.85;   ///< ... down to this fraction
+  };
+
+  BlockIndex(HostPool& pool, Options opts);
+
+  /// Id of namespace `name` (model + format fingerprint + tenant), created on first use.
+  NamespaceId intern_namespace(const std::string& name);
+  std::string namespace_name(NamespaceId ns) const;
+
+  /// Reserves a slot for a new block. kAlreadyExists when the key is stored or being written
+  /// (the caller treats that as done); kResourceExhausted when nothing can be evicted.
+  Result<SaveReservation> reserve(const NsKey& key, const BlockShape& shape);
+  /// Makes a written block visible with its checksum.
+  void commit(const SaveReservation& r, uint64_t checksum);
+  /// Drops a reservation (failed copy, client gone): the slot is freed, nothing becomes visible.
+  void abort(const SaveReservation& r);
+
+  /// Holds a stored block for reading; kNotFound on a miss.
+  Result<Hold> acquire(const NsKey& key);
+  void release(const Hold& h);
+
+  /// Per-key presence and the longest prefix of hits, in key order.
+  LookupResult lookup(NamespaceId ns, std::span<const BlockKey> keys);
+
+  /// Pins a stored block for `client` (never evicted while pinned); pins count per client.
+  Status pin(const NsKey& key, ClientId client);
+  Status unpin(const NsKey& key, ClientId client);
+  /// Drops every pin `client` holds (it disconnected).
+  void release_client(ClientId client);
+
+  /// Evicts the given keys (pinned or held ones stay: reported in the result count as kept).
+  /// Returns how many were evicted.
+  uint64_t evict(NamespaceId ns, std::span<const BlockKey> keys);
+  /// Evicts every unpinned, unheld block (of `ns` when given). Returns how many.
+  uint64_t evict_all(std::optional<NamespaceId> ns);
+
+  IndexStats stats() const;
+  /// Up to `limit` entries (of `ns` when given).
+  std::vector<ListEntry> list(std::optional<NamespaceId> ns, size_t limit) const;
+
+  /// Fault knob for tests: flips the bits of byte `byte` of a stored block.
+  Status corrupt_for_test(const NsKey& key, uint64_t byte);
+
+ private:
+  enum class State : uint8_t { kWriting, kReady };
+  struct Entry {
+    State state = State::kWriting;
+    EntryMeta meta;
+    Slot slot;
+    uint32_t readers = 0;
+    uint32_t pins = 0;
+    std::list<NsKey>::iterator lru;  ///< valid while ready
+  };
+
+  bool evictable(const Entry& e) const { return e.state == State::kReady && e.readers == 0 && e.pins == 0; }
+  /// Evicts LRU blocks until a slot of `bytes` fits and usage is at most the low watermark (when
+  /// above the high one). Caller holds mu_. Returns false when nothing more can go.
+  bool make_room_locked(uint64_t bytes);
+  void erase_locked(std::unordered_map<NsKey, Entry, NsKeyHash>::iterator it);
+
+  HostPool& pool_;
+  Options opts_;
+  mutable std::mutex mu_;
+  std::unordered_map<NsKey, Entry, NsKeyHash> map_;
+  std::list<NsKey> lru_;  ///< front = most recently used (ready entries only)
+  std::unordered_map<std::string, NamespaceId> ns_ids_;
+  std::vector<std::string> ns_names_;
+  std::unordered_map<ClientId, std::unordered_map<NsKey, uint32_t, NsKeyHash>> client_pins_;
+  uint64_t evictions_ = 0;
+  uint64_t evicted_bytes_ = 0;
+};
+
+}  // namespace kvferry::store
