@@ -123,6 +123,7 @@ class BlockIndex {
   uint64_t evict_all(std::optional<NamespaceId> ns);
 
   IndexStats stats() const;
+  HostPool& pool() const { return pool_; }
   /// Up to `limit` entries (of `ns` when given).
   std::vector<ListEntry> list(std::optional<NamespaceId> ns, size_t limit) const;
 

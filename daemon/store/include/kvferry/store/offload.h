@@ -1,0 +1,69 @@
+#pragma once
+// OffloadService: the daemon's save / load / lookup of blocks between a region (G1) and the host
+// pool (G2). Saves copy each block (all layers) into a pool slot, checksum it (XXH3-64) and make it
+// visible; loads verify the checksum and copy it back into any block of any compatible region,
+// converting the MLA format on the way when the stored one differs (576 -> 656, bf16 -> 656,
+// 656 -> bf16, 656 -> 576 where lossless). Every block gets its own Status, so an engine recomputes
+// exactly the blocks that failed. Thread-safe; device copies are serialised on one stream.
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/layouts/kv_cache_spec.h"
+#include "kvferry/layouts/status.h"
+#include "kvferry/store/block_index.h"
+#include "kvferry/store/metrics.h"
+
+namespace kvferry::store {
+
+/// How the daemon reaches a region's bytes.
+struct RegionAccess {
+  uint8_t* base = nullptr;  ///< host pointer (CPU backend) or device pointer (CUDA backend)
+  KvCacheSpec spec;
+  bool device = false;      ///< base is CUDA device memory
+};
+
+/// The namespace family of a format: blocks of formats of one family hold the same values and can
+/// be converted into each other ("mla" for mla_bf16 / mla_fp8 / mla_fp8_ds); other formats are
+/// their own family ("mha:bf16:8x128:nhd", "indexer_fp8").
+std::string format_family(const EntryFormat& f);
+
+/// Whether a block stored as `from` can be loaded into a region of `to` (same layers and block
+/// size; same format, or a supported conversion).
+Status check_loadable(const BlockShape& from, const BlockShape& to);
+
+class OffloadService {
+ public:
+  struct Options {
+    bool checksum = true;        ///< compute checksums on save
+    bool verify_on_load = true;  ///< verify them on load
+    int cpu_threads = 0;         ///< threads for hashing and host conversion (0 = hardware, max 16)
+    bool use_cuda = false;       ///< regions may be device memory (creates a stream and a copier)
+  };
+
+  /// `index` and `metrics` outlive the service.
+  static Result<std::unique_ptr<OffloadService>> create(BlockIndex& index, Registry& metrics, Options opts);
+  ~OffloadService();
+
+  /// Saves block_ids[i] of `region` under keys[i]. Per block: ok (also when it was stored already),
+  /// kResourceExhausted (pool full of pinned/in-use blocks), kOutOfRange (bad block id), ...
+  std::vector<Status> save(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                           std::span<const int64_t> block_ids);
+  /// Loads keys[i] into block_ids[i] of `region`. Per block: ok, kNotFound (a miss),
+  /// kChecksumMismatch (the stored copy is damaged: it is dropped, never returned),
+  /// kUnsupported (no conversion between the stored and the region's format), ...
+  std::vector<Status> load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                           std::span<const int64_t> block_ids);
+
+  BlockIndex& index() { return index_; }
+
+ private:
+  struct Impl;
+  OffloadService(BlockIndex& index, std::unique_ptr<Impl> impl);
+  BlockIndex& index_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry::store
