@@ -58,10 +58,9 @@ Result<SaveReservation> BlockIndex::reserve(const NsKey& key, const BlockShape& 
     return Result<SaveReservation>(ErrorCode::kAlreadyExists, "block " + key.key.hex() + " is being saved");
   }
   if (!make_room_locked(bytes))
-    return Result<SaveReservation>(ErrorCode::kResourceExhausted,
-                                   "host pool is full of pinned or in-use blocks (" +
-                                       std::to_string(pool_.used_bytes()) + " of " +
-                                       std::to_string(pool_.capacity()) + " bytes)");
+    return Result<SaveReservation>(ErrorCode::kResourceExhausted, "host pool is full of pinned or in-use blocks (" +
+                                                                      std::to_string(pool_.used_bytes()) + " of " +
+                                                                      std::to_string(pool_.capacity()) + " bytes)");
   auto slot = pool_.allocate(bytes);
   if (!slot.ok()) return slot.status();
   Entry e;
@@ -116,8 +115,10 @@ LookupResult BlockIndex::lookup(NamespaceId ns, std::span<const BlockKey> keys) 
     const bool hit = it != map_.end() && it->second.state == State::kReady;
     r.present[i] = hit ? 1 : 0;
     if (hit) lru_.splice(lru_.begin(), lru_, it->second.lru);
-    if (prefix && hit) ++r.prefix;
-    else prefix = false;
+    if (prefix && hit)
+      ++r.prefix;
+    else
+      prefix = false;
   }
   return r;
 }
@@ -135,7 +136,8 @@ Status BlockIndex::pin(const NsKey& key, ClientId client) {
 Status BlockIndex::unpin(const NsKey& key, ClientId client) {
   std::lock_guard lk(mu_);
   auto c = client_pins_.find(client);
-  if (c == client_pins_.end()) return {ErrorCode::kNotFound, "block " + key.key.hex() + " is not pinned by this client"};
+  if (c == client_pins_.end())
+    return {ErrorCode::kNotFound, "block " + key.key.hex() + " is not pinned by this client"};
   auto p = c->second.find(key);
   if (p == c->second.end()) return {ErrorCode::kNotFound, "block " + key.key.hex() + " is not pinned by this client"};
   if (--p->second == 0) c->second.erase(p);
@@ -189,8 +191,10 @@ IndexStats BlockIndex::stats() const {
   std::lock_guard lk(mu_);
   IndexStats s;
   for (const auto& [k, e] : map_) {
-    if (e.state == State::kReady) ++s.entries;
-    else ++s.writing;
+    if (e.state == State::kReady)
+      ++s.entries;
+    else
+      ++s.writing;
     if (e.pins) ++s.pinned;
   }
   s.used_bytes = pool_.used_bytes();
@@ -207,8 +211,8 @@ std::vector<ListEntry> BlockIndex::list(std::optional<NamespaceId> ns, size_t li
     if (out.size() >= limit) break;
     if (ns && k.ns != *ns) continue;
     const Entry& e = map_.at(k);
-    out.push_back({k.ns < ns_names_.size() ? ns_names_[k.ns] : "?", k.key, e.meta.shape.format.name(),
-                   e.meta.bytes, e.pins, "host"});
+    out.push_back({k.ns < ns_names_.size() ? ns_names_[k.ns] : "?", k.key, e.meta.shape.format.name(), e.meta.bytes,
+                   e.pins, "host"});
   }
   return out;
 }

@@ -94,8 +94,8 @@ Result<Slot> HostPool::allocate(uint64_t bytes) {
     }
   }
   if (!free_chunk)
-    return Result<Slot>(ErrorCode::kResourceExhausted,
-                        "host pool full (" + std::to_string(used_) + " of " + std::to_string(capacity_) + " bytes used)");
+    return Result<Slot>(ErrorCode::kResourceExhausted, "host pool full (" + std::to_string(used_) + " of " +
+                                                           std::to_string(capacity_) + " bytes used)");
   const uint32_t n = static_cast<uint32_t>(chunk_bytes_ / sz);
   free_chunk->slot_bytes = sz;
   free_chunk->free_slots.clear();

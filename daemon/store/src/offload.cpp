@@ -77,8 +77,8 @@ Status check_loadable(const BlockShape& from, const BlockShape& to) {
                                              std::to_string(from.block_size) + " tokens but the region's blocks are " +
                                              std::to_string(to.layers) + " x " + std::to_string(to.block_size)};
   if (from.format == to.format || convertible(from.format.kind, to.format.kind)) return Status::Ok();
-  return {ErrorCode::kUnsupported, "no conversion from the stored format " + from.format.name() +
-                                       " to the region's " + to.format.name() +
+  return {ErrorCode::kUnsupported, "no conversion from the stored format " + from.format.name() + " to the region's " +
+                                       to.format.name() +
                                        " (supported: mla_fp8->mla_fp8_ds, mla_bf16->mla_fp8_ds, "
                                        "mla_fp8_ds->mla_bf16, mla_fp8_ds->mla_fp8 when lossless)"};
 }
@@ -97,7 +97,8 @@ struct OffloadService::Impl {
         save_failures(m.counter("kvferry_save_failures_total", "Blocks that could not be saved")),
         save_seconds(m.histogram("kvferry_op_seconds", "Op latency in the daemon", "op=\"save\"")),
         load_seconds(m.histogram("kvferry_op_seconds", "Op latency in the daemon", "op=\"load\"")) {
-    if (opts.cpu_threads <= 0) opts.cpu_threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
+    if (opts.cpu_threads <= 0)
+      opts.cpu_threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
   }
   ~Impl() {
 #if defined(KVFERRY_WITH_CUDA)
@@ -119,14 +120,13 @@ struct OffloadService::Impl {
     const int64_t pool_bytes = static_cast<int64_t>(index_pool_capacity());
     const int64_t region_bytes = region.spec.region_bytes();
     if (!region.device) {
-      return to_pool ? kernels::copy_blocks_cpu(region.base, region_bytes, pool, pool_bytes, runs,
-                                                {opts.cpu_threads})
+      return to_pool ? kernels::copy_blocks_cpu(region.base, region_bytes, pool, pool_bytes, runs, {opts.cpu_threads})
                      : kernels::copy_blocks_cpu(pool, pool_bytes, region.base, region_bytes, runs, {opts.cpu_threads});
     }
 #if defined(KVFERRY_WITH_CUDA)
     if (!copier) return {ErrorCode::kUnavailable, "device region but the service was started without CUDA"};
-    KVFERRY_TRY(kernels::validate_copy_runs(runs, to_pool ? region_bytes : pool_bytes,
-                                            to_pool ? pool_bytes : region_bytes));
+    KVFERRY_TRY(
+        kernels::validate_copy_runs(runs, to_pool ? region_bytes : pool_bytes, to_pool ? pool_bytes : region_bytes));
     std::lock_guard lk(dev_mu);
     KVFERRY_TRY(copy_device_locked(to_pool ? static_cast<const void*>(region.base) : pool,
                                    to_pool ? static_cast<void*>(pool) : region.base, runs));
@@ -160,8 +160,7 @@ struct OffloadService::Impl {
   uint64_t pool_capacity = 0;
 };
 
-OffloadService::OffloadService(BlockIndex& index, std::unique_ptr<Impl> impl)
-    : index_(index), impl_(std::move(impl)) {}
+OffloadService::OffloadService(BlockIndex& index, std::unique_ptr<Impl> impl) : index_(index), impl_(std::move(impl)) {}
 OffloadService::~OffloadService() = default;
 
 Result<std::unique_ptr<OffloadService>> OffloadService::create(BlockIndex& index, Registry& metrics, Options opts) {
@@ -184,8 +183,9 @@ std::vector<Status> OffloadService::save(const RegionAccess& region, NamespaceId
   const auto t0 = Clock::now();
   std::vector<Status> res(keys.size());
   if (keys.size() != block_ids.size()) {
-    for (auto& r : res) r = {ErrorCode::kInvalidArgument, "save: " + std::to_string(keys.size()) + " keys but " +
-                                                              std::to_string(block_ids.size()) + " block ids"};
+    for (auto& r : res)
+      r = {ErrorCode::kInvalidArgument,
+           "save: " + std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids"};
     return res;
   }
   const BlockShape shape{region.spec.layers, region.spec.block_size, region.spec.format};
@@ -232,8 +232,9 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
   const auto t0 = Clock::now();
   std::vector<Status> res(keys.size());
   if (keys.size() != block_ids.size()) {
-    for (auto& r : res) r = {ErrorCode::kInvalidArgument, "load: " + std::to_string(keys.size()) + " keys but " +
-                                                              std::to_string(block_ids.size()) + " block ids"};
+    for (auto& r : res)
+      r = {ErrorCode::kInvalidArgument,
+           "load: " + std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids"};
     return res;
   }
   const BlockShape target{region.spec.layers, region.spec.block_size, region.spec.format};
@@ -310,13 +311,14 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
         }
       }
       if (st.ok())
-        st = kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, impl_->staging, one,
-                                         {&zero, 1}, {impl_->opts.cpu_threads}, &lossy);
+        st = kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, impl_->staging, one, {&zero, 1},
+                                         {impl_->opts.cpu_threads}, &lossy);
       if (st.ok()) {
         std::vector<CopyRun> cr;
         push_block_runs(&cr, region.spec, b, 0, false);
         st = impl_->copy_device_locked(impl_->staging, region.base, cr);
-        if (st.ok()) st = cuda_status(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+        if (st.ok())
+          st = cuda_status(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
       }
 #else
       st = {ErrorCode::kUnavailable, "device region but kvferry was built without CUDA"};

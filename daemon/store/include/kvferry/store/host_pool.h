@@ -64,8 +64,8 @@ class HostPool {
   static uint64_t slot_size(uint64_t bytes) { return (bytes + kSlotAlign - 1) / kSlotAlign * kSlotAlign; }
 
   uint8_t* base_ = nullptr;
-  uint64_t capacity_ = 0;   ///< usable bytes (whole chunks)
-  uint64_t mapped_ = 0;     ///< bytes mapped
+  uint64_t capacity_ = 0;  ///< usable bytes (whole chunks)
+  uint64_t mapped_ = 0;    ///< bytes mapped
   uint64_t chunk_bytes_ = 0;
   bool pinned_ = false;
   mutable std::mutex mu_;

@@ -22,7 +22,7 @@ namespace kvferry::store {
 struct RegionAccess {
   uint8_t* base = nullptr;  ///< host pointer (CPU backend) or device pointer (CUDA backend)
   KvCacheSpec spec;
-  bool device = false;      ///< base is CUDA device memory
+  bool device = false;  ///< base is CUDA device memory
 };
 
 /// The namespace family of a format: blocks of formats of one family hold the same values and can
