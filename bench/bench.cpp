@@ -111,13 +111,23 @@ int main(int argc, char** argv) {
   Options opts;
   std::string suites_help = "suite to run:";
   for (const auto& [name, s] : registry()) suites_help += "\n  " + name + ": " + s.help;
-  app.add_option("suite", suite, suites_help)->required();
+  app.add_option("suite", suite, suites_help);
+  bool list = false;
+  app.add_flag("--list", list, "print the names of the built-in suites, one per line");
   app.add_option("--json", opts.json_path, "write the results as JSON to this file");
   app.add_flag("--quick", opts.quick, "fewer sizes and iterations (a smoke run)");
   app.add_option("--device", opts.device, "CUDA device index");
   app.add_flag("--mha", opts.mha, "decode: measure paged MHA/GQA decode instead of MLA");
   app.add_option("args", opts.args, "suite-specific arguments (after --)");
   CLI11_PARSE(app, argc, argv);
+  if (list) {
+    for (const auto& [name, s] : registry()) std::printf("%s\n", name.c_str());
+    return 0;
+  }
+  if (suite.empty()) {
+    std::fprintf(stderr, "kvferry-bench: name a suite (--list lists them; --help explains)\n");
+    return 2;
+  }
   auto it = registry().find(suite);
   if (it == registry().end()) {
     std::fprintf(stderr, "kvferry-bench: unknown suite '%s'; known suites:\n", suite.c_str());

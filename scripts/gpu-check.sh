@@ -65,7 +65,7 @@ else
   ctest --test-dir $BUILD -L "unit|integration" -j 8 --output-on-failure --timeout 300 >"$OUTDIR/ctest-cpu.log" 2>&1 || rc=1
   grep -E "\*\*\*Failed|tests passed|tests failed" "$OUTDIR/ctest-cpu.log" | tail -20
 fi
-SUITES=$($BUILD/bin/kvferry-bench --help 2>/dev/null | sed -n 's/^ *\([a-z_-]*\): .*/\1/p' | sort -u)
+SUITES=$($BUILD/bin/kvferry-bench --list 2>/dev/null)
 [ -n "$ONLY" ] && SUITES=$(echo "$ONLY" | tr , ' ')
 for s in $SUITES; do
   stamp "bench $s"
