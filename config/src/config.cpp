@@ -7,6 +7,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -158,11 +159,11 @@ struct FractionC {
     out = v;
     return Status::Ok();
   }
+  // The shortest text that reads back as the same double ("0.95", not "0.94999999999999996").
   std::string emit(double v) const {
-    std::ostringstream os;
-    os.precision(17);
-    os << v;
-    return os.str();
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof buf, v);
+    return std::string(buf, r.ptr);
   }
 };
 

@@ -162,7 +162,7 @@ TEST(ConfigLoad, SchemaListsEveryKeyWithItsDefault) {
                                                       {"device.backend", "auto"},
                                                       {"regions", "[]"},
                                                       {"integrity.checksum", "xxh3"},
-                                                      {"tiers.host.high_watermark", "0.94999999999999996"}};
+                                                      {"tiers.host.high_watermark", "0.95"}};
   for (const auto& [k, v] : want) {
     const KeyDoc* d = find(k);
     ASSERT_NE(d, nullptr) << k;
@@ -333,7 +333,7 @@ TEST(ConfigLoad, BadValues) {
       {"tiers:\n  host:\n    high_watermark: nan", "'nan' is not a number"},
       {"tiers:\n  host:\n    high_watermark: 0x1p-1", "is not a number"},
       {"tiers:\n  host:\n    low_watermark: 0.96",
-       "t.yaml:3: tiers.host.low_watermark: 0.95999999999999996 must be below tiers.host.high_watermark"},
+       "t.yaml:3: tiers.host.low_watermark: 0.96 must be below tiers.host.high_watermark (0.95)"},
       {"tiers:\n  host:\n    low_watermark: 0.5\n    high_watermark: 0.5", "t.yaml:3: tiers.host.low_watermark"},
       {"tiers:\n  host:\n    numa_node: -2", "tiers.host.numa_node: '-2' is outside [-1, 1023]"},
       {"tiers:\n  disk:\n    path: /d", "t.yaml:3: tiers.disk.capacity: must be set (> 0) when tiers.disk.path is set"},
