@@ -113,10 +113,14 @@ struct KeyDoc {
   bool reloadable = false;
 };
 
-/// The schema, in the order --check-config prints it.
+/// The schema, in the order --check-config prints it. The keys of one region appear after
+/// "regions" as "regions[].name", "regions[].layers", ... (required ones with default "(required)").
 const std::vector<KeyDoc>& schema();
 
-/// Loads and validates a YAML file. Errors name the file, the line and the key.
+/// Loads and validates a YAML file. Errors (ErrorCode::kConfig) name the file, the line and the
+/// key: "kvferry.yaml:12: tiers.host.capacity: '64XB' is not a size (expected e.g. 64GiB)". The
+/// text must be one YAML document of at most 1 MiB in UTF-8 without control characters. Never
+/// throws. Thread-safe (no shared mutable state).
 Result<Config> load_file(const std::string& path);
 /// Same from text; `origin` stands for the file name in messages.
 Result<Config> load_string(std::string_view yaml, std::string_view origin = "<string>");
