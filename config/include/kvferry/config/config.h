@@ -25,18 +25,28 @@ struct DaemonConfig {
   std::vector<uint32_t> allowed_gids;  ///< SO_PEERCRED gids allowed
   LogLevel log_level = LogLevel::kInfo;
   std::string metrics_listen = "127.0.0.1:9464";  ///< host:port of /metrics and /healthz ("" = off)
+
+  bool operator==(const DaemonConfig&) const = default;
 };
 
 struct DeviceConfig {
   Backend backend = Backend::kAuto;  ///< auto: CUDA when a GPU is usable, else CPU
   int gpu = 0;                       ///< CUDA device index
   bool mps = false;                  ///< the operator runs MPS: the daemon may launch SM kernels
+
+  bool operator==(const DeviceConfig&) const = default;
 };
 
 /// A region created at start-up.
 struct RegionConfig {
   std::string name;
   KvCacheSpec spec;  ///< layers, blocks, block_size, format, layout
+
+  /// KvCacheSpec has no operator==; two regions are equal when name and every spec field match.
+  bool operator==(const RegionConfig& o) const {
+    return name == o.name && spec.layers == o.spec.layers && spec.blocks == o.spec.blocks &&
+           spec.block_size == o.spec.block_size && spec.format == o.spec.format && spec.layout == o.spec.layout;
+  }
 };
 
 struct HostTierConfig {
@@ -44,6 +54,8 @@ struct HostTierConfig {
   int numa_node = -1;                     ///< -1 = no binding
   double high_watermark = 0.95;           ///< start evicting above this fraction
   double low_watermark = 0.85;            ///< evict down to this fraction
+
+  bool operator==(const HostTierConfig&) const = default;
 };
 
 struct DiskTierConfig {
@@ -51,17 +63,23 @@ struct DiskTierConfig {
   uint64_t capacity = 0;
   uint32_t queue_depth = 64;
   bool direct_io = true;
+
+  bool operator==(const DiskTierConfig&) const = default;
 };
 
 struct RemoteTierConfig {
   std::string listen;              ///< "" = remote tier off; "host:port"
   std::vector<std::string> peers;  ///< "host:port" of peer daemons
   std::string transport = "tcp";   ///< UCX_TLS value
+
+  bool operator==(const RemoteTierConfig&) const = default;
 };
 
 struct IntegrityConfig {
   Checksum checksum = Checksum::kXxh3;
   bool verify_on_load = true;  ///< verify every block loaded from a lower tier
+
+  bool operator==(const IntegrityConfig&) const = default;
 };
 
 struct LimitsConfig {
@@ -69,6 +87,8 @@ struct LimitsConfig {
   uint32_t ring_entries = 1024;  ///< per-client submission/completion ring slots (power of two)
   std::chrono::milliseconds request_timeout{30000};
   std::chrono::milliseconds watchdog{0};  ///< 0 = take WATCHDOG_USEC from systemd
+
+  bool operator==(const LimitsConfig&) const = default;
 };
 
 struct Config {
@@ -80,6 +100,8 @@ struct Config {
   RemoteTierConfig remote;  ///< yaml: tiers.remote
   IntegrityConfig integrity;
   LimitsConfig limits;
+
+  bool operator==(const Config&) const = default;
 };
 
 /// One row of the schema: the dotted key, its default as YAML text, a one-line doc, and whether
@@ -91,10 +113,14 @@ struct KeyDoc {
   bool reloadable = false;
 };
 
-/// The schema, in the order --check-config prints it.
+/// The schema, in the order --check-config prints it. The keys of one region appear after
+/// "regions" as "regions[].name", "regions[].layers", ... (required ones with default "(required)").
 const std::vector<KeyDoc>& schema();
 
-/// Loads and validates a YAML file. Errors name the file, the line and the key.
+/// Loads and validates a YAML file. Errors (ErrorCode::kConfig) name the file, the line and the
+/// key: "kvferry.yaml:12: tiers.host.capacity: '64XB' is not a size (expected e.g. 64GiB)". The
+/// text must be one YAML document of at most 1 MiB in UTF-8 without control characters. Never
+/// throws. Thread-safe (no shared mutable state).
 Result<Config> load_file(const std::string& path);
 /// Same from text; `origin` stands for the file name in messages.
 Result<Config> load_string(std::string_view yaml, std::string_view origin = "<string>");
@@ -112,5 +138,10 @@ std::vector<std::string> reloadable_changes(const Config& a, const Config& b);
 Result<uint64_t> parse_size(std::string_view s);
 /// "500ms", "30s", "2m", "1h", "250us" -> duration.
 Result<std::chrono::nanoseconds> parse_duration(std::string_view s);
+
+/// Bytes as the shortest exact text parse_size() reads back: "1GiB", "1536MiB", "4097".
+std::string format_size(uint64_t bytes);
+/// A duration as the shortest exact text parse_duration() reads back: "30s", "500ms", "0s".
+std::string format_duration(std::chrono::nanoseconds d);
 
 }  // namespace kvferry::config
