@@ -50,6 +50,7 @@ struct Args {
   float logit_cap;
   float v_scale;
   int Hq, G, HC, Dk, P, S;
+  int p_shift;    // log2(P) when P is a power of two, else -1
   float* ws_o;    // [B, Hq, S, Dv]
   float* ws_lse;  // [B, Hq, S]
 };
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, 3) decode_paged_kernel(const Args a)
   const int b = blockIdx.y;
   const int h0 = kvh * a.G + hc * kG;
   const int ng = min(kG, a.G - hc * kG);
-  const int len = min(a.lens[b], a.max_blocks * a.P);
+  const int len = max(0, min(a.lens[b], a.max_blocks * a.P));
   const int chunk = (((len + a.S - 1) / a.S) + kT - 1) / kT * kT;
   const int start = s * chunk;
   const int end = min(len, start + chunk);
@@ -235,29 +236,42 @@ __global__ void __launch_bounds__(kThreads, 3) decode_paged_kernel(const Args a)
   constexpr int vstep = kThreads / ckv;
   const int vc = tid % ckv, vt0 = tid / ckv;
 
+  auto page_of = [&](int n, int& pi, int& off) {
+    if (a.p_shift >= 0) {
+      pi = n >> a.p_shift;
+      off = n & (a.P - 1);
+    } else {
+      pi = n / a.P;
+      off = n - pi * a.P;
+    }
+  };
   auto load_tile = [&](int stage, int t0) {
     uint8_t* ks = smem + L.k_off + stage * kT * L.rsk;
     uint8_t* vs = smem + L.v_off + stage * kT * L.rsv;
     if (kt0 < kstep) {
+#pragma unroll 4
       for (int t = kt0; t < kT; t += kstep) {
         const int n = t0 + t;
         const bool ok = n < end;
         const uint8_t* src = kbase;
         if (ok) {
-          const int64_t page = bt[n / a.P];
-          src = kbase + page * a.k_sp + int64_t{n % a.P} * a.k_st + kc * 16;
+          int pi, off;
+          page_of(n, pi, off);
+          src = kbase + int64_t{bt[pi]} * a.k_sp + int64_t{off} * a.k_st + kc * 16;
         }
         cp_async16(ks + t * L.rsk + kc * 16, src, ok);
       }
     }
     if (vt0 < vstep) {
+#pragma unroll 4
       for (int t = vt0; t < kT; t += vstep) {
         const int n = t0 + t;
         const bool ok = n < end;
         const uint8_t* src = vbase;
         if (ok) {
-          const int64_t page = bt[n / a.P];
-          src = vbase + page * a.v_sp + int64_t{n % a.P} * a.v_st + vc * 16;
+          int pi, off;
+          page_of(n, pi, off);
+          src = vbase + int64_t{bt[pi]} * a.v_sp + int64_t{off} * a.v_st + vc * 16;
         }
         cp_async16(vs + t * L.rsv + vc * 16, src, ok);
       }
@@ -556,6 +570,9 @@ cudaError_t launch_decode_paged(const DecodePagedParams& p, cudaStream_t stream)
   a.Dk = static_cast<int>(p.q.size(2));
   a.P = static_cast<int>(p.k.size(1));
   a.S = S;
+  a.p_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((1 << sh) == a.P) a.p_shift = sh;
   a.ws_lse = static_cast<float*>(p.workspace);
   a.ws_o = a.ws_lse + int64_t{B} * Hq * S;
   const int smem = smem_bytes(p);

@@ -82,6 +82,11 @@ ProblemShape shape(int B, int Hq, int Hkv, int Dk, int Dv, std::vector<int32_t> 
   return s;
 }
 
+ProblemShape with_page(ProblemShape s, int page) {
+  s.P = page;
+  return s;
+}
+
 struct Case {
   const char* name;
   ProblemShape s;
@@ -127,7 +132,8 @@ TEST_P(DecodePagedGpu, MatchesCpuTwinAndFillsPoisonedOutputs) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodePagedGpu,
-    ::testing::Values(Case{"len_0_1_37_64", shape(4, 8, 2, 128, 128, {0, 1, 37, 64})},
+    ::testing::Values(Case{"page24_splits2", with_page(shape(2, 8, 2, 128, 128, {100, 47}), 24), 2},
+                      Case{"len_0_1_37_64", shape(4, 8, 2, 128, 128, {0, 1, 37, 64})},
                       Case{"splits3_len0", shape(3, 8, 2, 128, 128, {0, 100, 1000}), 3},
                       Case{"auto_splits", shape(2, 32, 8, 128, 128, {2049, 333}), 0},
                       Case{"mha_group1", shape(2, 4, 4, 64, 64, {21, 50}), 2},

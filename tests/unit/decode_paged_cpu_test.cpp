@@ -10,6 +10,11 @@
 namespace kvferry::test {
 namespace {
 
+ProblemShape with_page(ProblemShape s, int page) {
+  s.P = page;
+  return s;
+}
+
 struct Case {
   const char* name;
   ProblemShape s;
@@ -74,6 +79,7 @@ TEST_P(DecodePagedCpu, MatchesFloat64Reference) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodePagedCpu,
     ::testing::Values(
+        Case{"page24_splits2", with_page(shape(2, 8, 2, 128, 128, {100, 47}), 24), 2},
         Case{"len_0_1_37_64", shape(4, 8, 2, 128, 128, {0, 1, 37, 64})},
         Case{"splits3", shape(3, 8, 2, 128, 128, {0, 100, 257}), 3},
         Case{"splits5_short", shape(2, 4, 1, 64, 64, {3, 40}), 5}, Case{"mha_group1", shape(2, 4, 4, 64, 64, {21, 50})},
