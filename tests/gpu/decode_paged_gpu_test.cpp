@@ -133,6 +133,9 @@ TEST_P(DecodePagedGpu, MatchesCpuTwinAndFillsPoisonedOutputs) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodePagedGpu,
     ::testing::Values(Case{"page24_splits2", with_page(shape(2, 8, 2, 128, 128, {100, 47}), 24), 2},
+                      Case{"gqa_group2", shape(2, 4, 2, 64, 128, {40, 77}), 2},
+                      Case{"gqa_group3_padded", shape(2, 6, 2, 128, 128, {33, 70})},
+                      Case{"group12_chunks", shape(1, 12, 1, 64, 64, {50}), 2},
                       Case{"len_0_1_37_64", shape(4, 8, 2, 128, 128, {0, 1, 37, 64})},
                       Case{"splits3_len0", shape(3, 8, 2, 128, 128, {0, 100, 1000}), 3},
                       Case{"auto_splits", shape(2, 32, 8, 128, 128, {2049, 333}), 0},
