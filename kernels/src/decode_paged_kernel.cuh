@@ -9,6 +9,11 @@
 // accumulation and an online softmax in base 2. Splits write fp32 partials merged by LSE in a
 // second kernel.
 //
+// Status: ~0.50 of the d2d-rate floor on an H200 for the Llama-3-8B-like case (bench/
+// decode_mha_suite.cpp has the table). Still instruction/latency-bound (fp8 is barely faster
+// than bf16); the next steps are mma.sync m16n8k16 for Q·K and P·V (8x fewer math
+// instructions per token), packed bf16x2 math, and 64-token tiles to halve the barriers.
+//
 // All addressing is int64: row = base + page * stride_page + (n % page) * stride_token +
 // head * stride_head, strides in bytes. The arithmetic does not depend on addresses, so any two
 // placements of the same logical K/V give bit-identical results.
