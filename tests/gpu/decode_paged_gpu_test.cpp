@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,8 @@ struct Case {
   int splits = 1;  ///< 0 = the launcher's choice
   float cap = 0;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class DecodePagedGpu : public ::testing::TestWithParam<Case> {};
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <ostream>
 #include <string>
 
 #include "unit/decode_paged_problem.h"
@@ -21,6 +22,8 @@ struct Case {
   int splits = 1;
   float cap = 0;
 };
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 void expect_close(const Problem& p, const Output& out, double otol) {
   std::vector<double> ro, rl;
