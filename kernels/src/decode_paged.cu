@@ -1,0 +1,131 @@
+// Launcher of the CUDA paged MHA/GQA decode: dispatch on dtypes, Dv and the GQA group chunk,
+// split choice, and the LSE merge of split partials.
+#include "decode_paged_kernel.cuh"
+
+namespace kvferry {
+namespace {
+
+using namespace decode_paged_detail;
+
+KernelFn pick_kernel(DType qt, DType ct, int dv, int ng) {
+  if (qt == DType::kBF16 && ct == DType::kBF16) return pick_bf16(dv, ng);
+  if (qt == DType::kFP16 && ct == DType::kFP16) return pick_fp16(dv, ng);
+  if (qt == DType::kBF16 && ct == DType::kFP8E4M3) return pick_fp8_bf16q(dv, ng);
+  if (qt == DType::kFP16 && ct == DType::kFP8E4M3) return pick_fp8_fp16q(dv, ng);
+  return nullptr;
+}
+
+int group_of(const DecodePagedParams& p) { return static_cast<int>(p.q.size(1) / std::max<int64_t>(1, p.k.size(2))); }
+
+KernelFn kernel_for(const DecodePagedParams& p) {
+  return pick_kernel(p.q.dtype, p.k.dtype, static_cast<int>(p.v.size(3)), group_chunk(group_of(p)));
+}
+
+int smem_bytes(const DecodePagedParams& p) {
+  return Smem(static_cast<int>(p.k.size(3)), static_cast<int>(p.v.size(3)), static_cast<int>(dtype_size(p.k.dtype)))
+      .total;
+}
+
+// Raises the dynamic shared-memory cap to the largest plan (Dk = Dv = 256, 2-byte cache). The
+// attribute belongs to the current device's context; the call is cheap, so it is made per launch.
+cudaError_t prepare(KernelFn fn) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(fn), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              Smem(256, 256, 2).total);
+}
+
+}  // namespace
+
+int decode_paged_choose_splits(const DecodePagedParams& p) {
+  if (p.q.rank != 3 || p.k.rank != 4 || p.v.rank != 4) return 1;
+  KernelFn fn = kernel_for(p);
+  if (fn == nullptr) return 1;
+  const int smem = smem_bytes(p);
+  int dev = 0, sms = 0, occ = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || prepare(fn) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(fn), kThreads, smem) !=
+          cudaSuccess) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  const int64_t G = group_of(p);
+  const int64_t base = p.q.size(0) * p.k.size(2) * ((G + kG - 1) / kG);
+  const int64_t resident = std::max(1, occ) * int64_t{sms};
+  const int64_t tiles = (p.max_seq_len + kT - 1) / kT;
+  if (base <= 0 || tiles <= 0) return 1;
+  // Cost of S splits: waves * (tiles per split + a per-CTA overhead of ~4 tiles), plus a merge.
+  const int smax = static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, tiles / 4)));
+  int best = 1;
+  double best_cost = 1e300;
+  for (int S = 1; S <= smax; ++S) {
+    const double waves = static_cast<double>((base * S + resident - 1) / resident);
+    const double cost = waves * (static_cast<double>((tiles + S - 1) / S) + 4.0) + (S > 1 ? 2.0 : 0.0);
+    if (cost < best_cost - 1e-9) {
+      best_cost = cost;
+      best = S;
+    }
+  }
+  return best;
+}
+
+cudaError_t launch_decode_paged(const DecodePagedParams& p, cudaStream_t stream) {
+  const int dv = static_cast<int>(p.v.size(3));
+  KernelFn fn = kernel_for(p);
+  if (fn == nullptr) return cudaErrorInvalidValue;
+  const int B = static_cast<int>(p.q.size(0)), Hq = static_cast<int>(p.q.size(1));
+  const int Hkv = static_cast<int>(p.k.size(2));
+  if (B == 0 || Hq == 0) return cudaSuccess;
+  int S = p.num_splits;
+  if (S == 0) S = decode_paged_choose_splits(p);
+  if (S > 1 && (p.workspace == nullptr || p.workspace_bytes < decode_paged_workspace_bytes(B, Hq, dv, S)))
+    return cudaErrorInvalidValue;
+  const int64_t ce = dtype_size(p.k.dtype), qe = dtype_size(p.q.dtype);
+  Args a{};
+  a.q = static_cast<const uint8_t*>(p.q_base) + p.q.offset;
+  a.q_sb = p.q.stride(0) * qe;
+  a.q_sh = p.q.stride(1) * qe;
+  a.k = static_cast<const uint8_t*>(p.k_base) + p.k.offset;
+  a.k_sp = p.k.stride(0) * ce;
+  a.k_st = p.k.stride(1) * ce;
+  a.k_sh = p.k.stride(2) * ce;
+  a.v = static_cast<const uint8_t*>(p.v_base) + p.v.offset;
+  a.v_sp = p.v.stride(0) * ce;
+  a.v_st = p.v.stride(1) * ce;
+  a.v_sh = p.v.stride(2) * ce;
+  a.bt = p.block_table;
+  a.bt_stride = p.block_table_stride;
+  a.max_blocks = p.max_blocks_per_seq;
+  a.lens = p.seq_lens;
+  a.o = static_cast<uint8_t*>(p.o_base) + p.o.offset;
+  a.o_sb = p.o.stride(0) * qe;
+  a.o_sh = p.o.stride(1) * qe;
+  a.lse = p.lse;
+  const bool fp8 = p.k.dtype == DType::kFP8E4M3;
+  a.score_scale = p.sm_scale * (fp8 ? p.k_scale : 1.0f);
+  a.logit_cap = p.logit_cap;
+  a.v_scale = fp8 ? p.v_scale : 1.0f;
+  a.Hq = Hq;
+  a.G = Hq / Hkv;
+  a.HC = (a.G + kG - 1) / kG;
+  a.Dk = static_cast<int>(p.q.size(2));
+  a.P = static_cast<int>(p.k.size(1));
+  a.S = S;
+  a.p_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((1 << sh) == a.P) a.p_shift = sh;
+  a.ws_lse = static_cast<float*>(p.workspace);
+  a.ws_o = a.ws_lse + int64_t{B} * Hq * S;
+  if (const cudaError_t e = prepare(fn); e != cudaSuccess) return e;
+  const int64_t blocks_x = int64_t{Hkv} * a.HC * S;
+  if (blocks_x > 0x7fffffff) return cudaErrorInvalidValue;
+  fn<<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(B)), kThreads, smem_bytes(p), stream>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || S == 1) return e;
+  if (p.q.dtype == DType::kBF16)
+    decode_paged_merge_kernel<__nv_bfloat16><<<dim3(Hq, B), 128, 0, stream>>>(a, dv);
+  else
+    decode_paged_merge_kernel<__half><<<dim3(Hq, B), 128, 0, stream>>>(a, dv);
+  return cudaGetLastError();
+}
+
+}  // namespace kvferry

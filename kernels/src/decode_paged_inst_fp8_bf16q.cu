@@ -1,0 +1,6 @@
+// Paged decode kernels for bf16 q, fp8 e4m3 cache (one translation unit per dtype pair keeps builds parallel).
+#include "decode_paged_kernel.cuh"
+
+namespace kvferry::decode_paged_detail {
+KernelFn pick_fp8_bf16q(int dv, int ng) { return pick_dv_ng<__nv_bfloat16, __nv_fp8_e4m3>(dv, ng); }
+}  // namespace kvferry::decode_paged_detail
