@@ -188,7 +188,9 @@ int run_decode(const Options& opts) {
       // DESIGN.md §8 targets (H200): bf16 100 / 135 us, fp8 caches 70 / 120 us at 16 / 128 heads.
       const double target_us = kind == FormatKind::kMlaBf16 ? (heads == 16 ? 100 : 135) : (heads == 16 ? 70 : 120);
       double t_flat = 0;
-      for (int cross = 0; cross < 2; ++cross) {
+      for (int run = 0; run < 3; ++run) {
+        // run 0: contiguous, 1: layer view, 2: contiguous with the cp.async loader (for comparison)
+        const int cross = run == 1, loader = run == 2;
         DecodeMlaParams p;
         p.format = f;
         p.cache_base = cross ? d_multi : d_flat;
@@ -206,6 +208,7 @@ int run_decode(const Options& opts) {
         p.lse = d_lse;
         p.workspace = d_work;
         p.workspace_bytes = work_bytes;
+        p.loader = loader;
         const Status v = validate_decode_mla(p);
         if (!v.ok()) {
           std::fprintf(stderr, "decode: %s\n", v.to_string().c_str());
@@ -223,9 +226,10 @@ int run_decode(const Options& opts) {
           if (i >= warm) ts.push_back(ms * 1e3);
         }
         const double us = median(ts);
-        if (!cross) t_flat = us;
+        if (run == 0) t_flat = us;
         Row r;
-        r.name = f.name() + " h" + std::to_string(heads) + (cross ? " layer 3 of 8" : " contiguous");
+        r.name = f.name() + " h" + std::to_string(heads) + (cross ? " layer 3 of 8" : " contiguous") +
+                 (loader ? " cp.async" : "");
         r.value = us;
         r.unit = "us";
         r.limit = floor_us;

@@ -78,6 +78,7 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
   if (f.kind != FormatKind::kMlaFp8 && p.k_scale != 1.0f)
     return bad("k_scale = " + std::to_string(p.k_scale) + " but only mla_fp8 has a per-tensor scale (must be 1)");
   if (p.block_table_stride < 0) return bad("block_table_stride is negative");
+  if (p.loader != 0 && p.loader != 1) return bad("loader = " + std::to_string(p.loader) + " is not 0 or 1");
   if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
     return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
                std::to_string(kDecodeMlaMaxSplits) + "]");
@@ -172,7 +173,13 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   if (p.batch <= 0 || sm_count <= 0) return 1;
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
-  const int per_sm = hb == 64 ? 1 : 2;  // CTAs that fit on one SM (registers / shared memory)
+  // CTAs that fit on one SM: ~240 registers per thread (64 threads per 16 heads) and the shared
+  // memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange; 228 KiB per SM).
+  const int row = (kMlaDim + 8) * 2, tile = 32 * row;
+  const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
+  const int raw = static_cast<int>(p.format.bytes_per_token());
+  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb * 40 * 4;
+  const int per_sm = std::max(1, std::min(65536 / (hb * 4 * 240), 228 * 1024 / (smem + 1024)));
   const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
   const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
   // Each split should keep at least 4 tiles of 32 tokens, or the merge costs more than it gains.

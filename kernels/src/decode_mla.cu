@@ -22,6 +22,7 @@ constexpr int kTileN = 32;                      // tokens per K tile
 constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
 constexpr int kRowBytes = kRowPad * 2;          // bytes per shared row
 constexpr int kTileBytes = kTileN * kRowBytes;  // one bf16 K tile
+constexpr int kSStride = 40;                    // floats per row of the exchanged S tile (2-way conflicts only)
 
 enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
 
@@ -72,6 +73,45 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Bulk copies (the TMA engine) completing on an mbarrier: one instruction moves a whole entry and
+// the bytes in flight are not bounded by the SM's per-thread miss tracking as cp.async's are.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) writes.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Barrier of the two warps (64 threads) that share a head group.
+// Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
+__device__ __forceinline__ void pair_barrier(int group) {
+  switch (group) {
+    case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
+    case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
+    case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
+    default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
+  }
+}
+
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -102,37 +142,63 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
   return __half22float2(__half2(h));
 }
 
+// Two e4m3 bytes (low 16 bits) -> two bf16, exact for every finite value: e4m3 -> f16 in hardware,
+// then f16 -> bf16 by moving the exponent (bias 15 -> 127) and dropping 3 zero mantissa bits.
+// e4m3 values are normal in f16; zero keeps exponent 0. (NaN is not preserved.)
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  const uint32_t hb = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  const uint32_t x = hb & 0x7fff7fffu;
+  const uint32_t nz = ((x + 0x7fff7fffu) & 0x80008000u) >> 15;  // 1 in each non-zero half
+  return (((x >> 3) & 0x0fff0fffu) + nz * 0x3800u) | (hb & 0x80008000u);
+}
+
 // 16 e4m3 bytes -> 16 bf16 (times `s`, rounded once from fp32) written as two 16-byte stores.
 template <bool SCALED>
 __device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[8];
+  if constexpr (!SCALED) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
-    float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
-    if (SCALED) {
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = e4m3x2_to_bf16x2(w[i] & 0xffffu);
+      out[2 * i + 1] = e4m3x2_to_bf16x2(w[i] >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
+      float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
       a.x = __fmul_rn(a.x, s);
       a.y = __fmul_rn(a.y, s);
       b.x = __fmul_rn(b.x, s);
       b.y = __fmul_rn(b.y, s);
+      out[2 * i] = pack_bf16(a.x, a.y);
+      out[2 * i + 1] = pack_bf16(b.x, b.y);
     }
-    out[2 * i] = pack_bf16(a.x, a.y);
-    out[2 * i + 1] = pack_bf16(b.x, b.y);
   }
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
   dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-template <int FMT, int HB, bool SPLIT>
+template <int FMT, int HB>
+constexpr int smem_bytes() {
+  return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
+         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB * kSStride * 4;
+}
+
+template <int FMT, int HB, bool SPLIT, bool BULK>
 __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams p) {
   constexpr int NT = HB / 16 * 64;
   constexpr int RAW = Fmt<FMT>::kRaw;
-  constexpr int CH = RAW / 16;  // 16-byte chunks per cache entry
+  constexpr int CH = RAW / 16;                                // 16-byte chunks per cache entry
+  constexpr int kDstRow = FMT == kFmtBf16 ? kRowBytes : RAW;  // row pitch of the tile the loader fills
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* sQ = smem;
+  uint8_t* sQ = smem + 16;                                      // smem[0, 16): the two stages' mbarriers
   uint8_t* sK = sQ + HB * kRowBytes;                            // 2 stages (bf16) or 1 (fp8)
   uint8_t* sRaw = sK + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes;  // fp8 only: 2 raw stages
+  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [HB][kSStride]
+  const uint32_t bar0 = smem_u32(smem);
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -167,6 +233,36 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   }
 
   const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+  if (BULK) {
+    if (tid == 0) {
+      mbar_init(bar0, 1);
+      mbar_init(bar0 + 8, 1);
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+  // Warp 0 starts the bulk copies of tile t: one per valid token, all completing on the stage's
+  // mbarrier. Rows past the end are zeroed instead (their bytes may be anything, even NaN, and V
+  // is multiplied by p = 0, which would keep a NaN).
+  auto load_tile_bulk = [&](int t, int stage) {
+    if (warp != 0) return;
+    const int tok0 = start + t * kTileN;
+    const int nvalid = min(kTileN, end - tok0);
+    uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
+    for (int i = lane; i < (kTileN - nvalid) * CH; i += 32)
+      *reinterpret_cast<uint4*>(dst0 + (nvalid + i / CH) * kDstRow + (i % CH) * 16) = make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+    __syncwarp();
+    const uint32_t bar = bar0 + stage * 8;
+    if (lane == 0) mbar_expect_tx(bar, static_cast<uint32_t>(nvalid * RAW));
+    __syncwarp();
+    if (lane < nvalid) {
+      const int tok = tok0 + lane;
+      const int64_t blk = table[tok / p.page];
+      const uint8_t* src = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+      bulk_g2s(smem_u32(dst0 + lane * kDstRow), src, RAW, bar);
+    }
+  };
   auto load_tile = [&](int t, int stage) {
     const int tok = start + t * kTileN + lane;
     const uint8_t* rb = nullptr;  // this lane's row (token) base; null past the split's end
@@ -183,7 +279,7 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
       const int r = min(c / CH, kTileN - 1), col = c % CH;
       const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, r));
       if (c < kItems) {
-        const uint32_t d = smem_u32(dst0 + r * (FMT == kFmtBf16 ? kRowBytes : RAW) + col * 16);
+        const uint32_t d = smem_u32(dst0 + r * kDstRow + col * 16);
         // Rows past the end are zero-filled: their bytes may be anything (even NaN) and V is
         // multiplied by p = 0, which would keep a NaN.
         cp_async16(d, src ? src + col * 16 : p.cache, src ? 16 : 0);
@@ -191,8 +287,13 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
   };
 
-  load_tile(0, 0);
-  cp_async_commit();
+  if (BULK) {
+    cp_async_commit();  // Q
+    load_tile_bulk(0, 0);
+  } else {
+    load_tile(0, 0);
+    cp_async_commit();
+  }
 
   const int hgl = warp >> 1, ch = warp & 1;
   const int g = lane >> 2, tq = lane & 3;
@@ -206,7 +307,11 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 
   for (int t = 0; t < ntiles; ++t) {
-    if (t + 1 < ntiles) {
+    if (BULK) {
+      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1);
+      if (t == 0) cp_async_wait<0>();  // Q
+      mbar_wait(bar0 + (t & 1) * 8, (t >> 1) & 1);
+    } else if (t + 1 < ntiles) {
       load_tile(t + 1, (t + 1) & 1);
       cp_async_commit();
       cp_async_wait<1>();
@@ -245,21 +350,48 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
     const uint32_t tile_u32 = smem_u32(tile);
 
-    // S = Q K^T for this warp's 16 heads x 32 tokens.
+    // S = Q K^T for this warp's 16 heads and its half of the tile's tokens (the pair splits the
+    // 32 tokens, 16 each; even and odd k-steps accumulate apart for more independent mma chains),
+    // exchanged through shared memory so that both warps of the pair hold all 32.
     float s[4][4];
+    {
+      float sa[2][4], sb[2][4];
 #pragma unroll
-    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-    for (int kk = 0; kk < kMlaDim / 32; ++kk) {
-      uint32_t a0[4], a1[4];
-      ldsm_x4(a0, q_addr + kk * 64);
-      ldsm_x4(a1, q_addr + kk * 64 + 32);
+        for (int e = 0; e < 4; ++e) sa[n][e] = sb[n][e] = 0.0f;
+      const uint32_t k_base = tile_u32 + ch * 16 * kRowBytes + k_lane;
+#pragma unroll
+      for (int kk = 0; kk < kMlaDim / 32; ++kk) {
+        uint32_t a0[4], a1[4];
+        ldsm_x4(a0, q_addr + kk * 64);
+        ldsm_x4(a1, q_addr + kk * 64 + 32);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          uint32_t bb[4];
+          ldsm_x4(bb, k_base + n * 8 * kRowBytes + kk * 64);
+          mma_bf16(sa[n], a0, bb[0], bb[1]);
+          mma_bf16(sb[n], a1, bb[2], bb[3]);
+        }
+      }
+      float* srow = sS + hgl * 16 * kSStride;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int col = ch * 16 + n * 8 + tq * 2;
+        *reinterpret_cast<float2*>(srow + g * kSStride + col) = make_float2(sa[n][0] + sb[n][0], sa[n][1] + sb[n][1]);
+        *reinterpret_cast<float2*>(srow + (g + 8) * kSStride + col) =
+            make_float2(sa[n][2] + sb[n][2], sa[n][3] + sb[n][3]);
+      }
+      pair_barrier(hgl);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        uint32_t bb[4];
-        ldsm_x4(bb, tile_u32 + n * 8 * kRowBytes + k_lane + kk * 64);
-        mma_bf16(s[n], a0, bb[0], bb[1]);
-        mma_bf16(s[n], a1, bb[2], bb[3]);
+        const int col = n * 8 + tq * 2;
+        const float2 x = *reinterpret_cast<const float2*>(srow + g * kSStride + col);
+        const float2 y = *reinterpret_cast<const float2*>(srow + (g + 8) * kSStride + col);
+        s[n][0] = x.x;
+        s[n][1] = x.y;
+        s[n][2] = y.x;
+        s[n][3] = y.y;
       }
     }
 
@@ -390,33 +522,34 @@ __global__ void __launch_bounds__(128) decode_mla_merge(const KParams p) {
   if (threadIdx.x == 0) p.lse[bh] = mx + logf(w_sum);
 }
 
-template <int FMT, int HB, bool SPLIT>
+template <int FMT, int HB, bool SPLIT, bool BULK>
 cudaError_t launch_split(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int NT = HB / 16 * 64;
-  constexpr int smem =
-      HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes + (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw);
+  constexpr int smem = smem_bytes<FMT, HB>();
   static const cudaError_t attr =
-      cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, SPLIT, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(k.heads / HB, k.splits, batch);
-  decode_mla_kernel<FMT, HB, SPLIT><<<grid, NT, smem, stream>>>(k);
+  decode_mla_kernel<FMT, HB, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
-template <int FMT, bool SPLIT>
+template <int FMT, bool SPLIT, bool BULK>
 cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
   switch (k.heads) {
-    case 16: return launch_split<FMT, 16, SPLIT>(k, batch, stream);
-    case 32: return launch_split<FMT, 32, SPLIT>(k, batch, stream);
+    case 16: return launch_split<FMT, 16, SPLIT, BULK>(k, batch, stream);
+    case 32: return launch_split<FMT, 32, SPLIT, BULK>(k, batch, stream);
     case 64:
-    case 128: return launch_split<FMT, 64, SPLIT>(k, batch, stream);
+    case 128: return launch_split<FMT, 64, SPLIT, BULK>(k, batch, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <int FMT>
-cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
-  return k.splits > 1 ? launch_hb<FMT, true>(k, batch, stream) : launch_hb<FMT, false>(k, batch, stream);
+cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
+  if (bulk)
+    return k.splits > 1 ? launch_hb<FMT, true, true>(k, batch, stream) : launch_hb<FMT, false, true>(k, batch, stream);
+  return k.splits > 1 ? launch_hb<FMT, true, false>(k, batch, stream) : launch_hb<FMT, false, false>(k, batch, stream);
 }
 
 }  // namespace
@@ -461,11 +594,13 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
     k.part_o = static_cast<float*>(p.workspace);
     k.part_lse = k.part_o + static_cast<int64_t>(p.batch) * splits * p.heads * kMlaRank;
   }
+  if (p.loader < 0 || p.loader > 1) return cudaErrorInvalidValue;
+  const bool bulk = p.loader == 0;
   cudaError_t err;
   switch (p.format.kind) {
-    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, stream); break;
-    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, stream); break;
-    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, stream); break;
+    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, stream); break;
+    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, stream); break;
+    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, stream); break;
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess || splits == 1) return err;

@@ -45,9 +45,10 @@ struct Out {
   std::vector<float> lse;
 };
 
-// Runs the GPU kernel on the case with `splits` (0 = auto); poisons o and lse first and fails the
-// test when anything was left unwritten (a NaN remains).
-void run_gpu(const MlaCase& c, int splits, Out* out) {
+// Runs the GPU kernel on the case with `splits` (0 = auto) and K-tile `loader` (0 bulk copies,
+// 1 cp.async); poisons o and lse first and fails the test when anything was left unwritten (a NaN
+// remains).
+void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0) {
   const size_t no = static_cast<size_t>(c.batch()) * c.heads * kMlaRank, nl = static_cast<size_t>(c.batch()) * c.heads;
   DevBuf region(c.region.size()), q(c.q.size() * 2), table(c.table.size() * 4), lens(c.lens.size() * 4), o(no * 2),
       lse(nl * 4);
@@ -64,6 +65,7 @@ void run_gpu(const MlaCase& c, int splits, Out* out) {
   p.block_table = static_cast<const int32_t*>(table.p);
   p.seq_lens = static_cast<const int32_t*>(lens.p);
   p.num_splits = splits;
+  p.loader = loader;
   const Status v = validate_decode_mla(p);
   ASSERT_TRUE(v.ok()) << v.to_string();
   const size_t ws = decode_mla_workspace_bytes(p.batch, p.heads, decode_mla_splits(p));
@@ -115,10 +117,11 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
   c.build();
   Out ref;
   run_cpu(c, &ref);
-  for (int splits : {1, 0, 7}) {
-    SCOPED_TRACE("splits " + std::to_string(splits));
+  for (int run = 0; run < 6; ++run) {
+    const int splits = run % 3 == 0 ? 1 : run % 3 == 1 ? 0 : 7, loader = run / 3;
+    SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader));
     Out got;
-    run_gpu(c, splits, &got);
+    run_gpu(c, splits, &got, loader);
     if (HasFatalFailure()) return;
     for (int b = 0; b < c.batch(); ++b) {
       double num = 0, den = 0;
@@ -162,9 +165,12 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
       flat.lens = {200, 77, 1, 0, 130};
       flat.seed = seed + fmt;
       flat.build();
-      Out a;
+      Out a, a1;
       run_gpu(flat, 0, &a);
+      run_gpu(flat, 0, &a1, 1);
       if (HasFatalFailure()) return;
+      // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
+      expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
       for (int layers : {3, 61}) {
         for (int layer : {0, layers / 2, layers - 1}) {
           MlaCase v = flat;
@@ -173,7 +179,7 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
           v.build();
           ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
           Out b;
-          run_gpu(v, 0, &b);
+          run_gpu(v, 0, &b, layers == 61 ? 1 : 0);
           if (HasFatalFailure()) return;
           const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
                                    std::to_string(layer) + " of " + std::to_string(layers);
@@ -223,12 +229,16 @@ TEST(DecodeMlaGpuFormats, Fp8AndRequantizedDsBitIdentical) {
       c.build();
       const MlaCase d = requantize_to_ds(c);
       for (int splits : {0, 1, 5}) {
-        Out a, b;
+        Out a, b, a1, b1;
         run_gpu(c, splits, &a);
         run_gpu(d, splits, &b);
+        run_gpu(c, splits, &a1, 1);
+        run_gpu(d, splits, &b1, 1);
         if (HasFatalFailure()) return;
         const std::string what = "heads " + std::to_string(heads) + " splits " + std::to_string(splits);
         expect_bit_identical(a, b, what.c_str());
+        expect_bit_identical(a1, b1, (what + " cp.async loader").c_str());
+        expect_bit_identical(a, a1, (what + " loaders").c_str());
       }
     }
   }

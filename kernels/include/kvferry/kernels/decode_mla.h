@@ -26,8 +26,13 @@
 // heads is one of 16, 32, 64, 128; any page size >= 1 (16, 32 and 64 are the tested ones).
 //
 // The GPU splits every request's tokens into num_splits chunks (split-KV), one CTA per (request,
-// split, group of <= 64 heads) that reads each K tile once into shared memory for all its heads,
-// then merges the splits' (o, lse) pairs in a second kernel. The CPU twin computes in float64.
+// split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
+// copies, one per entry, double-buffered) for all its heads; Q K^T and P V run on bf16 tensor
+// cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a second kernel merges
+// the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
+// second read of a tile is an L2 hit) share each tile. A NaN inside a valid fp8 entry is not
+// propagated on the GPU (the fast e4m3 -> bf16 conversion assumes finite values). The CPU twin
+// computes in float64.
 #include <cstddef>
 #include <cstdint>
 
@@ -64,6 +69,7 @@ struct DecodeMlaParams {
   int32_t num_splits = 0;     ///< KV splits per request; 0 = chosen from the device (auto)
   void* workspace = nullptr;  ///< fp32 scratch of decode_mla_workspace_bytes(); may be null if 0
   size_t workspace_bytes = 0;
+  int32_t loader = 0;  ///< how K tiles reach shared memory: 0 = bulk copies (TMA engine), 1 = cp.async
 };
 
 constexpr int kDecodeMlaMaxSplits = 64;
