@@ -240,6 +240,17 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
     x.format = EntryFormat::mha(8, 128, DType::kBF16);
     expect_error(x, "format");
   }
+  {
+    DecodeMlaParams x = p;
+    x.loader = 2;
+    expect_error(x, "loader");
+  }
+  {
+    DecodeMlaParams x = p;
+    x.cache.strides[1] = kMlaDim + 4;  // rows 1160 B apart: not 16-byte aligned
+    x.cache.sizes[0] = 1;
+    expect_error(x, "16-byte");
+  }
 }
 
 }  // namespace
