@@ -142,40 +142,22 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
   return __half22float2(__half2(h));
 }
 
-// Two e4m3 bytes (low 16 bits) -> two bf16, exact for every finite value: e4m3 -> f16 in hardware,
-// then f16 -> bf16 by moving the exponent (bias 15 -> 127) and dropping 3 zero mantissa bits.
-// e4m3 values are normal in f16; zero keeps exponent 0. (NaN is not preserved.)
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-  const uint32_t hb = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-  const uint32_t x = hb & 0x7fff7fffu;
-  const uint32_t nz = ((x + 0x7fff7fffu) & 0x80008000u) >> 15;  // 1 in each non-zero half
-  return (((x >> 3) & 0x0fff0fffu) + nz * 0x3800u) | (hb & 0x80008000u);
-}
-
 // 16 e4m3 bytes -> 16 bf16 (times `s`, rounded once from fp32) written as two 16-byte stores.
-template <bool SCALED>
+// With s = 1 (mla_fp8) the product is exact, so mla_fp8 and mla_fp8_ds with unit scales fill the
+// tile with the same bits.
 __device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[8];
-  if constexpr (!SCALED) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      out[2 * i] = e4m3x2_to_bf16x2(w[i] & 0xffffu);
-      out[2 * i + 1] = e4m3x2_to_bf16x2(w[i] >> 16);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
-      float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
-      a.x = __fmul_rn(a.x, s);
-      a.y = __fmul_rn(a.y, s);
-      b.x = __fmul_rn(b.x, s);
-      b.y = __fmul_rn(b.y, s);
-      out[2 * i] = pack_bf16(a.x, a.y);
-      out[2 * i + 1] = pack_bf16(b.x, b.y);
-    }
+  for (int i = 0; i < 4; ++i) {
+    float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
+    float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
+    a.x = __fmul_rn(a.x, s);
+    a.y = __fmul_rn(a.y, s);
+    b.x = __fmul_rn(b.x, s);
+    b.y = __fmul_rn(b.y, s);
+    out[2 * i] = pack_bf16(a.x, a.y);
+    out[2 * i + 1] = pack_bf16(b.x, b.y);
   }
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
   dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
@@ -328,7 +310,7 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
         for (int c = tid; c < kTileN * CH; c += NT) {
           const int r = c / CH, col = c % CH;
           const uint4 v = *reinterpret_cast<const uint4*>(raw + r * RAW + col * 16);
-          convert16<false>(v, 1.0f, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
+          convert16(v, 1.0f, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
         }
       } else {
         constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
@@ -338,7 +320,7 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
           if (col < kMlaRank / 16) {
             const float s = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
             const uint4 v = *reinterpret_cast<const uint4*>(row + col * 16);
-            convert16<true>(v, s, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
+            convert16(v, s, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
           } else {
             const int rc = col - kMlaRank / 16;
             *reinterpret_cast<uint4*>(sK + r * kRowBytes + kMlaRank * 2 + rc * 16) =
@@ -594,8 +576,8 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
     k.part_o = static_cast<float*>(p.workspace);
     k.part_lse = k.part_o + static_cast<int64_t>(p.batch) * splits * p.heads * kMlaRank;
   }
-  if (p.loader < 0 || p.loader > 1) return cudaErrorInvalidValue;
-  const bool bulk = p.loader == 0;
+  if (p.loader < 0 || p.loader > 2) return cudaErrorInvalidValue;
+  const bool bulk = decode_mla_resolved_loader(p) == 1;
   cudaError_t err;
   switch (p.format.kind) {
     case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, stream); break;

@@ -45,8 +45,8 @@ struct Out {
   std::vector<float> lse;
 };
 
-// Runs the GPU kernel on the case with `splits` (0 = auto) and K-tile `loader` (0 bulk copies,
-// 1 cp.async); poisons o and lse first and fails the test when anything was left unwritten (a NaN
+// Runs the GPU kernel on the case with `splits` (0 = auto) and K-tile `loader` (0 auto, 1 bulk
+// copies, 2 cp.async); poisons o and lse first and fails the test when anything was left unwritten (a NaN
 // remains).
 void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0) {
   const size_t no = static_cast<size_t>(c.batch()) * c.heads * kMlaRank, nl = static_cast<size_t>(c.batch()) * c.heads;
@@ -117,7 +117,7 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
   c.build();
   Out ref;
   run_cpu(c, &ref);
-  for (int run = 0; run < 6; ++run) {
+  for (int run = 0; run < 9; ++run) {
     const int splits = run % 3 == 0 ? 1 : run % 3 == 1 ? 0 : 7, loader = run / 3;
     SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader));
     Out got;
@@ -166,8 +166,8 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
       flat.seed = seed + fmt;
       flat.build();
       Out a, a1;
-      run_gpu(flat, 0, &a);
-      run_gpu(flat, 0, &a1, 1);
+      run_gpu(flat, 0, &a, 1);
+      run_gpu(flat, 0, &a1, 2);
       if (HasFatalFailure()) return;
       // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
       expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
@@ -179,7 +179,7 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
           v.build();
           ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
           Out b;
-          run_gpu(v, 0, &b, layers == 61 ? 1 : 0);
+          run_gpu(v, 0, &b, layers == 61 ? 2 : 1);
           if (HasFatalFailure()) return;
           const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
                                    std::to_string(layer) + " of " + std::to_string(layers);
@@ -230,10 +230,10 @@ TEST(DecodeMlaGpuFormats, Fp8AndRequantizedDsBitIdentical) {
       const MlaCase d = requantize_to_ds(c);
       for (int splits : {0, 1, 5}) {
         Out a, b, a1, b1;
-        run_gpu(c, splits, &a);
-        run_gpu(d, splits, &b);
-        run_gpu(c, splits, &a1, 1);
-        run_gpu(d, splits, &b1, 1);
+        run_gpu(c, splits, &a, 1);
+        run_gpu(d, splits, &b, 1);
+        run_gpu(c, splits, &a1, 2);
+        run_gpu(d, splits, &b1, 2);
         if (HasFatalFailure()) return;
         const std::string what = "heads " + std::to_string(heads) + " splits " + std::to_string(splits);
         expect_bit_identical(a, b, what.c_str());

@@ -242,7 +242,7 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   }
   {
     DecodeMlaParams x = p;
-    x.loader = 2;
+    x.loader = 3;
     expect_error(x, "loader");
   }
   {

@@ -30,9 +30,7 @@
 // copies, one per entry, double-buffered) for all its heads; Q K^T and P V run on bf16 tensor
 // cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a second kernel merges
 // the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
-// second read of a tile is an L2 hit) share each tile. A NaN inside a valid fp8 entry is not
-// propagated on the GPU (the fast e4m3 -> bf16 conversion assumes finite values). The CPU twin
-// computes in float64.
+// second read of a tile is an L2 hit) share each tile. The CPU twin computes in float64.
 #include <cstddef>
 #include <cstdint>
 
@@ -69,7 +67,10 @@ struct DecodeMlaParams {
   int32_t num_splits = 0;     ///< KV splits per request; 0 = chosen from the device (auto)
   void* workspace = nullptr;  ///< fp32 scratch of decode_mla_workspace_bytes(); may be null if 0
   size_t workspace_bytes = 0;
-  int32_t loader = 0;  ///< how K tiles reach shared memory: 0 = bulk copies (TMA engine), 1 = cp.async
+  /// How K tiles reach shared memory: 1 = bulk copies (TMA engine, one per entry), 2 = cp.async
+  /// (16 B per thread), 0 = auto: bulk copies for a bf16 cache at <= 32 heads (memory-bound, where
+  /// they measured faster on an H200), cp.async otherwise. Both give bit-identical results.
+  int32_t loader = 0;
 };
 
 constexpr int kDecodeMlaMaxSplits = 64;
@@ -89,6 +90,9 @@ Status decode_mla_cpu(const DecodeMlaParams& p);
 
 /// Bytes of fp32 workspace for `num_splits` splits (0 when num_splits <= 1).
 size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_splits);
+
+/// The loader (1 bulk copies, 2 cp.async) a launch with `p` uses.
+int32_t decode_mla_resolved_loader(const DecodeMlaParams& p);
 
 /// The number of splits an auto (num_splits == 0) launch uses on a device with `sm_count` SMs,
 /// given the longest possible request (block_table_stride * page tokens).
