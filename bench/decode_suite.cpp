@@ -1,0 +1,292 @@
+// kvferry-bench decode: MLA paged decode (launch_decode_mla), batch 64, 4096 tokens per request,
+// page 64, heads 16 and 128, caches mla_bf16 / mla_fp8 / mla_fp8_ds, contiguous per-layer cache
+// and layer 3 of a block-major buffer of 8 layers. Each time is compared with the KV-bytes floor:
+// the request's cache bytes at the device-to-device copy rate measured in the same run (a copy
+// reads and writes, so the rate counts both: 2 * bytes / time). `decode --mha` hands over to the
+// decode-mha suite.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench.h"
+#include "kvferry/kernels/decode_mla.h"
+#include "kvferry/kernels/device.h"
+#include "kvferry/layouts/dtype.h"
+#include "kvferry/layouts/kv_cache_spec.h"
+
+#if defined(KVFERRY_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace kvferry::bench {
+namespace {
+
+#if defined(KVFERRY_WITH_CUDA)
+
+constexpr int kBatch = 64;
+constexpr int kTokens = 4096;
+constexpr int kPage = 64;
+constexpr int kLayers = 8;
+constexpr int kLayer = 3;
+constexpr double kH200CopyRate = 4270e9;  // DESIGN.md §8, bytes/s (read + write)
+
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return s;
+  }
+};
+
+// bf16 in +-[2^-7, 2): sign, exponent 120..127, random mantissa.
+uint16_t rand_bf16(uint64_t r) {
+  return static_cast<uint16_t>(((r & 1) << 15) | ((120 + (r >> 1) % 8) << 7) | ((r >> 4) & 0x7f));
+}
+// e4m3 in +-[2^-4, 2): exponent 3..7.
+uint8_t rand_e4m3(uint64_t r) {
+  return static_cast<uint8_t>(((r & 1) << 7) | ((3 + (r >> 1) % 5) << 3) | ((r >> 4) & 7));
+}
+
+// One layer's pages (blocks x page entries), packed.
+std::vector<uint8_t> make_layer(FormatKind kind, int64_t blocks, Rng& rng) {
+  const EntryFormat f = kind == FormatKind::kMlaBf16  ? EntryFormat::mla_bf16()
+                        : kind == FormatKind::kMlaFp8 ? EntryFormat::mla_fp8()
+                                                      : EntryFormat::mla_fp8_ds();
+  const int64_t eb = f.bytes_per_token();
+  std::vector<uint8_t> v(static_cast<size_t>(blocks * kPage * eb));
+  for (int64_t e = 0; e < blocks * kPage; ++e) {
+    uint8_t* p = &v[e * eb];
+    if (kind == FormatKind::kMlaBf16) {
+      for (int d = 0; d < kMlaDim; ++d) {
+        const uint16_t h = rand_bf16(rng.next());
+        std::memcpy(p + 2 * d, &h, 2);
+      }
+    } else if (kind == FormatKind::kMlaFp8) {
+      for (int d = 0; d < kMlaDim; ++d) p[d] = rand_e4m3(rng.next());
+    } else {
+      for (int d = 0; d < kMlaRank; ++d) p[d] = rand_e4m3(rng.next());
+      for (int t = 0; t < kMlaTiles; ++t) {
+        const float s = 0.25f + static_cast<float>(rng.next() % 1024) / 1024.0f;
+        std::memcpy(p + kMlaDsScaleOffset + 4 * t, &s, 4);
+      }
+      for (int i = 0; i < kMlaRope; ++i) {
+        const uint16_t h = rand_bf16(rng.next());
+        std::memcpy(p + kMlaDsRopeOffset + 2 * i, &h, 2);
+      }
+    }
+  }
+  return v;
+}
+
+#define BENCH_CUDA(x)                                                                                          \
+  do {                                                                                                         \
+    const cudaError_t e_ = (x);                                                                                \
+    if (e_ != cudaSuccess) {                                                                                   \
+      std::fprintf(stderr, "decode: %s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), __FILE__, __LINE__); \
+      return 1;                                                                                                \
+    }                                                                                                          \
+  } while (0)
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+int run_decode(const Options& opts) {
+  if (opts.mha) return run_suite("decode-mha", opts);
+  Report report("decode");
+  if (cuda_device_count() == 0) {
+    report.note("no CUDA device: " + cuda_summary());
+    return report.finish(opts);
+  }
+  BENCH_CUDA(cudaSetDevice(opts.device));
+  cudaDeviceProp prop{};
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, opts.device));
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t ev0, ev1;
+  BENCH_CUDA(cudaEventCreate(&ev0));
+  BENCH_CUDA(cudaEventCreate(&ev1));
+  const int warm = 3, reps = opts.quick ? 5 : 25;
+
+  // The limit: a 1 GiB device-to-device copy.
+  double copy_rate = 0;
+  {
+    const size_t n = size_t{1} << 30;
+    void *a = nullptr, *b = nullptr;
+    BENCH_CUDA(cudaMalloc(&a, n));
+    BENCH_CUDA(cudaMalloc(&b, n));
+    BENCH_CUDA(cudaMemsetAsync(a, 1, n, stream));
+    std::vector<double> ts;
+    for (int i = 0; i < warm + 5; ++i) {
+      BENCH_CUDA(cudaEventRecord(ev0, stream));
+      BENCH_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, stream));
+      BENCH_CUDA(cudaEventRecord(ev1, stream));
+      BENCH_CUDA(cudaEventSynchronize(ev1));
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
+      if (i >= warm) ts.push_back(ms * 1e-3);
+    }
+    copy_rate = 2.0 * static_cast<double>(n) / median(ts);
+    BENCH_CUDA(cudaFree(a));
+    BENCH_CUDA(cudaFree(b));
+  }
+  report.note(std::string(prop.name) + ", " + std::to_string(prop.multiProcessorCount) +
+              " SMs; D2D copy rate (read+write) " + std::to_string(copy_rate / 1e9) + " GB/s");
+
+  const int64_t blocks = int64_t{kBatch} * kTokens / kPage;
+  Rng rng{0x2545f4914f6cdd1dull};
+  // Block table: every request gets kTokens / kPage blocks of a random permutation.
+  std::vector<int32_t> table(static_cast<size_t>(blocks));
+  for (int64_t i = 0; i < blocks; ++i) table[i] = static_cast<int32_t>(i);
+  for (int64_t i = blocks - 1; i > 0; --i) std::swap(table[i], table[rng.next() % (i + 1)]);
+  std::vector<int32_t> lens(kBatch, kTokens);
+  int32_t *d_table = nullptr, *d_lens = nullptr;
+  uint16_t *d_q = nullptr, *d_o = nullptr;
+  float* d_lse = nullptr;
+  void* d_work = nullptr;
+  const int max_heads = 128;
+  BENCH_CUDA(cudaMalloc(&d_table, table.size() * 4));
+  BENCH_CUDA(cudaMalloc(&d_lens, lens.size() * 4));
+  BENCH_CUDA(cudaMalloc(&d_q, size_t{kBatch} * max_heads * kMlaDim * 2));
+  BENCH_CUDA(cudaMalloc(&d_o, size_t{kBatch} * max_heads * kMlaRank * 2));
+  BENCH_CUDA(cudaMalloc(&d_lse, size_t{kBatch} * max_heads * 4));
+  const size_t work_bytes = decode_mla_workspace_bytes(kBatch, max_heads, kDecodeMlaMaxSplits);
+  BENCH_CUDA(cudaMalloc(&d_work, work_bytes));
+  BENCH_CUDA(cudaMemcpy(d_table, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  {
+    std::vector<uint16_t> q(size_t{kBatch} * max_heads * kMlaDim);
+    for (auto& x : q) x = rand_bf16(rng.next());
+    BENCH_CUDA(cudaMemcpy(d_q, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+  }
+
+  const FormatKind kinds[] = {FormatKind::kMlaBf16, FormatKind::kMlaFp8, FormatKind::kMlaFp8Ds};
+  for (FormatKind kind : kinds) {
+    const EntryFormat f = kind == FormatKind::kMlaBf16  ? EntryFormat::mla_bf16()
+                          : kind == FormatKind::kMlaFp8 ? EntryFormat::mla_fp8()
+                                                        : EntryFormat::mla_fp8_ds();
+    const std::vector<uint8_t> layer = make_layer(kind, blocks, rng);
+    const KvCacheSpec flat{1, blocks, kPage, f, Layout::kBlockMajor};
+    const KvCacheSpec multi{kLayers, blocks, kPage, f, Layout::kBlockMajor};
+    void *d_flat = nullptr, *d_multi = nullptr;
+    BENCH_CUDA(cudaMalloc(&d_flat, flat.region_bytes()));
+    BENCH_CUDA(cudaMalloc(&d_multi, multi.region_bytes()));
+    BENCH_CUDA(cudaMemcpy(d_flat, layer.data(), layer.size(), cudaMemcpyHostToDevice));
+    BENCH_CUDA(cudaMemset(d_multi, 0xff, multi.region_bytes()));
+    BENCH_CUDA(cudaMemcpy2D(static_cast<uint8_t*>(d_multi) + multi.page_offset(kLayer, 0), multi.block_stride_bytes(),
+                            layer.data(), flat.page_bytes(), flat.page_bytes(), blocks, cudaMemcpyHostToDevice));
+    const double kv_bytes = static_cast<double>(kBatch) * kTokens * f.bytes_per_token();
+    const double floor_us = kv_bytes / copy_rate * 1e6;
+    for (int heads : {16, 128}) {
+      // DESIGN.md §8 targets (H200): bf16 100 / 135 us, fp8 caches 70 / 120 us at 16 / 128 heads.
+      const double target_us = kind == FormatKind::kMlaBf16 ? (heads == 16 ? 100 : 135) : (heads == 16 ? 70 : 120);
+      double t_flat = 0;
+      for (int run = 0; run < 3; ++run) {
+        // run 0: contiguous, 1: layer view (both with the auto loader), 2: contiguous with the
+        // loader that auto did not pick (for comparison)
+        const int cross = run == 1;
+        DecodeMlaParams p;
+        p.format = f;
+        p.cache_base = cross ? d_multi : d_flat;
+        p.region_bytes = cross ? multi.region_bytes() : flat.region_bytes();
+        p.cache = cross ? multi.layer_view(kLayer) : flat.layer_view(0);
+        p.q = d_q;
+        p.block_table = d_table;
+        p.block_table_stride = kTokens / kPage;
+        p.seq_lens = d_lens;
+        p.batch = kBatch;
+        p.heads = heads;
+        p.sm_scale = 1.0f / std::sqrt(192.0f);
+        p.k_scale = kind == FormatKind::kMlaFp8 ? 0.5f : 1.0f;
+        p.o = d_o;
+        p.lse = d_lse;
+        p.workspace = d_work;
+        p.workspace_bytes = work_bytes;
+        p.loader = 0;
+        const int chosen = decode_mla_resolved_loader(p);
+        if (run == 2) p.loader = 3 - chosen;
+        const int loader = decode_mla_resolved_loader(p);
+        const Status v = validate_decode_mla(p);
+        if (!v.ok()) {
+          std::fprintf(stderr, "decode: %s\n", v.to_string().c_str());
+          return 1;
+        }
+        const int splits = decode_mla_splits(p);
+        std::vector<double> ts;
+        for (int i = 0; i < warm + reps; ++i) {
+          BENCH_CUDA(cudaEventRecord(ev0, stream));
+          BENCH_CUDA(launch_decode_mla(p, stream));
+          BENCH_CUDA(cudaEventRecord(ev1, stream));
+          BENCH_CUDA(cudaEventSynchronize(ev1));
+          float ms = 0;
+          BENCH_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
+          if (i >= warm) ts.push_back(ms * 1e3);
+        }
+        const double us = median(ts);
+        if (run == 0) t_flat = us;
+        Row r;
+        r.name = f.name() + " h" + std::to_string(heads) + (cross ? " layer 3 of 8" : " contiguous") +
+                 (run == 2 ? (loader == 1 ? " bulk" : " cp.async") : "");
+        r.value = us;
+        r.unit = "us";
+        r.limit = floor_us;
+        r.limit_name = "KV bytes at D2D rate";
+        r.higher_is_better = false;
+        r.target = kv_bytes / kH200CopyRate * 1e6 / target_us;
+        char note[96];
+        std::snprintf(note, sizeof note, "%.0f GB/s, splits %d, %s, H200 target %.0f us", kv_bytes / us * 1e-3, splits,
+                      loader == 1 ? "bulk" : "cp.async", target_us);
+        r.note = note;
+        report.add(r);
+        if (cross) {
+          Row x;
+          x.name = f.name() + " h" + std::to_string(heads) + " layer view vs contiguous";
+          x.value = us;
+          x.unit = "us";
+          x.limit = t_flat;
+          x.limit_name = "contiguous cache time";
+          x.higher_is_better = false;
+          x.target = 0.99;
+          report.add(x);
+        }
+      }
+    }
+    BENCH_CUDA(cudaFree(d_flat));
+    BENCH_CUDA(cudaFree(d_multi));
+  }
+  BENCH_CUDA(cudaFree(d_table));
+  BENCH_CUDA(cudaFree(d_lens));
+  BENCH_CUDA(cudaFree(d_q));
+  BENCH_CUDA(cudaFree(d_o));
+  BENCH_CUDA(cudaFree(d_lse));
+  BENCH_CUDA(cudaFree(d_work));
+  BENCH_CUDA(cudaEventDestroy(ev0));
+  BENCH_CUDA(cudaEventDestroy(ev1));
+  BENCH_CUDA(cudaStreamDestroy(stream));
+  return report.finish(opts);
+}
+
+#else
+
+int run_decode(const Options& opts) {
+  if (opts.mha) return run_suite("decode-mha", opts);
+  Report report("decode");
+  report.note("built without CUDA: nothing to measure");
+  return report.finish(opts);
+}
+
+#endif
+
+}  // namespace
+
+KVFERRY_BENCH_SUITE("decode", "MLA paged decode (bf16 / fp8 / fp8_ds caches, contiguous vs layer view); --mha: MHA",
+                    run_decode);
+
+}  // namespace kvferry::bench

@@ -1,0 +1,111 @@
+#pragma once
+// MLA paged decode attention over a stride-aware cache view (kernels-spec §4, §9).
+//
+// For each request b and query head h, with n = seq_lens[b] tokens of the request's pages:
+//   x_j   = sm_scale * <q[b,h,0:576], k_j[0:576]>                      (j < n)
+//   o     = sum_j softmax(x)_j * k_j[0:512]                             (V = the first 512 of K)
+//   lse   = ln(sum_j exp(x_j))                                          (natural log)
+// Token j of request b lives at byte
+//   cache_base + cache.offset + table[b][j / page] * cache.stride(0)*eb + (j % page) * cache.stride(1)*eb
+// in 64-bit arithmetic, so a per-layer view of a block-major buffer (stride(0) = L*page*E, offset
+// = layer*page bytes) reads exactly the same values as a contiguous per-layer cache.
+//
+// Dequantization (the contract both implementations follow):
+//   mla_bf16    k_j[d] = the stored bf16 value; k_scale must be 1.
+//   mla_fp8     k_j[d] = e4m3(byte d) * k_scale (per-tensor scale). The GPU keeps e4m3 as exact
+//               bf16 and folds k_scale into the logit scale and the output.
+//   mla_fp8_ds  656 B entries: k_j[d] = bf16_rn(float(e4m3(byte d)) * scale[d / 128]) for d < 512
+//               (fp32 product, rounded to bf16), k_j[512 + i] = the stored bf16 rope value;
+//               k_scale must be 1. With all scales 1.0 this equals mla_fp8 with k_scale 1 exactly,
+//               so the two caches give bit-identical GPU output.
+// Length 0: o = 0 (all 512 values +0.0) and lse = -inf. Length 1: o = k_0[0:512], lse = x_0.
+//
+// Shapes: q [batch, heads, 576] bf16 contiguous; o [batch, heads, 512] bf16 contiguous; lse
+// [batch, heads] fp32 contiguous; block_table [batch, block_table_stride] int32 of which the
+// first ceil(seq_lens[b] / page) entries of row b are read; seq_lens [batch] int32.
+// heads is one of 16, 32, 64, 128; any page size >= 1 (16, 32 and 64 are the tested ones).
+//
+// The GPU splits every request's tokens into num_splits chunks (split-KV), one CTA per (request,
+// split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
+// copies, one per entry, double-buffered) for all its heads; Q K^T and P V run on bf16 tensor
+// cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a second kernel merges
+// the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
+// second read of a tile is an L2 hit) share each tile. The CPU twin computes in float64.
+#include <cstddef>
+#include <cstdint>
+
+#include "kvferry/layouts/entry_format.h"
+#include "kvferry/layouts/status.h"
+#include "kvferry/layouts/tensor_view.h"
+
+#if defined(KVFERRY_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace kvferry {
+
+/// Arguments of one MLA decode call. Pointers are device pointers for launch_decode_mla and host
+/// pointers for decode_mla_cpu. The call owns nothing; buffers must outlive it (GPU: until the
+/// stream reaches it).
+struct DecodeMlaParams {
+  EntryFormat format = EntryFormat::mla_bf16();  ///< mla_bf16, mla_fp8 or mla_fp8_ds
+  const void* cache_base = nullptr;              ///< base of the cache region
+  int64_t region_bytes = 0;                      ///< bytes of the region (bounds check of `cache`)
+  TensorView cache;                              ///< (blocks, page, E) in format.dtype elements
+  const uint16_t* q = nullptr;                   ///< [batch, heads, 576] bf16 bits
+  const int32_t* block_table = nullptr;          ///< [batch, block_table_stride]
+  int64_t block_table_stride = 0;                ///< elements between rows of block_table
+  const int32_t* seq_lens = nullptr;             ///< [batch], each in [0, block_table_stride * page]
+  int32_t batch = 0;
+  int32_t heads = 0;
+  float sm_scale = 0.0f;  ///< the model's softmax scale (not necessarily 576^-0.5)
+  float k_scale = 1.0f;   ///< per-tensor dequantization scale of mla_fp8 (1 for the others)
+  uint16_t* o = nullptr;  ///< [batch, heads, 512] bf16 bits (written)
+  float* lse = nullptr;   ///< [batch, heads] fp32 natural-log LSE (written)
+
+  // GPU only.
+  int32_t num_splits = 0;     ///< KV splits per request; 0 = chosen from the device (auto)
+  void* workspace = nullptr;  ///< fp32 scratch of decode_mla_workspace_bytes(); may be null if 0
+  size_t workspace_bytes = 0;
+  /// How K tiles reach shared memory: 1 = bulk copies (TMA engine, one per entry), 2 = cp.async
+  /// (16 B per thread), 0 = auto: bulk copies for a bf16 cache at <= 32 heads (memory-bound, where
+  /// they measured faster on an H200), cp.async otherwise. Both give bit-identical results.
+  int32_t loader = 0;
+};
+
+constexpr int kDecodeMlaMaxSplits = 64;
+
+/// Checks everything that can be checked without reading the tables: format, view rank, dtype,
+/// entry width, strides (innermost 1, 16-byte aligned rows and blocks), the view inside the
+/// region, head count, scales and non-null pointers. The message names the culprit.
+Status validate_decode_mla(const DecodeMlaParams& p);
+
+/// validate_decode_mla plus the host-visible tables: every seq_len in [0, block_table_stride *
+/// page] and every block id that a request reads in [0, cache.size(0)).
+Status validate_decode_mla_tables(const DecodeMlaParams& p);
+
+/// CPU implementation with the same contract (float64 logits, softmax and sums; o rounded to bf16
+/// once). Validates with validate_decode_mla_tables first.
+Status decode_mla_cpu(const DecodeMlaParams& p);
+
+/// Bytes of fp32 workspace for `num_splits` splits (0 when num_splits <= 1).
+size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_splits);
+
+/// The loader (1 bulk copies, 2 cp.async) a launch with `p` uses.
+int32_t decode_mla_resolved_loader(const DecodeMlaParams& p);
+
+/// The number of splits an auto (num_splits == 0) launch uses on a device with `sm_count` SMs,
+/// given the longest possible request (block_table_stride * page tokens).
+int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count);
+
+#if defined(KVFERRY_WITH_CUDA)
+/// Resolves p.num_splits (auto -> decode_mla_auto_splits on the current device).
+int32_t decode_mla_splits(const DecodeMlaParams& p);
+
+/// Launches the split kernel (and the merge kernel when splits > 1) on `stream`. Trusts its input
+/// (call validate_decode_mla once per request shape); returns cudaErrorInvalidValue when the
+/// workspace is too small or the shape is outside what the kernels handle.
+cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream);
+#endif
+
+}  // namespace kvferry

@@ -1,0 +1,209 @@
+// CPU implementation of the MLA paged decode (see decode_mla.h for the contract) and the
+// request-boundary validation shared with the CUDA launcher.
+#include "kvferry/kernels/decode_mla.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kvferry/layouts/dtype.h"
+
+namespace kvferry {
+namespace {
+
+Status bad(const std::string& m) { return {ErrorCode::kInvalidArgument, "decode_mla: " + m}; }
+
+// One token's 576 dequantized values (the contract of decode_mla.h), as float.
+void load_entry(const DecodeMlaParams& p, const uint8_t* e, float* k) {
+  switch (p.format.kind) {
+    case FormatKind::kMlaBf16:
+      for (int d = 0; d < kMlaDim; ++d) {
+        uint16_t h;
+        std::memcpy(&h, e + 2 * d, 2);
+        k[d] = bf16_to_float(h);
+      }
+      break;
+    case FormatKind::kMlaFp8:
+      for (int d = 0; d < kMlaDim; ++d) k[d] = e4m3_to_float(e[d]);  // k_scale applied by the caller
+      break;
+    case FormatKind::kMlaFp8Ds: {
+      float s[kMlaTiles];
+      std::memcpy(s, e + kMlaDsScaleOffset, sizeof s);
+      for (int d = 0; d < kMlaRank; ++d) k[d] = bf16_to_float(float_to_bf16(e4m3_to_float(e[d]) * s[d / kMlaTile]));
+      for (int i = 0; i < kMlaRope; ++i) {
+        uint16_t h;
+        std::memcpy(&h, e + kMlaDsRopeOffset + 2 * i, 2);
+        k[kMlaRank + i] = bf16_to_float(h);
+      }
+      break;
+    }
+    default: break;
+  }
+}
+
+}  // namespace
+
+Status validate_decode_mla(const DecodeMlaParams& p) {
+  const EntryFormat& f = p.format;
+  if (!f.is_mla()) return bad("format " + f.name() + " is not one of mla_bf16, mla_fp8, mla_fp8_ds");
+  const TensorView& c = p.cache;
+  if (c.rank != 3) return bad("cache view " + c.to_string() + " must have rank 3 (blocks, page, entry)");
+  if (c.dtype != f.dtype)
+    return bad("cache view dtype " + std::string(dtype_name(c.dtype)) + " does not match format " + f.name() + " (" +
+               std::string(dtype_name(f.dtype)) + ")");
+  if (c.size(2) != f.entry_elems())
+    return bad("cache view " + c.to_string() + " has " + std::to_string(c.size(2)) + " elements per entry, " +
+               f.name() + " needs " + std::to_string(f.entry_elems()));
+  if (c.size(1) < 1) return bad("page size (cache size(1)) must be >= 1");
+  const int64_t eb = c.elem_bytes();
+  if (c.stride(2) != 1) return bad("cache stride(2) = " + std::to_string(c.stride(2)) + " must be 1");
+  if (c.stride(1) < c.size(2))
+    return bad("cache stride(1) = " + std::to_string(c.stride(1)) + " is shorter than an entry (" +
+               std::to_string(c.size(2)) + ")");
+  if (c.size(0) > 1 && c.stride(0) < c.size(1) * c.stride(1))
+    return bad("cache stride(0) = " + std::to_string(c.stride(0)) + " overlaps the pages of " + c.to_string());
+  if ((c.stride(1) * eb) % 16 != 0 || (c.stride(0) * eb) % 16 != 0 || c.offset % 16 != 0)
+    return bad("cache view " + c.to_string() + " rows, blocks and offset must be 16-byte aligned");
+  if (p.cache_base == nullptr && c.size(0) > 0) return bad("cache_base is null");
+  if (reinterpret_cast<uintptr_t>(p.cache_base) % 16 != 0) return bad("cache_base is not 16-byte aligned");
+  KVFERRY_TRY(c.validate(p.region_bytes, 16).with_context("decode_mla: cache view"));
+  if (p.batch < 0 || p.batch > 65535) return bad("batch = " + std::to_string(p.batch) + " is outside [0, 65535]");
+  if (p.heads != 16 && p.heads != 32 && p.heads != 64 && p.heads != 128)
+    return bad("heads = " + std::to_string(p.heads) + " must be one of 16, 32, 64, 128");
+  if (!std::isfinite(p.sm_scale)) return bad("sm_scale is not finite");
+  if (!std::isfinite(p.k_scale) || p.k_scale <= 0) return bad("k_scale must be finite and > 0");
+  if (f.kind != FormatKind::kMlaFp8 && p.k_scale != 1.0f)
+    return bad("k_scale = " + std::to_string(p.k_scale) + " but only mla_fp8 has a per-tensor scale (must be 1)");
+  if (p.block_table_stride < 0) return bad("block_table_stride is negative");
+  if (p.loader < 0 || p.loader > 2) return bad("loader = " + std::to_string(p.loader) + " is not 0, 1 or 2");
+  if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
+    return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
+               std::to_string(kDecodeMlaMaxSplits) + "]");
+  if (p.batch > 0) {
+    if (p.q == nullptr) return bad("q is null");
+    if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0) return bad("q is not 16-byte aligned");
+    if (p.o == nullptr) return bad("o is null");
+    if (p.lse == nullptr) return bad("lse is null");
+    if (p.seq_lens == nullptr) return bad("seq_lens is null");
+    if (p.block_table == nullptr && p.block_table_stride > 0) return bad("block_table is null");
+  }
+  return Status::Ok();
+}
+
+Status validate_decode_mla_tables(const DecodeMlaParams& p) {
+  KVFERRY_TRY(validate_decode_mla(p));
+  const int64_t page = p.cache.size(1);
+  for (int32_t b = 0; b < p.batch; ++b) {
+    const int64_t n = p.seq_lens[b];
+    if (n < 0 || n > p.block_table_stride * page)
+      return bad("seq_lens[" + std::to_string(b) + "] = " + std::to_string(n) + " is outside [0, " +
+                 std::to_string(p.block_table_stride * page) + "]");
+    for (int64_t i = 0; i < (n + page - 1) / page; ++i) {
+      const int32_t blk = p.block_table[b * p.block_table_stride + i];
+      if (blk < 0 || blk >= p.cache.size(0))
+        return bad("block_table[" + std::to_string(b) + "][" + std::to_string(i) + "] = " + std::to_string(blk) +
+                   " is outside [0, " + std::to_string(p.cache.size(0)) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+Status decode_mla_cpu(const DecodeMlaParams& p) {
+  KVFERRY_TRY(validate_decode_mla_tables(p));
+  const auto* base = static_cast<const uint8_t*>(p.cache_base);
+  const TensorView& c = p.cache;
+  const int64_t eb = c.elem_bytes(), page = c.size(1);
+  const bool fp8 = p.format.kind == FormatKind::kMlaFp8;
+  const double vscale = fp8 ? p.k_scale : 1.0;
+  const double xscale = static_cast<double>(p.sm_scale) * vscale;
+  std::vector<float> k;
+  std::vector<double> x, acc(kMlaRank);
+  for (int32_t b = 0; b < p.batch; ++b) {
+    const int64_t n = p.seq_lens[b];
+    k.assign(static_cast<size_t>(n) * kMlaDim, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t blk = p.block_table[b * p.block_table_stride + j / page];
+      const uint8_t* e = base + c.offset + blk * c.stride(0) * eb + (j % page) * c.stride(1) * eb;
+      load_entry(p, e, &k[static_cast<size_t>(j) * kMlaDim]);
+    }
+    x.assign(static_cast<size_t>(n), 0.0);
+    for (int32_t h = 0; h < p.heads; ++h) {
+      const uint16_t* q = p.q + (static_cast<int64_t>(b) * p.heads + h) * kMlaDim;
+      uint16_t* o = p.o + (static_cast<int64_t>(b) * p.heads + h) * kMlaRank;
+      float* lse = p.lse + static_cast<int64_t>(b) * p.heads + h;
+      if (n == 0) {
+        std::fill(o, o + kMlaRank, uint16_t{0});
+        *lse = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kj = &k[static_cast<size_t>(j) * kMlaDim];
+        double s = 0;
+        for (int d = 0; d < kMlaDim; ++d) s += static_cast<double>(bf16_to_float(q[d])) * kj[d];
+        x[j] = s * xscale;
+        m = std::max(m, x[j]);
+      }
+      std::fill(acc.begin(), acc.end(), 0.0);
+      double l = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double w = std::exp(x[j] - m);
+        l += w;
+        const float* kj = &k[static_cast<size_t>(j) * kMlaDim];
+        for (int d = 0; d < kMlaRank; ++d) acc[d] += w * kj[d];
+      }
+      for (int d = 0; d < kMlaRank; ++d) o[d] = float_to_bf16(static_cast<float>(acc[d] / l * vscale));
+      *lse = static_cast<float>(m + std::log(l));
+    }
+  }
+  return Status::Ok();
+}
+
+size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_splits) {
+  if (num_splits <= 1 || batch <= 0) return 0;
+  // o partials [batch, splits, heads, 512] then lse partials [batch, splits, heads], fp32.
+  return static_cast<size_t>(batch) * num_splits * heads * (kMlaRank + 1) * sizeof(float);
+}
+
+int32_t decode_mla_resolved_loader(const DecodeMlaParams& p) {
+  if (p.loader == 1 || p.loader == 2) return p.loader;
+  // Measured on an H200 (batch 64, 4096 tokens): bulk copies win where the kernel waits on memory
+  // (bf16 cache, 16 heads: 97 vs 111 us); where it is compute-bound (fp8 caches, whose tiles are
+  // converted in shared memory, and 128 heads) cp.async was faster (430 vs 502 us at 128 heads).
+  return p.format.kind == FormatKind::kMlaBf16 && p.heads <= 32 ? 1 : 2;
+}
+
+int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
+  if (p.num_splits > 0) return p.num_splits;
+  if (p.batch <= 0 || sm_count <= 0) return 1;
+  const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
+  const int groups = p.heads / hb;
+  // CTAs that fit on one SM: ~240 registers per thread (64 threads per 16 heads) and the shared
+  // memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange; 228 KiB per SM).
+  const int row = (kMlaDim + 8) * 2, tile = 32 * row;
+  const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
+  const int raw = static_cast<int>(p.format.bytes_per_token());
+  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb * 40 * 4;
+  const int per_sm = std::max(1, std::min(65536 / (hb * 4 * 240), 228 * 1024 / (smem + 1024)));
+  const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
+  const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
+  // Each split should keep at least 4 tiles of 32 tokens, or the merge costs more than it gains.
+  const int64_t cap = std::clamp<int64_t>(max_tokens / 128, 1, kDecodeMlaMaxSplits);
+  int32_t best = 1;
+  double best_cost = 1e30;
+  for (int32_t s = 1; s <= cap; ++s) {
+    const int64_t ctas = static_cast<int64_t>(p.batch) * groups * s;
+    const double waves = static_cast<double>((ctas + slots - 1) / slots);
+    const double cost = waves / s + 0.01 * s;  // wave time falls as 1/s; each split adds merge work
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
+}  // namespace kvferry

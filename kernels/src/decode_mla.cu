@@ -1,0 +1,593 @@
+// CUDA MLA paged decode (contract in decode_mla.h).
+//
+// One CTA per (group of HB <= 64 heads, split, request). Every 32-token K tile is brought into
+// shared memory once (cp.async, double-buffered; fp8 tiles are converted to bf16 in shared memory)
+// and used by all HB heads: warp w owns heads [16*(w/2), +16) and output columns [256*(w%2), +256);
+// QK^T (576 deep) and P.V (V = the first 512 of the same tile) run on mma.sync m16n8k16 bf16 with
+// fp32 accumulation and an online softmax in the log2 domain. With more than one split the CTAs
+// write fp32 (o, lse) partials and a small kernel merges them; with one split the CTA writes o, lse.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "kvferry/kernels/decode_mla.h"
+
+namespace kvferry {
+namespace {
+
+constexpr int kTileN = 32;                      // tokens per K tile
+constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
+constexpr int kRowBytes = kRowPad * 2;          // bytes per shared row
+constexpr int kTileBytes = kTileN * kRowBytes;  // one bf16 K tile
+constexpr int kSStride = 40;                    // floats per row of the exchanged S tile (2-way conflicts only)
+
+enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
+
+template <int FMT>
+struct Fmt;
+template <>
+struct Fmt<kFmtBf16> {
+  static constexpr int kRaw = kMlaBf16Bytes;
+};
+template <>
+struct Fmt<kFmtFp8> {
+  static constexpr int kRaw = kMlaFp8Bytes;
+};
+template <>
+struct Fmt<kFmtDs> {
+  static constexpr int kRaw = kMlaDsBytes;
+};
+
+struct KParams {
+  const uint8_t* cache;  // region base + view offset
+  int64_t block_stride;  // bytes
+  int64_t token_stride;  // bytes
+  int32_t page;
+  const uint16_t* q;
+  const int32_t* table;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int32_t heads;
+  int32_t splits;
+  float scale_log2;  // sm_scale * k_scale * log2(e)
+  float vscale;      // k_scale for mla_fp8, else 1
+  uint16_t* o;
+  float* lse;
+  float* part_o;    // [batch, splits, heads, 512]
+  float* part_lse;  // [batch, splits, heads]
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Bulk copies (the TMA engine) completing on an mbarrier: one instruction moves a whole entry and
+// the bytes in flight are not bounded by the SM's per-thread miss tracking as cp.async's are.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) writes.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Barrier of the two warps (64 threads) that share a head group.
+// Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
+__device__ __forceinline__ void pair_barrier(int group) {
+  switch (group) {
+    case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
+    case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
+    case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
+    default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two e4m3 bytes (low byte first) -> two floats, exact (e4m3 is a subset of fp16).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+// 16 e4m3 bytes -> 16 bf16 (times `s`, rounded once from fp32) written as two 16-byte stores.
+// With s = 1 (mla_fp8) the product is exact, so mla_fp8 and mla_fp8_ds with unit scales fill the
+// tile with the same bits.
+__device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
+    float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
+    a.x = __fmul_rn(a.x, s);
+    a.y = __fmul_rn(a.y, s);
+    b.x = __fmul_rn(b.x, s);
+    b.y = __fmul_rn(b.y, s);
+    out[2 * i] = pack_bf16(a.x, a.y);
+    out[2 * i + 1] = pack_bf16(b.x, b.y);
+  }
+  dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+  dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+template <int FMT, int HB>
+constexpr int smem_bytes() {
+  return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
+         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB * kSStride * 4;
+}
+
+template <int FMT, int HB, bool SPLIT, bool BULK>
+__global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams p) {
+  constexpr int NT = HB / 16 * 64;
+  constexpr int RAW = Fmt<FMT>::kRaw;
+  constexpr int CH = RAW / 16;                                // 16-byte chunks per cache entry
+  constexpr int kDstRow = FMT == kFmtBf16 ? kRowBytes : RAW;  // row pitch of the tile the loader fills
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* sQ = smem + 16;                                      // smem[0, 16): the two stages' mbarriers
+  uint8_t* sK = sQ + HB * kRowBytes;                            // 2 stages (bf16) or 1 (fp8)
+  uint8_t* sRaw = sK + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes;  // fp8 only: 2 raw stages
+  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [HB][kSStride]
+  const uint32_t bar0 = smem_u32(smem);
+
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int len = p.seq_lens[b];
+  const int chunk = ((len + p.splits - 1) / p.splits + kTileN - 1) / kTileN * kTileN;
+  const int start = split * chunk;
+  const int end = min(len, start + chunk);
+  const int head0 = hg * HB;
+
+  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
+    for (int i = tid; i < HB; i += NT) {
+      const int64_t bh = static_cast<int64_t>(b) * p.heads + head0 + i;
+      if (SPLIT)
+        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
+      else
+        p.lse[bh] = -INFINITY;
+    }
+    if (!SPLIT)
+      for (int i = tid; i < HB * kMlaRank / 8; i += NT)
+        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
+            make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int ntiles = (end - start + kTileN - 1) / kTileN;
+
+  {  // Q rows of this head group
+    const uint8_t* qsrc = reinterpret_cast<const uint8_t*>(p.q + (static_cast<int64_t>(b) * p.heads + head0) * kMlaDim);
+    for (int c = tid; c < HB * (kMlaDim * 2 / 16); c += NT) {
+      const int r = c / (kMlaDim * 2 / 16), col = c % (kMlaDim * 2 / 16);
+      cp_async16(smem_u32(sQ + r * kRowBytes + col * 16), qsrc + r * (kMlaDim * 2) + col * 16, 16);
+    }
+  }
+
+  const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+  if (BULK) {
+    if (tid == 0) {
+      mbar_init(bar0, 1);
+      mbar_init(bar0 + 8, 1);
+      mbar_fence_init();
+    }
+    __syncthreads();
+  }
+  // Warp 0 starts the bulk copies of tile t: one per valid token, all completing on the stage's
+  // mbarrier. Rows past the end are zeroed instead (their bytes may be anything, even NaN, and V
+  // is multiplied by p = 0, which would keep a NaN).
+  auto load_tile_bulk = [&](int t, int stage) {
+    if (warp != 0) return;
+    const int tok0 = start + t * kTileN;
+    const int nvalid = min(kTileN, end - tok0);
+    uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
+    for (int i = lane; i < (kTileN - nvalid) * CH; i += 32)
+      *reinterpret_cast<uint4*>(dst0 + (nvalid + i / CH) * kDstRow + (i % CH) * 16) = make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+    __syncwarp();
+    const uint32_t bar = bar0 + stage * 8;
+    if (lane == 0) mbar_expect_tx(bar, static_cast<uint32_t>(nvalid * RAW));
+    __syncwarp();
+    if (lane < nvalid) {
+      const int tok = tok0 + lane;
+      const int64_t blk = table[tok / p.page];
+      const uint8_t* src = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+      bulk_g2s(smem_u32(dst0 + lane * kDstRow), src, RAW, bar);
+    }
+  };
+  auto load_tile = [&](int t, int stage) {
+    const int tok = start + t * kTileN + lane;
+    const uint8_t* rb = nullptr;  // this lane's row (token) base; null past the split's end
+    if (tok < end) {
+      const int64_t blk = table[tok / p.page];
+      rb = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+    }
+    const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
+    uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
+    constexpr int kItems = kTileN * CH;
+#pragma unroll 4
+    for (int i = 0; i < (kItems + NT - 1) / NT; ++i) {
+      const int c = tid + i * NT;
+      const int r = min(c / CH, kTileN - 1), col = c % CH;
+      const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, r));
+      if (c < kItems) {
+        const uint32_t d = smem_u32(dst0 + r * kDstRow + col * 16);
+        // Rows past the end are zero-filled: their bytes may be anything (even NaN) and V is
+        // multiplied by p = 0, which would keep a NaN.
+        cp_async16(d, src ? src + col * 16 : p.cache, src ? 16 : 0);
+      }
+    }
+  };
+
+  if (BULK) {
+    cp_async_commit();  // Q
+    load_tile_bulk(0, 0);
+  } else {
+    load_tile(0, 0);
+    cp_async_commit();
+  }
+
+  const int hgl = warp >> 1, ch = warp & 1;
+  const int g = lane >> 2, tq = lane & 3;
+  const uint32_t q_addr = smem_u32(sQ) + (hgl * 16 + (lane & 15)) * kRowBytes + (lane >> 4) * 16;
+  const uint32_t k_lane = (lane & 7) * kRowBytes + (lane >> 3) * 16;
+  const uint32_t v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes + (ch * 256 + (lane >> 4) * 8) * 2;
+
+  float acc[32][4];
+#pragma unroll
+  for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+
+  for (int t = 0; t < ntiles; ++t) {
+    if (BULK) {
+      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1);
+      if (t == 0) cp_async_wait<0>();  // Q
+      mbar_wait(bar0 + (t & 1) * 8, (t >> 1) & 1);
+    } else if (t + 1 < ntiles) {
+      load_tile(t + 1, (t + 1) & 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    uint8_t* tile = sK;
+    if constexpr (FMT == kFmtBf16) {
+      tile = sK + (t & 1) * kTileBytes;
+    } else {
+      const uint8_t* raw = sRaw + (t & 1) * (kTileN * RAW);
+      if constexpr (FMT == kFmtFp8) {
+        for (int c = tid; c < kTileN * CH; c += NT) {
+          const int r = c / CH, col = c % CH;
+          const uint4 v = *reinterpret_cast<const uint4*>(raw + r * RAW + col * 16);
+          convert16(v, 1.0f, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
+        }
+      } else {
+        constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
+        for (int c = tid; c < kTileN * kPer; c += NT) {
+          const int r = c / kPer, col = c % kPer;
+          const uint8_t* row = raw + r * RAW;
+          if (col < kMlaRank / 16) {
+            const float s = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
+            const uint4 v = *reinterpret_cast<const uint4*>(row + col * 16);
+            convert16(v, s, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
+          } else {
+            const int rc = col - kMlaRank / 16;
+            *reinterpret_cast<uint4*>(sK + r * kRowBytes + kMlaRank * 2 + rc * 16) =
+                *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16);
+          }
+        }
+      }
+      __syncthreads();
+    }
+    const uint32_t tile_u32 = smem_u32(tile);
+
+    // S = Q K^T for this warp's 16 heads and its half of the tile's tokens (the pair splits the
+    // 32 tokens, 16 each; even and odd k-steps accumulate apart for more independent mma chains),
+    // exchanged through shared memory so that both warps of the pair hold all 32.
+    float s[4][4];
+    {
+      float sa[2][4], sb[2][4];
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sa[n][e] = sb[n][e] = 0.0f;
+      const uint32_t k_base = tile_u32 + ch * 16 * kRowBytes + k_lane;
+#pragma unroll
+      for (int kk = 0; kk < kMlaDim / 32; ++kk) {
+        uint32_t a0[4], a1[4];
+        ldsm_x4(a0, q_addr + kk * 64);
+        ldsm_x4(a1, q_addr + kk * 64 + 32);
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          uint32_t bb[4];
+          ldsm_x4(bb, k_base + n * 8 * kRowBytes + kk * 64);
+          mma_bf16(sa[n], a0, bb[0], bb[1]);
+          mma_bf16(sb[n], a1, bb[2], bb[3]);
+        }
+      }
+      float* srow = sS + hgl * 16 * kSStride;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        const int col = ch * 16 + n * 8 + tq * 2;
+        *reinterpret_cast<float2*>(srow + g * kSStride + col) = make_float2(sa[n][0] + sb[n][0], sa[n][1] + sb[n][1]);
+        *reinterpret_cast<float2*>(srow + (g + 8) * kSStride + col) =
+            make_float2(sa[n][2] + sb[n][2], sa[n][3] + sb[n][3]);
+      }
+      pair_barrier(hgl);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int col = n * 8 + tq * 2;
+        const float2 x = *reinterpret_cast<const float2*>(srow + g * kSStride + col);
+        const float2 y = *reinterpret_cast<const float2*>(srow + (g + 8) * kSStride + col);
+        s[n][0] = x.x;
+        s[n][1] = x.y;
+        s[n][2] = y.x;
+        s[n][3] = y.y;
+      }
+    }
+
+    // Online softmax (log2 domain). Rows g (elements 0, 1) and g + 8 (elements 2, 3).
+    const int tok0 = start + t * kTileN;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = tok0 + n * 8 + tq * 2 + (e & 1);
+        s[n][e] = tok < end ? s[n][e] * p.scale_log2 : -INFINITY;
+      }
+      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);  // finite: every tile has a valid token
+    const float al0 = exp2f(m0 - nm0), al1 = exp2f(m1 - nm1);
+    m0 = nm0;
+    m1 = nm1;
+    float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      s[n][0] = exp2f(s[n][0] - nm0);
+      s[n][1] = exp2f(s[n][1] - nm0);
+      s[n][2] = exp2f(s[n][2] - nm1);
+      s[n][3] = exp2f(s[n][3] - nm1);
+      rs0 += s[n][0] + s[n][1];
+      rs1 += s[n][2] + s[n][3];
+    }
+    l0 = l0 * al0 + rs0;
+    l1 = l1 * al1 + rs1;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      acc[n][0] *= al0;
+      acc[n][1] *= al0;
+      acc[n][2] *= al1;
+      acc[n][3] *= al1;
+    }
+
+    // O += P V for this warp's 256 columns.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t a[4] = {pack_bf16(s[2 * i][0], s[2 * i][1]), pack_bf16(s[2 * i][2], s[2 * i][3]),
+                             pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]), pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3])};
+#pragma unroll
+      for (int np = 0; np < 16; ++np) {
+        uint32_t bb[4];
+        ldsm_x4_t(bb, tile_u32 + i * 16 * kRowBytes + v_lane + np * 32);
+        mma_bf16(acc[2 * np], a, bb[0], bb[1]);
+        mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
+      }
+    }
+    __syncthreads();  // the next iteration's load overwrites this stage
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
+  const int h0 = head0 + hgl * 16 + g;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  if constexpr (SPLIT) {
+    const int64_t r0 = (static_cast<int64_t>(b) * p.splits + split) * p.heads + h0;
+    const int64_t r1 = r0 + 8;
+    float* o0 = p.part_o + r0 * kMlaRank + ch * 256 + tq * 2;
+    float* o1 = p.part_o + r1 * kMlaRank + ch * 256 + tq * 2;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      *reinterpret_cast<float2*>(o0 + n * 8) = make_float2(acc[n][0] * inv0, acc[n][1] * inv0);
+      *reinterpret_cast<float2*>(o1 + n * 8) = make_float2(acc[n][2] * inv1, acc[n][3] * inv1);
+    }
+    if (ch == 0 && tq == 0) {
+      p.part_lse[r0] = lse0;
+      p.part_lse[r1] = lse1;
+    }
+  } else {
+    const int64_t r0 = static_cast<int64_t>(b) * p.heads + h0, r1 = r0 + 8;
+    uint16_t* o0 = p.o + r0 * kMlaRank + ch * 256 + tq * 2;
+    uint16_t* o1 = p.o + r1 * kMlaRank + ch * 256 + tq * 2;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      *reinterpret_cast<uint32_t*>(o0 + n * 8) = pack_bf16(acc[n][0] * inv0, acc[n][1] * inv0);
+      *reinterpret_cast<uint32_t*>(o1 + n * 8) = pack_bf16(acc[n][2] * inv1, acc[n][3] * inv1);
+    }
+    if (ch == 0 && tq == 0) {
+      p.lse[r0] = lse0;
+      p.lse[r1] = lse1;
+    }
+  }
+}
+
+// Merges the splits of one (request, head): o = sum_s w_s o_s / sum_s w_s with w_s = exp(lse_s - M).
+__global__ void __launch_bounds__(128) decode_mla_merge(const KParams p) {
+  const int64_t bh = blockIdx.x;
+  const int64_t b = bh / p.heads, h = bh % p.heads;
+  const float* lse_s = p.part_lse + b * p.splits * p.heads + h;
+  float mx = -INFINITY;
+  for (int s = 0; s < p.splits; ++s) mx = fmaxf(mx, lse_s[static_cast<int64_t>(s) * p.heads]);
+  uint16_t* o = p.o + bh * kMlaRank + threadIdx.x * 4;
+  if (mx == -INFINITY) {  // length 0
+    *reinterpret_cast<uint2*>(o) = make_uint2(0, 0);
+    if (threadIdx.x == 0) p.lse[bh] = -INFINITY;
+    return;
+  }
+  float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+  float w_sum = 0.0f;
+  for (int s = 0; s < p.splits; ++s) {
+    const float l = lse_s[static_cast<int64_t>(s) * p.heads];
+    if (l == -INFINITY) continue;  // empty split: its o partial was never written
+    const float w = expf(l - mx);
+    w_sum += w;
+    const float4 v =
+        *reinterpret_cast<const float4*>(p.part_o + ((b * p.splits + s) * p.heads + h) * kMlaRank + threadIdx.x * 4);
+    a.x += w * v.x;
+    a.y += w * v.y;
+    a.z += w * v.z;
+    a.w += w * v.w;
+  }
+  const float inv = 1.0f / w_sum;
+  *reinterpret_cast<uint2*>(o) = make_uint2(pack_bf16(a.x * inv, a.y * inv), pack_bf16(a.z * inv, a.w * inv));
+  if (threadIdx.x == 0) p.lse[bh] = mx + logf(w_sum);
+}
+
+template <int FMT, int HB, bool SPLIT, bool BULK>
+cudaError_t launch_split(const KParams& k, int batch, cudaStream_t stream) {
+  constexpr int NT = HB / 16 * 64;
+  constexpr int smem = smem_bytes<FMT, HB>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, SPLIT, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(k.heads / HB, k.splits, batch);
+  decode_mla_kernel<FMT, HB, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
+  return cudaGetLastError();
+}
+
+template <int FMT, bool SPLIT, bool BULK>
+cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
+  switch (k.heads) {
+    case 16: return launch_split<FMT, 16, SPLIT, BULK>(k, batch, stream);
+    case 32: return launch_split<FMT, 32, SPLIT, BULK>(k, batch, stream);
+    case 64:
+    case 128: return launch_split<FMT, 64, SPLIT, BULK>(k, batch, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+template <int FMT>
+cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
+  if (bulk)
+    return k.splits > 1 ? launch_hb<FMT, true, true>(k, batch, stream) : launch_hb<FMT, false, true>(k, batch, stream);
+  return k.splits > 1 ? launch_hb<FMT, true, false>(k, batch, stream) : launch_hb<FMT, false, false>(k, batch, stream);
+}
+
+}  // namespace
+
+int32_t decode_mla_splits(const DecodeMlaParams& p) {
+  if (p.num_splits > 0) return p.num_splits;
+  static const int sm_count = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 1;
+    return n;
+  }();
+  return decode_mla_auto_splits(p, sm_count);
+}
+
+cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
+  if (p.batch <= 0) return cudaSuccess;
+  if (p.heads != 16 && p.heads != 32 && p.heads != 64 && p.heads != 128) return cudaErrorInvalidValue;
+  const int32_t splits = decode_mla_splits(p);
+  if (splits < 1 || splits > kDecodeMlaMaxSplits) return cudaErrorInvalidValue;
+  const size_t need = decode_mla_workspace_bytes(p.batch, p.heads, splits);
+  if (need > 0 && (p.workspace == nullptr || p.workspace_bytes < need)) return cudaErrorInvalidValue;
+  KParams k{};
+  const int64_t eb = p.cache.elem_bytes();
+  k.cache = static_cast<const uint8_t*>(p.cache_base) + p.cache.offset;
+  k.block_stride = p.cache.stride(0) * eb;
+  k.token_stride = p.cache.stride(1) * eb;
+  k.page = static_cast<int32_t>(p.cache.size(1));
+  k.q = p.q;
+  k.table = p.block_table;
+  k.table_stride = p.block_table_stride;
+  k.seq_lens = p.seq_lens;
+  k.heads = p.heads;
+  k.splits = splits;
+  const bool fp8 = p.format.kind == FormatKind::kMlaFp8;
+  k.vscale = fp8 ? p.k_scale : 1.0f;
+  k.scale_log2 = p.sm_scale * k.vscale * 1.4426950408889634f;
+  k.o = p.o;
+  k.lse = p.lse;
+  if (splits > 1) {
+    k.part_o = static_cast<float*>(p.workspace);
+    k.part_lse = k.part_o + static_cast<int64_t>(p.batch) * splits * p.heads * kMlaRank;
+  }
+  if (p.loader < 0 || p.loader > 2) return cudaErrorInvalidValue;
+  const bool bulk = decode_mla_resolved_loader(p) == 1;
+  cudaError_t err;
+  switch (p.format.kind) {
+    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, stream); break;
+    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, stream); break;
+    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, stream); break;
+    default: return cudaErrorInvalidValue;
+  }
+  if (err != cudaSuccess || splits == 1) return err;
+  decode_mla_merge<<<static_cast<unsigned>(p.batch) * p.heads, 128, 0, stream>>>(k);
+  return cudaGetLastError();
+}
+
+}  // namespace kvferry

@@ -1,0 +1,259 @@
+// launch_decode_mla on a GPU: against the CPU twin (relative L2 error <= 1e-2), a per-layer view of
+// block-major buffers of 3 and 61 layers bit-identical to a contiguous cache, an mla_fp8 cache and
+// the same cache requantized to mla_fp8_ds (scales 1.0) bit-identical, outputs poisoned before
+// each run and checked fully written. Inputs are fresh random each run (the seed is printed).
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "kvferry/kernels/decode_mla.h"
+#include "kvferry/kernels/device.h"
+#include "unit/decode_mla_case.h"
+
+namespace kvferry {
+namespace {
+
+using test::MlaCase;
+
+#define CUDA_OK(x) ASSERT_EQ(cudaSuccess, (x)) << #x
+#define SKIP_WITHOUT_GPU() \
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device"
+
+uint64_t fresh_seed() {
+  static std::random_device rd;
+  return (static_cast<uint64_t>(rd()) << 32) | rd();
+}
+
+struct DevBuf {
+  void* p = nullptr;
+  explicit DevBuf(size_t n) {
+    if (cudaMalloc(&p, n ? n : 16) != cudaSuccess) p = nullptr;
+  }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+
+struct Out {
+  std::vector<uint16_t> o;
+  std::vector<float> lse;
+};
+
+// Runs the GPU kernel on the case with `splits` (0 = auto) and K-tile `loader` (0 auto, 1 bulk
+// copies, 2 cp.async); poisons o and lse first and fails the test when anything was left unwritten (a NaN
+// remains).
+void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0) {
+  const size_t no = static_cast<size_t>(c.batch()) * c.heads * kMlaRank, nl = static_cast<size_t>(c.batch()) * c.heads;
+  DevBuf region(c.region.size()), q(c.q.size() * 2), table(c.table.size() * 4), lens(c.lens.size() * 4), o(no * 2),
+      lse(nl * 4);
+  ASSERT_TRUE(region.p && q.p && table.p && lens.p && o.p && lse.p);
+  CUDA_OK(cudaMemcpy(region.p, c.region.data(), c.region.size(), cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(q.p, c.q.data(), c.q.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(table.p, c.table.data(), c.table.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(lens.p, c.lens.data(), c.lens.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(o.p, 0xff, no * 2));  // bf16 0xFFFF and fp32 0xFFFFFFFF are NaN
+  CUDA_OK(cudaMemset(lse.p, 0xff, nl * 4));
+  DecodeMlaParams p = c.params(static_cast<uint16_t*>(o.p), static_cast<float*>(lse.p));
+  p.cache_base = region.p;
+  p.q = static_cast<const uint16_t*>(q.p);
+  p.block_table = static_cast<const int32_t*>(table.p);
+  p.seq_lens = static_cast<const int32_t*>(lens.p);
+  p.num_splits = splits;
+  p.loader = loader;
+  const Status v = validate_decode_mla(p);
+  ASSERT_TRUE(v.ok()) << v.to_string();
+  const size_t ws = decode_mla_workspace_bytes(p.batch, p.heads, decode_mla_splits(p));
+  DevBuf work(ws);
+  p.workspace = work.p;
+  p.workspace_bytes = ws;
+  CUDA_OK(launch_decode_mla(p, nullptr));
+  CUDA_OK(cudaDeviceSynchronize());
+  out->o.resize(no);
+  out->lse.resize(nl);
+  CUDA_OK(cudaMemcpy(out->o.data(), o.p, no * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(out->lse.data(), lse.p, nl * 4, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < no; ++i) ASSERT_FALSE(std::isnan(bf16_to_float(out->o[i]))) << "o[" << i << "] not written";
+  for (size_t i = 0; i < nl; ++i) ASSERT_FALSE(std::isnan(out->lse[i])) << "lse[" << i << "] not written";
+}
+
+void run_cpu(const MlaCase& c, Out* out) {
+  out->o.assign(static_cast<size_t>(c.batch()) * c.heads * kMlaRank, 0xffff);
+  out->lse.assign(static_cast<size_t>(c.batch()) * c.heads, std::numeric_limits<float>::quiet_NaN());
+  const Status st = decode_mla_cpu(c.params(out->o.data(), out->lse.data()));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+}
+
+EntryFormat format_of(int f) {
+  return f == 0 ? EntryFormat::mla_bf16() : f == 1 ? EntryFormat::mla_fp8() : EntryFormat::mla_fp8_ds();
+}
+
+void expect_bit_identical(const Out& a, const Out& b, const char* what) {
+  ASSERT_EQ(a.o.size(), b.o.size());
+  size_t diff = 0;
+  for (size_t i = 0; i < a.o.size(); ++i) diff += a.o[i] != b.o[i];
+  EXPECT_EQ(diff, 0u) << what << ": o differs in " << diff << " of " << a.o.size() << " values";
+  EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4)) << what << ": lse differs";
+}
+
+class DecodeMlaGpu : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
+
+TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
+  SKIP_WITHOUT_GPU();
+  const auto [fmt, heads, page] = GetParam();
+  MlaCase c;
+  c.format = format_of(fmt);
+  c.k_scale = fmt == 1 ? 0.5f : 1.0f;
+  c.heads = heads;
+  c.page = page;
+  c.lens = {0, 1, page + 5, 333, 1000};
+  c.seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(c.seed));
+  c.build();
+  Out ref;
+  run_cpu(c, &ref);
+  for (int run = 0; run < 9; ++run) {
+    const int splits = run % 3 == 0 ? 1 : run % 3 == 1 ? 0 : 7, loader = run / 3;
+    SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader));
+    Out got;
+    run_gpu(c, splits, &got, loader);
+    if (HasFatalFailure()) return;
+    for (int b = 0; b < c.batch(); ++b) {
+      double num = 0, den = 0;
+      for (int h = 0; h < heads; ++h) {
+        const size_t bh = static_cast<size_t>(b) * heads + h;
+        for (int d = 0; d < kMlaRank; ++d) {
+          const double x = bf16_to_float(got.o[bh * kMlaRank + d]), y = bf16_to_float(ref.o[bh * kMlaRank + d]);
+          num += (x - y) * (x - y);
+          den += y * y;
+        }
+        if (c.lens[b] == 0) {
+          EXPECT_TRUE(std::isinf(got.lse[bh]) && got.lse[bh] < 0) << "lse of an empty request " << got.lse[bh];
+        } else {
+          EXPECT_NEAR(got.lse[bh], ref.lse[bh], 2e-3 * std::max(1.0f, std::abs(ref.lse[bh])))
+              << "b " << b << " h " << h;
+        }
+      }
+      if (c.lens[b] == 0) {
+        EXPECT_EQ(num, 0.0) << "o of an empty request must be 0";
+      } else {
+        EXPECT_LE(std::sqrt(num / den), 1e-2) << "request " << b << " (length " << c.lens[b] << ")";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FormatsHeadsPages, DecodeMlaGpu,
+                         ::testing::Combine(::testing::Values(0, 1, 2), ::testing::Values(16, 32, 64, 128),
+                                            ::testing::Values(16, 32, 64)));
+
+TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int fmt : {0, 1, 2}) {
+    for (int heads : {16, 128}) {
+      MlaCase flat;
+      flat.format = format_of(fmt);
+      flat.heads = heads;
+      flat.page = 16;
+      flat.lens = {200, 77, 1, 0, 130};
+      flat.seed = seed + fmt;
+      flat.build();
+      Out a, a1;
+      run_gpu(flat, 0, &a, 1);
+      run_gpu(flat, 0, &a1, 2);
+      if (HasFatalFailure()) return;
+      // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
+      expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
+      for (int layers : {3, 61}) {
+        for (int layer : {0, layers / 2, layers - 1}) {
+          MlaCase v = flat;
+          v.layers = layers;
+          v.layer = layer;
+          v.build();
+          ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
+          Out b;
+          run_gpu(v, 0, &b, layers == 61 ? 2 : 1);
+          if (HasFatalFailure()) return;
+          const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
+                                   std::to_string(layer) + " of " + std::to_string(layers);
+          expect_bit_identical(a, b, what.c_str());
+        }
+      }
+    }
+  }
+}
+
+// The mla_fp8 -> mla_fp8_ds requantization of kernels-spec §7.1: nope bytes kept, four fp32 1.0
+// scales, rope e4m3 -> bf16 (exact). Applied to every entry of the region, garbage included.
+MlaCase requantize_to_ds(const MlaCase& c) {
+  MlaCase d = c;
+  d.format = EntryFormat::mla_fp8_ds();
+  d.spec.format = d.format;
+  d.region.assign(static_cast<size_t>(d.spec.region_bytes()), 0);
+  const int64_t entries = static_cast<int64_t>(c.region.size()) / kMlaFp8Bytes;
+  const float one = 1.0f;
+  for (int64_t i = 0; i < entries; ++i) {
+    const uint8_t* s = &c.region[i * kMlaFp8Bytes];
+    uint8_t* t = &d.region[i * kMlaDsBytes];
+    std::memcpy(t, s, kMlaRank);
+    for (int k = 0; k < kMlaTiles; ++k) std::memcpy(t + kMlaDsScaleOffset + 4 * k, &one, 4);
+    for (int r = 0; r < kMlaRope; ++r) {
+      const uint16_t h = float_to_bf16(e4m3_to_float(s[kMlaRank + r]));
+      std::memcpy(t + kMlaDsRopeOffset + 2 * r, &h, 2);
+    }
+  }
+  return d;
+}
+
+TEST(DecodeMlaGpuFormats, Fp8AndRequantizedDsBitIdentical) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int heads : {16, 64, 128}) {
+    for (int layers : {1, 3}) {
+      MlaCase c;
+      c.format = EntryFormat::mla_fp8();
+      c.heads = heads;
+      c.page = 64;
+      c.lens = {500, 64, 1, 0, 129};
+      c.layers = layers;
+      c.layer = layers - 1;
+      c.seed = seed + heads + layers;
+      c.build();
+      const MlaCase d = requantize_to_ds(c);
+      for (int splits : {0, 1, 5}) {
+        Out a, b, a1, b1;
+        run_gpu(c, splits, &a, 1);
+        run_gpu(d, splits, &b, 1);
+        run_gpu(c, splits, &a1, 2);
+        run_gpu(d, splits, &b1, 2);
+        if (HasFatalFailure()) return;
+        const std::string what = "heads " + std::to_string(heads) + " splits " + std::to_string(splits);
+        expect_bit_identical(a, b, what.c_str());
+        expect_bit_identical(a1, b1, (what + " cp.async loader").c_str());
+        expect_bit_identical(a, a1, (what + " loaders").c_str());
+      }
+    }
+  }
+}
+
+TEST(DecodeMlaGpuLaunch, RejectsAMissingWorkspace) {
+  SKIP_WITHOUT_GPU();
+  MlaCase c;
+  c.lens = {100};
+  c.build();
+  DevBuf o(c.heads * kMlaRank * 2), lse(c.heads * 4);
+  DecodeMlaParams p = c.params(static_cast<uint16_t*>(o.p), static_cast<float*>(lse.p));
+  p.num_splits = 4;
+  EXPECT_EQ(cudaErrorInvalidValue, launch_decode_mla(p, nullptr));
+}
+
+}  // namespace
+}  // namespace kvferry
