@@ -2,3 +2,14 @@
 kvferry_add_gtest(protocol_test LABEL unit
   SOURCES unit/protocol_test.cpp unit/ring_test.cpp
   LIBS kvferry::connector)
+
+# Integration: kvferryd in its own process, clients here and in forked children.
+kvferry_add_gtest(daemon_integration_test LABEL integration TIMEOUT 120
+  SOURCES integration/daemon_test.cpp
+  LIBS kvferry::connector kvferry::c)
+add_dependencies(daemon_integration_test kvferryd kvferry_cli)
+target_compile_definitions(daemon_integration_test PRIVATE
+  KVFERRYD_PATH="$<TARGET_FILE:kvferryd>" KVFERRY_CLI_PATH="$<TARGET_FILE:kvferry_cli>")
+if(KVFERRY_WITH_SYSTEMD)
+  target_compile_definitions(daemon_integration_test PRIVATE KVFERRY_TEST_WITH_SYSTEMD=1)
+endif()

@@ -94,7 +94,12 @@ void Client::unmap(Mapped& m) {
 }
 
 Result<proto::RecvFrame> Client::request(const proto::Frame& f, proto::MsgType want) {
-  KVFERRY_TRY(proto::send_frame(sock_.get(), f, {}, opts_.timeout_ms));
+  if (Status sent = proto::send_frame(sock_.get(), f, {}, opts_.timeout_ms); !sent.ok()) {
+    // The daemon may have refused us (and closed) before reading: its Error frame says why.
+    auto why = proto::recv_frame(sock_.get(), 200);
+    if (why.ok() && why->header.type == static_cast<uint16_t>(proto::MsgType::kError)) return error_from(*why);
+    return sent.with_context("sending to kvferryd");
+  }
   auto r = proto::recv_frame(sock_.get(), opts_.timeout_ms);
   if (!r.ok()) return r.status().with_context("waiting for kvferryd");
   if (r->header.type == static_cast<uint16_t>(proto::MsgType::kError)) return error_from(*r);
