@@ -13,3 +13,10 @@ target_compile_definitions(daemon_integration_test PRIVATE
 if(KVFERRY_WITH_SYSTEMD)
   target_compile_definitions(daemon_integration_test PRIVATE KVFERRY_TEST_WITH_SYSTEMD=1)
 endif()
+
+# GPU: the CUDA region backends end to end (skips without a device).
+kvferry_add_gtest(daemon_gpu_test LABEL gpu TIMEOUT 120
+  SOURCES gpu/daemon_gpu_test.cpp
+  LIBS kvferry::connector)
+add_dependencies(daemon_gpu_test kvferryd)
+target_compile_definitions(daemon_gpu_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")

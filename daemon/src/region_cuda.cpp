@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "kvferry/connector/cuda_vmm.h"
@@ -71,7 +72,9 @@ Result<std::shared_ptr<Region>> create_cuda_region(uint32_t id, const std::strin
   d.spec = spec;
   d.bytes = static_cast<uint64_t>(spec.region_bytes());
   d.device = gpu;
-  if (cuda_vmm::vmm_supported(gpu)) {
+  // KVFERRY_CUDA_IPC=1 forces the legacy IPC fallback (to test it on machines with VMM).
+  const char* force_ipc = std::getenv("KVFERRY_CUDA_IPC");
+  if (!(force_ipc && *force_ipc == '1') && cuda_vmm::vmm_supported(gpu)) {
     auto m = cuda_vmm::create_exportable(gpu, d.bytes);
     if (m.ok()) {
       d.alloc_bytes = m->size;

@@ -69,7 +69,9 @@ inline std::string read_file(const std::string& p) {
 class DaemonProcess {
  public:
   /// `extra_yaml` is appended to a config that sets the socket (mode 0666) and the CPU backend.
-  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}) : dir_(make_temp_dir()) {
+  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {},
+                         std::string backend = "cpu")
+      : dir_(make_temp_dir()), backend_(std::move(backend)) {
     socket_ = dir_ + "/kvferry.sock";
     config_ = dir_ + "/kvferry.yaml";
     log_ = dir_ + "/kvferryd.log";
@@ -101,7 +103,7 @@ class DaemonProcess {
   void write_config(const std::string& extra_yaml) {
     std::ofstream f(config_);
     f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n"
-      << "device:\n  backend: cpu\n"
+      << "device:\n  backend: " << backend_ << "\n"
       << extra_yaml;
   }
   /// SIGTERM and wait (bounded); returns the wait status (-1 when it did not exit in time).
@@ -122,7 +124,7 @@ class DaemonProcess {
   std::string log() const { return read_file(log_); }
 
  private:
-  std::string dir_, socket_, config_, log_;
+  std::string dir_, backend_, socket_, config_, log_;
   pid_t pid_ = -1;
   bool ready_ = false, stopped_ = false;
 };
