@@ -81,10 +81,11 @@ TEST_P(DaemonGpu, LayerViewWriteReadsBackThroughTheDaemon) {
     }
   }
   EXPECT_EQ(bad, 0u) << "bytes that differ";
-  std::printf("[gpu] region '%s' on %s, %lld bytes, layer %lld written by another process and read back through "
-              "the daemon: %zu bytes differ\n",
-              regions[0].name.c_str(), std::string(proto::backend_name(regions[0].backend)).c_str(),
-              static_cast<long long>(regions[0].bytes), static_cast<long long>(layer), bad);
+  std::printf(
+      "[gpu] region '%s' on %s, %lld bytes, layer %lld written by another process and read back through "
+      "the daemon: %zu bytes differ\n",
+      regions[0].name.c_str(), std::string(proto::backend_name(regions[0].backend)).c_str(),
+      static_cast<long long>(regions[0].bytes), static_cast<long long>(layer), bad);
   c->reset();
   int st = d.stop();
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << d.log();

@@ -69,8 +69,7 @@ inline std::string read_file(const std::string& p) {
 class DaemonProcess {
  public:
   /// `extra_yaml` is appended to a config that sets the socket (mode 0666) and the CPU backend.
-  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {},
-                         std::string backend = "cpu")
+  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}, std::string backend = "cpu")
       : dir_(make_temp_dir()), backend_(std::move(backend)) {
     socket_ = dir_ + "/kvferry.sock";
     config_ = dir_ + "/kvferry.yaml";
