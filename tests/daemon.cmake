@@ -1,7 +1,7 @@
 # Tests of the daemon area (kvferry_add_gtest(...)).
 kvferry_add_gtest(protocol_test LABEL unit
   SOURCES unit/protocol_test.cpp unit/ring_test.cpp
-  LIBS kvferry::connector)
+  LIBS kvferry::protocol kvferry::connector)
 
 # Integration: kvferryd in its own process, clients here and in forked children.
 kvferry_add_gtest(daemon_integration_test LABEL integration TIMEOUT 120

@@ -91,7 +91,7 @@ void RingService::add(std::shared_ptr<ClientChannel> c) {
   {
     std::lock_guard<std::mutex> g(mu_);
     clients_.push_back(std::move(c));
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   ring::ring_doorbell(wake_efd_.get());
 }
@@ -101,12 +101,9 @@ void RingService::remove(const std::shared_ptr<ClientChannel>& c) {
   {
     std::lock_guard<std::mutex> g(mu_);
     std::erase(clients_, c);
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_release);
   }
-  // Wait until the ring thread has left any pass that may still use `c` (it re-reads the list
-  // at the start of every pass).
   ring::ring_doorbell(wake_efd_.get());
-  while (in_pass_.load(std::memory_order_acquire) && thread_.joinable()) std::this_thread::yield();
 }
 
 size_t RingService::serve(ClientChannel& c, bool* blocked) {
@@ -140,13 +137,10 @@ void RingService::loop() {
   uint64_t seen = ~uint64_t{0};
   auto last_work = std::chrono::steady_clock::now();
   for (;;) {
-    in_pass_.store(true, std::memory_order_release);
-    {
+    if (generation_.load(std::memory_order_acquire) != seen) {  // the hot path takes no lock
       std::lock_guard<std::mutex> g(mu_);
-      if (generation_ != seen) {
-        local = clients_;
-        seen = generation_;
-      }
+      local = clients_;
+      seen = generation_.load(std::memory_order_relaxed);
     }
     const bool stopping = stop_.load(std::memory_order_acquire);
     size_t work = 0;
@@ -154,13 +148,11 @@ void RingService::loop() {
     for (auto& c : local) work += serve(*c, &blocked);
     if (stopping && work == 0) break;  // drained (a client held back by backpressure cannot progress)
     if (work) {
-      in_pass_.store(false, std::memory_order_release);
       last_work = std::chrono::steady_clock::now();
       continue;
     }
     const auto idle = std::chrono::steady_clock::now() - last_work;
     if (idle < std::chrono::nanoseconds(spin_ns_.load(std::memory_order_relaxed))) {
-      in_pass_.store(false, std::memory_order_release);
       for (int i = 0; i < 16; ++i) cpu_relax();
       continue;
     }
@@ -176,7 +168,6 @@ void RingService::loop() {
       }
       flagged.push_back(c.get());
     }
-    in_pass_.store(false, std::memory_order_release);
     if (can_sleep) {
       epoll_event evs[16];
       // A client held back by a full completion ring rings no doorbell when it drains: poll.
@@ -186,7 +177,6 @@ void RingService::loop() {
     for (ClientChannel* c : flagged) c->ch.sq.end_sleep();
     last_work = std::chrono::steady_clock::now() - std::chrono::nanoseconds(spin_ns_.load()) / 2;
   }
-  in_pass_.store(false, std::memory_order_release);
   for (auto& c : local)
     if (c->ch.cq.consumer_needs_doorbell()) ring::ring_doorbell(c->cq_efd.get());
 }

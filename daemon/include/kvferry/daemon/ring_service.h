@@ -50,7 +50,8 @@ class RingService {
   /// Serves what is already queued, then stops the thread. Idempotent.
   void stop();
   void add(std::shared_ptr<ClientChannel> c);
-  /// After remove() returns, the ring thread no longer touches `c`.
+  /// Stops serving `c`. The ring thread may finish a pass that still uses it; the reference it
+  /// holds keeps the mapping and the eventfds alive until then, so the caller may drop its own.
   void remove(const std::shared_ptr<ClientChannel>& c);
   void set_spin(std::chrono::microseconds spin) { spin_ns_.store(spin.count() * 1000); }
 
@@ -63,9 +64,8 @@ class RingService {
   UniqueFd epfd_, wake_efd_;
   std::mutex mu_;
   std::vector<std::shared_ptr<ClientChannel>> clients_;  // guarded by mu_
-  uint64_t generation_ = 0;                              // guarded by mu_
+  std::atomic<uint64_t> generation_{0};                  // bumped under mu_; read lock-free by the ring thread
   std::atomic<bool> stop_{false};
-  std::atomic<bool> in_pass_{false};
   std::vector<ClientChannel*> flagged_;  // ring thread only
   std::thread thread_;
 };
