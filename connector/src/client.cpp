@@ -76,7 +76,7 @@ Client::~Client() {
 }
 
 void Client::unmap(Mapped& m) {
-  if (!m.base) return;
+  if (!m.base || !m.owned) return;
   switch (m.desc.backend) {
     case proto::Backend::kMemfd: ::munmap(m.base, m.desc.alloc_bytes); break;
     case proto::Backend::kCudaVmm: {
@@ -182,6 +182,43 @@ Result<uint32_t> Client::create_region(const std::string& name, const KvCacheSpe
   auto f = request(proto::encode(proto::CreateRegion{name, spec}), proto::MsgType::kRegionHandle);
   if (!f.ok()) return f.status();
   return map_handle(*f);
+}
+
+Result<uint32_t> Client::register_region(const std::string& name, const KvCacheSpec& spec, const OwnBuffer& buf) {
+  KVFERRY_TRY(spec.validate());
+  if (!buf.base) return Status(ErrorCode::kInvalidArgument, "register_region: base is null");
+  proto::RegisterRegion m;
+  m.name = name;
+  m.spec = spec;
+  m.backend = buf.backend;
+  m.device = buf.device;
+  m.alloc_bytes = buf.alloc_bytes;
+  std::vector<int> fds;
+  if (buf.backend == proto::Backend::kCudaIpc) {
+    if (!buf.ipc_handle) return Status(ErrorCode::kInvalidArgument, "register_region: cuda_ipc needs an IPC handle");
+    m.has_ipc_handle = true;
+    std::memcpy(m.ipc_handle, buf.ipc_handle, 64);
+  } else {
+    if (buf.fd < 0) return Status(ErrorCode::kInvalidArgument, "register_region: memfd and cuda_vmm need an fd");
+    fds.push_back(buf.fd);
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  KVFERRY_TRY(proto::send_frame(sock_.get(), proto::encode(m), fds, opts_.timeout_ms));
+  auto f = proto::recv_frame(sock_.get(), opts_.timeout_ms);
+  if (!f.ok()) return f.status().with_context("waiting for kvferryd");
+  if (f->header.type == static_cast<uint16_t>(proto::MsgType::kError)) return error_from(*f);
+  if (f->header.type != static_cast<uint16_t>(proto::MsgType::kRegionHandle))
+    return Status(ErrorCode::kProtocol, "kvferryd answered message type " + std::to_string(f->header.type));
+  auto h = proto::decode_region_handle(f->payload, f->header.field_mask);
+  if (!h.ok()) return h.status();
+  Mapped mp;
+  mp.desc = h->region;
+  mp.base = buf.base;
+  mp.device = buf.backend != proto::Backend::kMemfd;
+  mp.owned = false;
+  known_[mp.desc.id] = mp.desc;
+  mapped_[mp.desc.id] = mp;
+  return mp.desc.id;
 }
 
 Result<LayerView> Client::kv_view(uint32_t region_id, int64_t layer, bool v_plane) const {

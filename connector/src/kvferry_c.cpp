@@ -163,6 +163,30 @@ int kvferry_create_region(kvferry_client* c, const char* name, int64_t layers, i
   });
 }
 
+int kvferry_register_region(kvferry_client* c, const char* name, int64_t layers, int64_t blocks, int64_t block_size,
+                            const char* format, int32_t layout, int32_t backend, int fd, const uint8_t* ipc_handle,
+                            void* base, uint64_t alloc_bytes, int32_t device, uint32_t* region_id) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && name && format && region_id, "client, name, format or region_id is NULL");
+    KVFERRY_C_CHECK(layout == 0 || layout == 1, "layout must be 0 (block_major) or 1 (layer_major)");
+    KVFERRY_C_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (memfd), 1 (cuda_vmm) or 2 (cuda_ipc)");
+    auto f = kvferry::EntryFormat::parse(format);
+    if (!f.ok()) return fail(f.status());
+    kvferry::KvCacheSpec s{layers, blocks, block_size, *f, static_cast<kvferry::Layout>(layout)};
+    kvferry::Client::OwnBuffer b;
+    b.backend = static_cast<kvferry::proto::Backend>(backend);
+    b.fd = fd;
+    b.ipc_handle = ipc_handle;
+    b.base = base;
+    b.alloc_bytes = alloc_bytes;
+    b.device = device;
+    auto r = c->c->register_region(name, s, b);
+    if (!r.ok()) return fail(r.status());
+    *region_id = *r;
+    return ok();
+  });
+}
+
 int kvferry_layer_view(kvferry_client* c, uint32_t region_id, int64_t layer, kvferry_view* out) {
   return guard([&] {
     KVFERRY_C_CHECK(c && out, "client or out is NULL");

@@ -106,6 +106,8 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
   std::shared_ptr<ClientChannel> channel;
   std::set<uint32_t> held;
   uint8_t hdr[proto::kHeaderBytes];
+  size_t hdr_got = 0;
+  std::vector<UniqueFd> fds;  // descriptors that came with the current frame
   proto::Header header;
   std::vector<uint8_t> payload;
 
@@ -129,19 +131,52 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     d.release(*this);
   }
 
+  /// Waits for the next header. The header is read with recvmsg so that descriptors sent with a
+  /// frame's first byte (SCM_RIGHTS) are kept; Asio's reads would drop them. The payload follows
+  /// with an exact-size async_read.
   void read_header() {
     auto self = shared_from_this();
-    asio::async_read(sock, asio::buffer(hdr), [self](boost::system::error_code ec, size_t) {
+    sock.async_wait(local_stream::socket::wait_read, [self](boost::system::error_code ec) {
       if (ec) return self->close();
-      auto h = proto::decode_header(self->hdr);
-      if (!h.ok()) return self->fail(h.status());
-      self->header = *h;
-      self->payload.resize(h->length);
-      if (h->length == 0) return self->dispatch();
-      asio::async_read(self->sock, asio::buffer(self->payload), [self](boost::system::error_code ec2, size_t) {
-        if (ec2) return self->close();
-        self->dispatch();
-      });
+      self->on_readable();
+    });
+  }
+
+  void on_readable() {
+    while (hdr_got < proto::kHeaderBytes) {
+      iovec iov{hdr + hdr_got, proto::kHeaderBytes - hdr_got};
+      msghdr mh{};
+      mh.msg_iov = &iov;
+      mh.msg_iovlen = 1;
+      alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
+      mh.msg_control = cbuf;
+      mh.msg_controllen = sizeof cbuf;
+      const ssize_t r = ::recvmsg(fd(), &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return read_header();  // partial: wait
+      if (r <= 0) return close();
+      for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+        const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; ++i) {
+          int f;
+          std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+          fds.emplace_back(f);
+        }
+      }
+      if (mh.msg_flags & MSG_CTRUNC) return fail({ErrorCode::kProtocol, "too many file descriptors in one frame"});
+      hdr_got += static_cast<size_t>(r);
+    }
+    hdr_got = 0;
+    auto h = proto::decode_header(hdr);
+    if (!h.ok()) return fail(h.status());
+    header = *h;
+    payload.resize(h->length);
+    if (h->length == 0) return dispatch();
+    auto self = shared_from_this();
+    asio::async_read(sock, asio::buffer(payload), [self](boost::system::error_code ec, size_t) {
+      if (ec) return self->close();
+      self->dispatch();
     });
   }
 
@@ -154,6 +189,7 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
 
   void dispatch() {
     Status st = handle();
+    fds.clear();  // descriptors a message did not take are closed
     if (closed) return;
     if (!st.ok()) {
       if (st.code() == ErrorCode::kProtocol || st.code() == ErrorCode::kVersionMismatch) return fail(st);
@@ -183,6 +219,11 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
         auto m = proto::decode_create_region(payload, fm);
         if (!m.ok()) return m.status();
         return create_region(*m);
+      }
+      case proto::MsgType::kRegisterRegion: {
+        auto m = proto::decode_register_region(payload, fm);
+        if (!m.ok()) return m.status();
+        return register_region(*m);
       }
       case proto::MsgType::kDebugRead: {
         auto m = proto::decode_debug_read(payload, fm);
@@ -278,6 +319,38 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
       ++d.regions[(*r)->desc().id].holders;
     }
     return send_region(*r);
+  }
+
+  Status register_region(const proto::RegisterRegion& m) {
+    const size_t want = m.backend == proto::Backend::kCudaIpc ? 0 : 1;
+    if (fds.size() != want)
+      return {ErrorCode::kInvalidArgument, "registering region '" + m.name + "' (" +
+                                               std::string(proto::backend_name(m.backend)) + ") needs " +
+                                               std::to_string(want) + " fd(s), got " + std::to_string(fds.size())};
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      for (auto& [_, e] : d.regions)
+        if (e.region->desc().name == m.name)
+          return {ErrorCode::kAlreadyExists, "a region named '" + m.name + "' exists"};
+    }
+    uint32_t rid;
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      rid = d.next_region++;
+    }
+    auto r = import_region(rid, m, want ? std::move(fds[0]) : UniqueFd());
+    if (!r.ok()) return r.status();
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      d.regions[rid] = Impl::RegionEntry{*r, false, 1};
+      held.insert(rid);
+    }
+    spdlog::info("client {} registered region {} '{}': {} bytes on {}", id, rid, m.name, (*r)->desc().bytes,
+                 proto::backend_name(m.backend));
+    proto::RegionHandle h;  // no fd back: the client has its buffer
+    h.region = (*r)->desc();
+    send(proto::encode(h));
+    return Status::Ok();
   }
 
   Status debug_read(const proto::DebugRead& m) {

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -59,6 +60,35 @@ Result<std::shared_ptr<Region>> create_memfd_region(uint32_t id, const std::stri
   return std::shared_ptr<Region>(std::make_shared<MemfdRegion>(std::move(d), std::move(fd), base));
 }
 
+Result<std::shared_ptr<Region>> import_region(uint32_t id, const proto::RegisterRegion& m, UniqueFd fd) {
+  KVFERRY_TRY(m.spec.validate().with_context("registered region '" + m.name + "'"));
+  if (m.backend != proto::Backend::kMemfd) return import_cuda_region(id, m, std::move(fd));
+  if (!fd) return Status(ErrorCode::kInvalidArgument, "registered region '" + m.name + "' came without its memfd");
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) return errno_status("fstat(registered memfd)", errno);
+  if (static_cast<uint64_t>(st.st_size) < m.alloc_bytes)
+    return Status(ErrorCode::kInvalidArgument, "registered region '" + m.name + "': the file is " +
+                                                   std::to_string(st.st_size) + " bytes, alloc_bytes says " +
+                                                   std::to_string(m.alloc_bytes));
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0 || !(seals & F_SEAL_SHRINK))
+    return Status(ErrorCode::kInvalidArgument,
+                  "registered region '" + m.name +
+                      "': the memfd must be sealed against shrinking (memfd_create with MFD_ALLOW_SEALING, then "
+                      "fcntl(F_ADD_SEALS, F_SEAL_SHRINK))");
+  void* base = ::mmap(nullptr, m.alloc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (base == MAP_FAILED) return errno_status("mmap(registered memfd)", errno);
+  proto::RegionDesc d;
+  d.id = id;
+  d.name = m.name;
+  d.spec = m.spec;
+  d.bytes = static_cast<uint64_t>(m.spec.region_bytes());
+  d.alloc_bytes = m.alloc_bytes;
+  d.backend = proto::Backend::kMemfd;
+  d.device = -1;
+  return std::shared_ptr<Region>(std::make_shared<MemfdRegion>(std::move(d), std::move(fd), base));
+}
+
 Result<std::shared_ptr<Region>> create_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,
                                               RegionBackend backend, int gpu) {
   if (backend == RegionBackend::kCuda) return create_cuda_region(id, name, spec, gpu);
@@ -66,6 +96,10 @@ Result<std::shared_ptr<Region>> create_region(uint32_t id, const std::string& na
 }
 
 #if !defined(KVFERRY_WITH_CUDA)
+Result<std::shared_ptr<Region>> import_cuda_region(uint32_t, const proto::RegisterRegion& m, UniqueFd) {
+  return Result<std::shared_ptr<Region>>(ErrorCode::kUnavailable,
+                                         "registered region '" + m.name + "': kvferry was built without CUDA");
+}
 Result<std::shared_ptr<Region>> create_cuda_region(uint32_t, const std::string& name, const KvCacheSpec&, int) {
   return Result<std::shared_ptr<Region>>(ErrorCode::kUnavailable,
                                          "region '" + name + "': kvferry was built without CUDA");

@@ -41,11 +41,17 @@ class VmmRegion final : public Region {
 
 class IpcRegion final : public Region {
  public:
-  IpcRegion(proto::RegionDesc d, void* p, const uint8_t h[64]) : p_(p) {
+  /// `opened`: the memory belongs to another process (cudaIpcOpenMemHandle), not to us.
+  IpcRegion(proto::RegionDesc d, void* p, const uint8_t h[64], bool opened = false) : p_(p), opened_(opened) {
     desc_ = std::move(d);
     std::memcpy(h_, h, 64);
   }
-  ~IpcRegion() override { cuda_vmm::free_ipc(p_, desc_.device); }
+  ~IpcRegion() override {
+    if (opened_)
+      cuda_vmm::ipc_close(p_, desc_.device);
+    else
+      cuda_vmm::free_ipc(p_, desc_.device);
+  }
   int export_fd() const override { return -1; }
   bool ipc_handle(uint8_t out[64]) const override {
     std::memcpy(out, h_, 64);
@@ -58,10 +64,32 @@ class IpcRegion final : public Region {
 
  private:
   void* p_;
+  bool opened_;
   uint8_t h_[64];
 };
 
 }  // namespace
+
+Result<std::shared_ptr<Region>> import_cuda_region(uint32_t id, const proto::RegisterRegion& m, UniqueFd fd) {
+  proto::RegionDesc d;
+  d.id = id;
+  d.name = m.name;
+  d.spec = m.spec;
+  d.bytes = static_cast<uint64_t>(m.spec.region_bytes());
+  d.alloc_bytes = m.alloc_bytes;
+  d.backend = m.backend;
+  d.device = m.device;
+  if (m.backend == proto::Backend::kCudaVmm) {
+    if (!fd) return Status(ErrorCode::kInvalidArgument, "registered region '" + m.name + "' came without its fd");
+    auto vm = cuda_vmm::import_fd(m.device, fd.get(), m.alloc_bytes);
+    if (!vm.ok()) return vm.status().with_context("importing registered region '" + m.name + "'");
+    vm->fd = fd.release();  // kept to export the region to other clients
+    return std::shared_ptr<Region>(std::make_shared<VmmRegion>(std::move(d), *vm));
+  }
+  auto p = cuda_vmm::ipc_open(m.device, m.ipc_handle);
+  if (!p.ok()) return p.status().with_context("importing registered region '" + m.name + "'");
+  return std::shared_ptr<Region>(std::make_shared<IpcRegion>(std::move(d), *p, m.ipc_handle, true));
+}
 
 Result<std::shared_ptr<Region>> create_cuda_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,
                                                    int gpu) {

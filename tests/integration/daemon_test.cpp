@@ -1,7 +1,9 @@
 // kvferryd end to end: the daemon runs in its own process (CPU backend), clients run in this
 // process and in forked children. Every wait is bounded.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <poll.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -365,6 +367,81 @@ TEST_F(DaemonIt, KilledClientReleasesItsResources) {
   ASSERT_TRUE(again);
   expect_pings(*again, 10);
   expect_pings(*me, 10);
+}
+
+// An engine registers a buffer it allocated (a sealed memfd): the daemon reads what the engine
+// wrote, another process maps it by name, and it goes away with its last holder.
+TEST_F(DaemonIt, EngineRegisteredBufferIsSharedAndReleased) {
+  const KvCacheSpec spec{3, 5, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor};
+  const uint64_t bytes = static_cast<uint64_t>(spec.region_bytes());
+  const uint64_t alloc = (bytes + 4095) / 4096 * 4096;
+  auto make_memfd = [&](bool seal) {
+    int fd = ::memfd_create("engine-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(alloc)), 0);
+    if (seal) {
+      EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+    }
+    return UniqueFd(fd);
+  };
+  auto c = connect_to(*d_, "registrant");
+  ASSERT_TRUE(c);
+  UniqueFd fd = make_memfd(true);
+  void* base = ::mmap(nullptr, alloc, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  ASSERT_NE(base, MAP_FAILED);
+  Client::OwnBuffer buf;
+  buf.fd = fd.get();
+  buf.base = base;
+  buf.alloc_bytes = alloc;
+  auto id = c->register_region("engine-own", spec, buf);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  auto v = c->layer_view(*id, 2);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->data, static_cast<uint8_t*>(base) + spec.page_offset(2, 0));
+  auto* p = static_cast<uint8_t*>(v->data);
+  for (int64_t b = 0; b < spec.blocks; ++b)
+    for (int64_t i = 0; i < spec.page_bytes(); ++i) p[b * v->view.stride(0) + i] = pattern(99, b, 0, i);
+  const uint64_t off = static_cast<uint64_t>(spec.page_offset(2, 4));
+  auto back = c->debug_read(*id, off, static_cast<uint32_t>(spec.page_bytes()));
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  for (int64_t i = 0; i < spec.page_bytes(); ++i) ASSERT_EQ((*back)[static_cast<size_t>(i)], pattern(99, 4, 0, i));
+  // Another process maps it by name and sees the same bytes.
+  int rc = run_in_child([&] {
+    auto o = connect_to(*d_, "peer");
+    if (!o) return 10;
+    auto st = o->status();
+    if (!st.ok()) return 11;
+    uint32_t rid = 0;
+    for (auto& r : st->regions)
+      if (r.desc.name == "engine-own") rid = r.desc.id;
+    auto m = o->map_region(rid);
+    if (!m.ok()) return 12;
+    return std::memcmp(static_cast<uint8_t*>(*m) + off, back->data(), back->size()) == 0 ? 0 : 13;
+  });
+  EXPECT_EQ(rc, 0) << "10 connect, 11 status, 12 map, 13 bytes differ";
+  // Refusals: an unsealed memfd, a name in use, a missing fd.
+  UniqueFd loose = make_memfd(false);
+  void* lb = ::mmap(nullptr, alloc, PROT_READ | PROT_WRITE, MAP_SHARED, loose.get(), 0);
+  Client::OwnBuffer lbuf = buf;
+  lbuf.fd = loose.get();
+  lbuf.base = lb;
+  auto r1 = c->register_region("loose", spec, lbuf);
+  EXPECT_EQ(r1.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(r1.status().message().find("F_SEAL_SHRINK"), std::string::npos) << r1.status().message();
+  EXPECT_EQ(c->register_region("engine-own", spec, buf).status().code(), ErrorCode::kAlreadyExists);
+  ::munmap(lb, alloc);
+  // The registrant leaves: the region goes with it (nobody else holds it now).
+  c.reset();
+  auto watcher = connect_to(*d_, "watcher");
+  ASSERT_TRUE(wait_until(
+      [&] {
+        auto st = watcher->status();
+        if (!st.ok()) return false;
+        for (auto& r : st->regions)
+          if (r.desc.name == "engine-own") return false;
+        return true;
+      },
+      5s));
+  ::munmap(base, alloc);
 }
 
 TEST_F(DaemonIt, DisallowedUidIsRefusedWithAClearMessage) {

@@ -150,7 +150,7 @@ TEST(Protocol, WrongVersionIsVersionMismatch) {
 }
 
 TEST(Protocol, UnknownTypeIsRejected) {
-  for (uint16_t t : {uint16_t{0}, uint16_t{kMaxMsgType + 1}, uint16_t{0xffff}}) {
+  for (uint16_t t : {uint16_t{0}, static_cast<uint16_t>(kMaxMsgType + 1), uint16_t{0xffff}}) {
     Frame f = encode(Hello{"x", 1});
     f[6] = static_cast<uint8_t>(t);
     f[7] = static_cast<uint8_t>(t >> 8);
@@ -225,6 +225,34 @@ TEST(Protocol, GarbageNeverCrashesAndIsMostlyRejected) {
     if (r.ok() && r->second > 0 && validate_payload(r->first.header, r->first.payload).ok()) ++accepted;
   }
   EXPECT_LT(accepted, 20000);
+}
+
+}  // namespace
+}  // namespace kvferry::proto
+
+namespace kvferry::proto {
+namespace {
+
+TEST(Protocol, RegisterRegionRoundTripAndChecks) {
+  RegisterRegion m;
+  m.name = "engine-own";
+  m.spec = KvCacheSpec{2, 8, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor};
+  m.backend = Backend::kMemfd;
+  m.alloc_bytes = static_cast<uint64_t>(m.spec.region_bytes()) + 100;
+  Frame f = encode(m);
+  auto d = decode_register_region(std::span<const uint8_t>(f).subspan(kHeaderBytes), 0);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->alloc_bytes, m.alloc_bytes);
+  EXPECT_EQ(d->backend, Backend::kMemfd);
+  m.alloc_bytes = 10;  // smaller than the spec
+  Frame small = encode(m);
+  EXPECT_EQ(decode_register_region(std::span<const uint8_t>(small).subspan(kHeaderBytes), 0).status().code(),
+            ErrorCode::kProtocol);
+  m.alloc_bytes = static_cast<uint64_t>(m.spec.region_bytes());
+  m.backend = Backend::kCudaIpc;  // without its handle
+  Frame noh = encode(m);
+  EXPECT_EQ(decode_register_region(std::span<const uint8_t>(noh).subspan(kHeaderBytes), 0).status().code(),
+            ErrorCode::kProtocol);
 }
 
 }  // namespace

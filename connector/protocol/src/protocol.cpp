@@ -410,6 +410,44 @@ Frame encode_goodbye() {
   return finish(MsgType::kGoodbye, w);
 }
 
+Frame encode(const RegisterRegion& m) {
+  Writer w;
+  w.str(m.name);
+  put_spec(w, m.spec);
+  w.u8(static_cast<uint8_t>(m.backend));
+  w.i32(m.device);
+  w.u64(m.alloc_bytes);
+  if (m.has_ipc_handle) w.bytes(std::span<const uint8_t>(m.ipc_handle, 64));
+  return finish(MsgType::kRegisterRegion, w, m.has_ipc_handle ? kFieldIpcHandle : 0);
+}
+Result<RegisterRegion> decode_register_region(std::span<const uint8_t> p, uint32_t field_mask) {
+  Reader r(p);
+  RegisterRegion m;
+  m.name = r.str("name", 256);
+  m.spec = get_spec(r);
+  const uint8_t b = r.u8("backend");
+  m.device = r.i32("device");
+  m.alloc_bytes = r.u64("alloc_bytes");
+  if (field_mask & kFieldIpcHandle) {
+    auto h = r.bytes("ipc_handle", 64);
+    if (r.ok()) {
+      std::memcpy(m.ipc_handle, h.data(), 64);
+      m.has_ipc_handle = true;
+    }
+  }
+  if (!r.ok()) return r.status();
+  if (m.name.empty()) return Result<RegisterRegion>(ErrorCode::kProtocol, "region name is empty");
+  if (b > 2) return Result<RegisterRegion>(ErrorCode::kProtocol, "backend " + std::to_string(b) + " is unknown");
+  m.backend = static_cast<Backend>(b);
+  if (m.alloc_bytes < static_cast<uint64_t>(m.spec.region_bytes()))
+    return Result<RegisterRegion>(ErrorCode::kProtocol, "alloc_bytes " + std::to_string(m.alloc_bytes) +
+                                                            " is smaller than the spec's " +
+                                                            std::to_string(m.spec.region_bytes()) + " bytes");
+  if ((m.backend == Backend::kCudaIpc) != m.has_ipc_handle)
+    return Result<RegisterRegion>(ErrorCode::kProtocol, "an IPC handle comes with, and only with, backend cuda_ipc");
+  return m;
+}
+
 Result<std::pair<DecodedFrame, size_t>> decode_frame(std::span<const uint8_t> bytes) {
   using R = Result<std::pair<DecodedFrame, size_t>>;
   if (bytes.size() < kHeaderBytes) return std::pair<DecodedFrame, size_t>{DecodedFrame{}, 0};
@@ -436,6 +474,7 @@ Status validate_payload(const Header& h, std::span<const uint8_t> p) {
     case MsgType::kDebugRead: return decode_debug_read(p, fm).status();
     case MsgType::kDebugReadReply: return Status::Ok();
     case MsgType::kGoodbye: return Status::Ok();
+    case MsgType::kRegisterRegion: return decode_register_region(p, fm).status();
   }
   return {ErrorCode::kProtocol, "unknown message type " + std::to_string(h.type)};
 }

@@ -55,6 +55,18 @@ class Client {
   Result<void*> map_region(uint32_t region_id);
   /// Asks the daemon to create a region (or reuse one of that name and spec) and maps it.
   Result<uint32_t> create_region(const std::string& name, const KvCacheSpec& spec);
+  /// A buffer this process allocated itself (vLLM-style register_kv_caches).
+  struct OwnBuffer {
+    proto::Backend backend = proto::Backend::kMemfd;
+    int fd = -1;                          ///< memfd (sealed F_SEAL_SHRINK) or cuMem POSIX fd; stays ours
+    const uint8_t* ipc_handle = nullptr;  ///< 64-byte cudaIpcMemHandle for cuda_ipc
+    void* base = nullptr;                 ///< where this process maps it (views point here)
+    uint64_t alloc_bytes = 0;             ///< >= spec.region_bytes()
+    int device = -1;                      ///< CUDA device, -1 for host memory
+  };
+  /// Registers `buf` as region `name` of `spec`: the daemon imports it and offers it to other
+  /// clients; it lives while a client holds it. This process keeps ownership of its buffer.
+  Result<uint32_t> register_region(const std::string& name, const KvCacheSpec& spec, const OwnBuffer& buf);
   /// Layer `layer`'s view of a mapped region (MLA/indexer formats; for MHA the K plane).
   Result<LayerView> layer_view(uint32_t region_id, int64_t layer) const;
   /// MHA: layer `layer`'s K (`v_plane` false) or V plane.
@@ -84,6 +96,7 @@ class Client {
     void* base = nullptr;
     uint64_t handle = 0;  // cuda vmm
     bool device = false;
+    bool owned = true;  // false for a registered buffer: the caller unmaps it
   };
   Client() = default;
   Result<proto::RecvFrame> request(const proto::Frame& f, proto::MsgType want);

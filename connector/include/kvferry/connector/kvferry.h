@@ -87,6 +87,13 @@ KVFERRY_API int kvferry_map_region(kvferry_client* c, uint32_t region_id, void**
 /* format: EntryFormat name; layout 0 block_major, 1 layer_major. Creates (or reuses) and maps. */
 KVFERRY_API int kvferry_create_region(kvferry_client* c, const char* name, int64_t layers, int64_t blocks,
                                       int64_t block_size, const char* format, int32_t layout, uint32_t* region_id);
+/* Registers a buffer this process allocated: backend 0 memfd (fd sealed with F_SEAL_SHRINK),
+ * 1 cuda_vmm (cuMem POSIX fd), 2 cuda_ipc (ipc_handle: 64 bytes; fd -1). `base` is where this
+ * process maps it; the caller keeps ownership of the buffer and the fd. */
+KVFERRY_API int kvferry_register_region(kvferry_client* c, const char* name, int64_t layers, int64_t blocks,
+                                        int64_t block_size, const char* format, int32_t layout, int32_t backend, int fd,
+                                        const uint8_t* ipc_handle, void* base, uint64_t alloc_bytes, int32_t device,
+                                        uint32_t* region_id);
 KVFERRY_API int kvferry_layer_view(kvferry_client* c, uint32_t region_id, int64_t layer, kvferry_view* out);
 /* MHA K (v_plane 0) or V (v_plane 1) plane of a layer. */
 KVFERRY_API int kvferry_kv_view(kvferry_client* c, uint32_t region_id, int64_t layer, int32_t v_plane,

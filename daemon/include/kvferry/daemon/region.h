@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kvferry/connector/protocol.h"
+#include "kvferry/connector/wire_io.h"
 #include "kvferry/layouts/status.h"
 
 namespace kvferry::daemon {
@@ -47,5 +48,14 @@ Result<std::shared_ptr<Region>> create_memfd_region(uint32_t id, const std::stri
 /// kUnavailable in a build without CUDA or without a device.
 Result<std::shared_ptr<Region>> create_cuda_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,
                                                    int gpu);
+
+/// Imports a buffer an engine allocated and registered (proto::RegisterRegion): a memfd (it must
+/// carry F_SEAL_SHRINK, so the engine cannot pull pages from under the daemon's mapping), a cuMem
+/// POSIX fd, or a legacy CUDA IPC handle. Takes `fd` (unused for IPC). The region is exported to
+/// other clients the same way it came in.
+Result<std::shared_ptr<Region>> import_region(uint32_t id, const proto::RegisterRegion& m, UniqueFd fd);
+
+/// CUDA part of import_region (kUnavailable without CUDA).
+Result<std::shared_ptr<Region>> import_cuda_region(uint32_t id, const proto::RegisterRegion& m, UniqueFd fd);
 
 }  // namespace kvferry::daemon

@@ -42,8 +42,9 @@ enum class MsgType : uint16_t {
   kDebugRead = 9,        ///< client -> daemon: region, offset, bytes (<= kMaxDebugRead)
   kDebugReadReply = 10,  ///< daemon -> client: the bytes, read through the daemon's own mapping
   kGoodbye = 11,         ///< client -> daemon: orderly disconnect
+  kRegisterRegion = 12,  ///< client -> daemon: a buffer the engine allocated; fd or IPC handle
 };
-inline constexpr uint16_t kMaxMsgType = 11;
+inline constexpr uint16_t kMaxMsgType = 12;
 
 /// Ring op codes (SubmitEntry::op). Values are wire-stable. The data ops of the offload/reload
 /// work are reserved now so that they slot in without a version bump; until implemented the
@@ -176,6 +177,19 @@ struct CreateRegion {
   KvCacheSpec spec;
 };
 
+/// An engine's own buffer, exported for the daemon to import. memfd and cuda_vmm buffers travel
+/// as one fd (a memfd must be sealed against shrinking); cuda_ipc as a 64-byte handle
+/// (field_mask kFieldIpcHandle). Answered with kRegionHandle (without an fd).
+struct RegisterRegion {
+  std::string name;
+  KvCacheSpec spec;
+  Backend backend = Backend::kMemfd;
+  int32_t device = -1;
+  uint64_t alloc_bytes = 0;  ///< bytes of the buffer (>= spec.region_bytes())
+  bool has_ipc_handle = false;
+  uint8_t ipc_handle[64] = {};
+};
+
 struct StatusReply {
   struct Region {
     RegionDesc desc;
@@ -216,6 +230,7 @@ Frame encode(const StatusReply& m);
 Frame encode(const DebugRead& m);
 Frame encode_debug_read_reply(std::span<const uint8_t> data);
 Frame encode_goodbye();
+Frame encode(const RegisterRegion& m);
 
 // Payload decoders (the header was decoded and checked first). Each checks every field and
 // rejects specs that do not validate.
@@ -227,6 +242,7 @@ Result<RegionHandle> decode_region_handle(std::span<const uint8_t> p, uint32_t f
 Result<CreateRegion> decode_create_region(std::span<const uint8_t> p, uint32_t field_mask);
 Result<StatusReply> decode_status_reply(std::span<const uint8_t> p, uint32_t field_mask);
 Result<DebugRead> decode_debug_read(std::span<const uint8_t> p, uint32_t field_mask);
+Result<RegisterRegion> decode_register_region(std::span<const uint8_t> p, uint32_t field_mask);
 
 /// Splits a byte stream into frames: feed bytes, take complete frames. Used by tests and the
 /// fuzzer; the daemon reads header and payload with exact sizes instead.
