@@ -2,10 +2,17 @@
 // Subcommands of the `kvferry` CLI. Each adds itself to the app and runs when selected.
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <string>
 
 namespace kvferry::cli {
 
 /// Adds `kvferry layout`; sets *run to the function to call when it is selected.
 void add_layout_command(CLI::App& app, std::function<int()>* run);
+
+/// The socket path clients use when --socket is not given: $KVFERRY_SOCKET, else the default.
+std::string default_socket();
+
+/// Adds `kvferry status [--json]`, talking to the daemon at *socket_path (read when it runs).
+void add_status_command(CLI::App& app, std::function<int()>* run, const std::string* socket_path);
 
 }  // namespace kvferry::cli

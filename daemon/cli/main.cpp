@@ -1,6 +1,7 @@
 // kvferry: the command-line tool.
 #include <cstdio>
 #include <functional>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -11,7 +12,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", "kvferry 0.1.0");
   std::function<int()> run;
+  std::string socket_path = kvferry::cli::default_socket();
+  app.add_option("--socket", socket_path,
+                 "daemon control socket (default: $KVFERRY_SOCKET or /run/kvferry/kvferry.sock)");
   kvferry::cli::add_layout_command(app, &run);
+  kvferry::cli::add_status_command(app, &run, &socket_path);
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
 }

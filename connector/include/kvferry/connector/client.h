@@ -1,0 +1,117 @@
+#pragma once
+// The engine-side C++ client of kvferryd (DESIGN.md §5): connect over the control socket, map
+// regions into this process (host memory or GPU memory), get per-layer views, and submit
+// requests / reap completions over the shared-memory rings.
+//
+// Threads: control calls (map_region, create_region, debug_read, status) are serialized by an
+// internal mutex. The rings are single-producer / single-consumer: submit() from one thread at a
+// time and poll()/wait() from one thread at a time (they may be two different threads).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvferry/connector/protocol.h"
+#include "kvferry/connector/ring.h"
+#include "kvferry/connector/wire_io.h"
+#include "kvferry/layouts/tensor_view.h"
+
+namespace kvferry {
+
+/// A per-layer view of a mapped region: `data` = region base + view.offset, so element
+/// (b, t, e) is at data + (b*stride(0) + t*stride(1) + e*stride(2)) * elem_bytes.
+struct LayerView {
+  void* data = nullptr;
+  TensorView view;         ///< sizes, strides (elements) and the byte offset from the region base
+  bool on_device = false;  ///< GPU memory (CUDA backends) or host memory (memfd)
+};
+
+class Client {
+ public:
+  struct Options {
+    std::string socket;  ///< "" = $KVFERRY_SOCKET, else /run/kvferry/kvferry.sock
+    std::string name = "engine";
+    int timeout_ms = 5000;  ///< bound on every control round trip
+    int64_t spin_us = 50;   ///< wait(): spin this long before sleeping on the doorbell
+  };
+
+  /// Connects, performs the handshake and maps the rings. Errors name the socket and the cause
+  /// (a refused uid comes back as kPermissionDenied with the daemon's message).
+  static Result<std::unique_ptr<Client>> connect(const Options& opts);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  uint32_t id() const { return welcome_.client_id; }
+  /// Regions the daemon offered at the handshake (plus those created or mapped since).
+  std::vector<proto::RegionDesc> regions() const;
+  /// Id of the region named `name`.
+  Result<uint32_t> find_region(const std::string& name) const;
+
+  /// Maps region `region_id` into this process (once; later calls return the same base).
+  Result<void*> map_region(uint32_t region_id);
+  /// Asks the daemon to create a region (or reuse one of that name and spec) and maps it.
+  Result<uint32_t> create_region(const std::string& name, const KvCacheSpec& spec);
+  /// A buffer this process allocated itself (vLLM-style register_kv_caches).
+  struct OwnBuffer {
+    proto::Backend backend = proto::Backend::kMemfd;
+    int fd = -1;                          ///< memfd (sealed F_SEAL_SHRINK) or cuMem POSIX fd; stays ours
+    const uint8_t* ipc_handle = nullptr;  ///< 64-byte cudaIpcMemHandle for cuda_ipc
+    void* base = nullptr;                 ///< where this process maps it (views point here)
+    uint64_t alloc_bytes = 0;             ///< >= spec.region_bytes()
+    int device = -1;                      ///< CUDA device, -1 for host memory
+  };
+  /// Registers `buf` as region `name` of `spec`: the daemon imports it and offers it to other
+  /// clients; it lives while a client holds it. This process keeps ownership of its buffer.
+  Result<uint32_t> register_region(const std::string& name, const KvCacheSpec& spec, const OwnBuffer& buf);
+  /// Layer `layer`'s view of a mapped region (MLA/indexer formats; for MHA the K plane).
+  Result<LayerView> layer_view(uint32_t region_id, int64_t layer) const;
+  /// MHA: layer `layer`'s K (`v_plane` false) or V plane.
+  Result<LayerView> kv_view(uint32_t region_id, int64_t layer, bool v_plane) const;
+
+  /// Queues one request; kBusy when the submission ring is full (retry after reaping).
+  Status submit(const ring::SubmitEntry& e);
+  /// Queues a no-op ping carrying `payload` (echoed in result[0]).
+  Status ping(uint64_t id, uint64_t payload);
+  /// Takes up to out.size() completions without waiting.
+  size_t poll(std::span<ring::CompletionEntry> out);
+  /// Takes at least one completion (up to out.size()), spinning then sleeping; kTimeout after
+  /// `timeout_us`.
+  Result<size_t> wait(std::span<ring::CompletionEntry> out, int64_t timeout_us);
+  /// The per-client shared arena (block lists of the data ops).
+  std::span<uint8_t> arena() const { return {ch_.arena, ch_.arena_bytes}; }
+  uint32_t ring_entries() const { return welcome_.ring_entries; }
+
+  /// Reads region bytes through the daemon's own mapping (a debugging and test aid).
+  Result<std::vector<uint8_t>> debug_read(uint32_t region_id, uint64_t offset, uint32_t bytes);
+  /// The daemon's status (as `kvferry status`).
+  Result<proto::StatusReply> status();
+
+ private:
+  struct Mapped {
+    proto::RegionDesc desc;
+    void* base = nullptr;
+    uint64_t handle = 0;  // cuda vmm
+    bool device = false;
+    bool owned = true;  // false for a registered buffer: the caller unmaps it
+  };
+  Client() = default;
+  Result<proto::RecvFrame> request(const proto::Frame& f, proto::MsgType want);
+  Result<uint32_t> map_handle(proto::RecvFrame& f);
+  void unmap(Mapped& m);
+
+  Options opts_;
+  UniqueFd sock_, ring_fd_, sq_efd_, cq_efd_;
+  void* ring_base_ = nullptr;
+  uint64_t ring_bytes_ = 0;
+  ring::Channel ch_;
+  proto::Welcome welcome_;
+  mutable std::mutex mu_;  // control channel + maps
+  std::map<uint32_t, proto::RegionDesc> known_;
+  std::map<uint32_t, Mapped> mapped_;
+};
+
+}  // namespace kvferry

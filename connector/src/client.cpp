@@ -1,0 +1,312 @@
+// Client (client.h).
+#include "kvferry/connector/client.h"
+
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+#include "kvferry/connector/cuda_vmm.h"
+
+namespace kvferry {
+
+namespace {
+std::string socket_path(const std::string& s) {
+  if (!s.empty()) return s;
+  const char* env = std::getenv("KVFERRY_SOCKET");
+  return env && *env ? env : "/run/kvferry/kvferry.sock";
+}
+
+Status error_from(const proto::RecvFrame& f) {
+  auto e = proto::decode_error(f.payload, f.header.field_mask);
+  if (!e.ok()) return e.status();
+  return {e->code, "kvferryd: " + e->message};
+}
+}  // namespace
+
+Result<std::unique_ptr<Client>> Client::connect(const Options& opts) {
+  std::unique_ptr<Client> c(new Client());
+  c->opts_ = opts;
+  const std::string path = socket_path(opts.socket);
+  sockaddr_un a{};
+  if (path.size() >= sizeof a.sun_path) return Status(ErrorCode::kInvalidArgument, "socket path too long: " + path);
+  c->sock_.reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!c->sock_) return errno_status("socket", errno);
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
+  if (::connect(c->sock_.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    return Status(ErrorCode::kUnavailable, "cannot connect to kvferryd at '" + path + "': " + std::strerror(errno));
+  auto f =
+      c->request(proto::encode(proto::Hello{opts.name, static_cast<uint32_t>(::getpid())}), proto::MsgType::kWelcome);
+  if (!f.ok()) return f.status();
+  auto w = proto::decode_welcome(f->payload, f->header.field_mask);
+  if (!w.ok()) return w.status();
+  if (f->fds.size() != 3)
+    return Status(ErrorCode::kProtocol, "Welcome carried " + std::to_string(f->fds.size()) + " fds, expected 3");
+  c->welcome_ = std::move(*w);
+  c->ring_fd_ = std::move(f->fds[0]);
+  c->sq_efd_ = std::move(f->fds[1]);
+  c->cq_efd_ = std::move(f->fds[2]);
+  struct stat st {};
+  if (::fstat(c->ring_fd_.get(), &st) != 0) return errno_status("fstat(ring)", errno);
+  if (static_cast<uint64_t>(st.st_size) != c->welcome_.ring_bytes)
+    return Status(ErrorCode::kProtocol, "ring memfd is " + std::to_string(st.st_size) + " bytes, the Welcome said " +
+                                            std::to_string(c->welcome_.ring_bytes));
+  void* p = ::mmap(nullptr, c->welcome_.ring_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->ring_fd_.get(), 0);
+  if (p == MAP_FAILED) return errno_status("mmap(ring)", errno);
+  c->ring_base_ = p;
+  c->ring_bytes_ = c->welcome_.ring_bytes;
+  auto g = ring::check(p, c->ring_bytes_);
+  if (!g.ok()) return g.status();
+  c->ch_ = ring::channel(p, *g);
+  for (const auto& r : c->welcome_.regions) c->known_[r.id] = r;
+  return c;
+}
+
+Client::~Client() {
+  for (auto& [_, m] : mapped_) unmap(m);
+  if (sock_) (void)proto::send_frame(sock_.get(), proto::encode_goodbye(), {}, 100);
+  if (ring_base_) ::munmap(ring_base_, ring_bytes_);
+}
+
+void Client::unmap(Mapped& m) {
+  if (!m.base || !m.owned) return;
+  switch (m.desc.backend) {
+    case proto::Backend::kMemfd: ::munmap(m.base, m.desc.alloc_bytes); break;
+    case proto::Backend::kCudaVmm: {
+      cuda_vmm::Mapping vm;
+      vm.device = m.desc.device;
+      vm.handle = m.handle;
+      vm.ptr = m.base;
+      vm.size = m.desc.alloc_bytes;
+      cuda_vmm::release(vm);
+      break;
+    }
+    case proto::Backend::kCudaIpc: cuda_vmm::ipc_close(m.base, m.desc.device); break;
+  }
+  m.base = nullptr;
+}
+
+Result<proto::RecvFrame> Client::request(const proto::Frame& f, proto::MsgType want) {
+  if (Status sent = proto::send_frame(sock_.get(), f, {}, opts_.timeout_ms); !sent.ok()) {
+    // The daemon may have refused us (and closed) before reading: its Error frame says why.
+    auto why = proto::recv_frame(sock_.get(), 200);
+    if (why.ok() && why->header.type == static_cast<uint16_t>(proto::MsgType::kError)) return error_from(*why);
+    return sent.with_context("sending to kvferryd");
+  }
+  auto r = proto::recv_frame(sock_.get(), opts_.timeout_ms);
+  if (!r.ok()) return r.status().with_context("waiting for kvferryd");
+  if (r->header.type == static_cast<uint16_t>(proto::MsgType::kError)) return error_from(*r);
+  if (r->header.type != static_cast<uint16_t>(want))
+    return Status(ErrorCode::kProtocol, "kvferryd answered message type " + std::to_string(r->header.type) +
+                                            ", expected " + std::to_string(static_cast<int>(want)));
+  return r;
+}
+
+std::vector<proto::RegionDesc> Client::regions() const {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<proto::RegionDesc> v;
+  for (auto& [_, d] : known_) v.push_back(d);
+  return v;
+}
+
+Result<uint32_t> Client::find_region(const std::string& name) const {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& [id, d] : known_)
+    if (d.name == name) return id;
+  return Status(ErrorCode::kNotFound, "no region named '" + name + "'");
+}
+
+Result<uint32_t> Client::map_handle(proto::RecvFrame& f) {
+  auto h = proto::decode_region_handle(f.payload, f.header.field_mask);
+  if (!h.ok()) return h.status();
+  const proto::RegionDesc& d = h->region;
+  if (auto it = mapped_.find(d.id); it != mapped_.end()) return d.id;
+  Mapped m;
+  m.desc = d;
+  switch (d.backend) {
+    case proto::Backend::kMemfd: {
+      if (f.fds.size() != 1) return Status(ErrorCode::kProtocol, "memfd region handle without its fd");
+      struct stat st {};
+      if (::fstat(f.fds[0].get(), &st) != 0) return errno_status("fstat(region)", errno);
+      if (static_cast<uint64_t>(st.st_size) != d.alloc_bytes)
+        return Status(ErrorCode::kProtocol, "region memfd is " + std::to_string(st.st_size) + " bytes, expected " +
+                                                std::to_string(d.alloc_bytes));
+      void* p = ::mmap(nullptr, d.alloc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f.fds[0].get(), 0);
+      if (p == MAP_FAILED) return errno_status("mmap(region)", errno);
+      m.base = p;
+      break;
+    }
+    case proto::Backend::kCudaVmm: {
+      if (f.fds.size() != 1) return Status(ErrorCode::kProtocol, "cuda region handle without its fd");
+      auto vm = cuda_vmm::import_fd(d.device, f.fds[0].get(), d.alloc_bytes);
+      if (!vm.ok()) return vm.status().with_context("mapping region '" + d.name + "'");
+      m.base = vm->ptr;
+      m.handle = vm->handle;
+      m.device = true;
+      break;
+    }
+    case proto::Backend::kCudaIpc: {
+      if (!h->has_ipc_handle) return Status(ErrorCode::kProtocol, "cuda_ipc region handle without its IPC handle");
+      auto p = cuda_vmm::ipc_open(d.device, h->ipc_handle);
+      if (!p.ok()) return p.status().with_context("mapping region '" + d.name + "'");
+      m.base = *p;
+      m.device = true;
+      break;
+    }
+  }
+  known_[d.id] = d;
+  mapped_[d.id] = m;
+  return d.id;
+}
+
+Result<void*> Client::map_region(uint32_t region_id) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (auto it = mapped_.find(region_id); it != mapped_.end()) return it->second.base;
+  auto f = request(proto::encode(proto::MapRegion{region_id}), proto::MsgType::kRegionHandle);
+  if (!f.ok()) return f.status();
+  auto id = map_handle(*f);
+  if (!id.ok()) return id.status();
+  return mapped_[*id].base;
+}
+
+Result<uint32_t> Client::create_region(const std::string& name, const KvCacheSpec& spec) {
+  KVFERRY_TRY(spec.validate());
+  std::lock_guard<std::mutex> g(mu_);
+  auto f = request(proto::encode(proto::CreateRegion{name, spec}), proto::MsgType::kRegionHandle);
+  if (!f.ok()) return f.status();
+  return map_handle(*f);
+}
+
+Result<uint32_t> Client::register_region(const std::string& name, const KvCacheSpec& spec, const OwnBuffer& buf) {
+  KVFERRY_TRY(spec.validate());
+  if (!buf.base) return Status(ErrorCode::kInvalidArgument, "register_region: base is null");
+  proto::RegisterRegion m;
+  m.name = name;
+  m.spec = spec;
+  m.backend = buf.backend;
+  m.device = buf.device;
+  m.alloc_bytes = buf.alloc_bytes;
+  std::vector<int> fds;
+  if (buf.backend == proto::Backend::kCudaIpc) {
+    if (!buf.ipc_handle) return Status(ErrorCode::kInvalidArgument, "register_region: cuda_ipc needs an IPC handle");
+    m.has_ipc_handle = true;
+    std::memcpy(m.ipc_handle, buf.ipc_handle, 64);
+  } else {
+    if (buf.fd < 0) return Status(ErrorCode::kInvalidArgument, "register_region: memfd and cuda_vmm need an fd");
+    fds.push_back(buf.fd);
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  KVFERRY_TRY(proto::send_frame(sock_.get(), proto::encode(m), fds, opts_.timeout_ms));
+  auto f = proto::recv_frame(sock_.get(), opts_.timeout_ms);
+  if (!f.ok()) return f.status().with_context("waiting for kvferryd");
+  if (f->header.type == static_cast<uint16_t>(proto::MsgType::kError)) return error_from(*f);
+  if (f->header.type != static_cast<uint16_t>(proto::MsgType::kRegionHandle))
+    return Status(ErrorCode::kProtocol, "kvferryd answered message type " + std::to_string(f->header.type));
+  auto h = proto::decode_region_handle(f->payload, f->header.field_mask);
+  if (!h.ok()) return h.status();
+  Mapped mp;
+  mp.desc = h->region;
+  mp.base = buf.base;
+  mp.device = buf.backend != proto::Backend::kMemfd;
+  mp.owned = false;
+  known_[mp.desc.id] = mp.desc;
+  mapped_[mp.desc.id] = mp;
+  return mp.desc.id;
+}
+
+Result<LayerView> Client::kv_view(uint32_t region_id, int64_t layer, bool v_plane) const {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = mapped_.find(region_id);
+  if (it == mapped_.end())
+    return Status(ErrorCode::kNotFound, "region " + std::to_string(region_id) + " is not mapped (call map_region)");
+  const KvCacheSpec& s = it->second.desc.spec;
+  KVFERRY_TRY(s.check_layer(layer));
+  LayerView v;
+  v.view = s.format.kind == FormatKind::kMha ? s.kv_view(layer, v_plane) : s.layer_view(layer);
+  if (v_plane && s.format.kind != FormatKind::kMha)
+    return Status(ErrorCode::kInvalidArgument,
+                  "region '" + it->second.desc.name + "' has format " + s.format.name() + ", which has no V plane");
+  v.data = static_cast<uint8_t*>(it->second.base) + v.view.offset;
+  v.on_device = it->second.device;
+  return v;
+}
+
+Result<LayerView> Client::layer_view(uint32_t region_id, int64_t layer) const {
+  return kv_view(region_id, layer, false);
+}
+
+Status Client::submit(const ring::SubmitEntry& e) {
+  if (!ch_.sq.try_push(e))
+    return {ErrorCode::kBusy, "the submission ring is full (" + std::to_string(ch_.sq.capacity()) +
+                                  " requests in flight): reap completions and retry"};
+  if (ch_.sq.consumer_needs_doorbell()) ring::ring_doorbell(sq_efd_.get());
+  return Status::Ok();
+}
+
+Status Client::ping(uint64_t id, uint64_t payload) {
+  ring::SubmitEntry e{};
+  e.id = id;
+  e.op = static_cast<uint16_t>(proto::Op::kPing);
+  e.args[0] = payload;
+  return submit(e);
+}
+
+size_t Client::poll(std::span<ring::CompletionEntry> out) {
+  size_t n = 0;
+  while (n < out.size()) {
+    const ring::CompletionEntry* c = ch_.cq.peek();
+    if (!c) break;
+    out[n++] = *c;
+    ch_.cq.pop();
+  }
+  return n;
+}
+
+Result<size_t> Client::wait(std::span<ring::CompletionEntry> out, int64_t timeout_us) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto spin = std::chrono::microseconds(opts_.spin_us);
+  const auto limit = std::chrono::microseconds(timeout_us);
+  for (;;) {
+    if (size_t n = poll(out)) return n;
+    const auto waited = Clock::now() - start;
+    if (waited >= limit)
+      return Status(ErrorCode::kTimeout, "no completion within " + std::to_string(timeout_us) + " us");
+    if (waited < spin) {
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+      continue;
+    }
+    if (!ch_.cq.prepare_sleep()) continue;
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(limit - waited).count();
+    ring::wait_doorbell(cq_efd_.get(), left);
+    ch_.cq.end_sleep();
+  }
+}
+
+Result<std::vector<uint8_t>> Client::debug_read(uint32_t region_id, uint64_t offset, uint32_t bytes) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto f = request(proto::encode(proto::DebugRead{region_id, offset, bytes}), proto::MsgType::kDebugReadReply);
+  if (!f.ok()) return f.status();
+  if (f->payload.size() != bytes)
+    return Status(ErrorCode::kProtocol, "debug read returned " + std::to_string(f->payload.size()) + " of " +
+                                            std::to_string(bytes) + " bytes");
+  return std::move(f->payload);
+}
+
+Result<proto::StatusReply> Client::status() {
+  std::lock_guard<std::mutex> g(mu_);
+  auto f = request(proto::encode_status_request(), proto::MsgType::kStatusReply);
+  if (!f.ok()) return f.status();
+  return proto::decode_status_reply(f->payload, f->header.field_mask);
+}
+
+}  // namespace kvferry

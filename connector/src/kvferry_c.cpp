@@ -1,0 +1,271 @@
+// The C ABI (kvferry.h) over kvferry::Client. Every entry point catches everything: no
+// exception crosses into C.
+#include "kvferry/connector/kvferry.h"
+
+#include <cstring>
+#include <string>
+
+#include "kvferry/connector/client.h"
+
+struct kvferry_client {
+  std::unique_ptr<kvferry::Client> c;
+};
+
+namespace {
+
+using kvferry::ErrorCode;
+using kvferry::Status;
+
+thread_local std::string g_last_error;
+
+static_assert(sizeof(kvferry_sqe) == sizeof(kvferry::ring::SubmitEntry));
+static_assert(sizeof(kvferry_cqe) == sizeof(kvferry::ring::CompletionEntry));
+static_assert(offsetof(kvferry_cqe, result) == offsetof(kvferry::ring::CompletionEntry, result));
+static_assert(offsetof(kvferry_sqe, args) == offsetof(kvferry::ring::SubmitEntry, args));
+
+int fail(const Status& st) {
+  g_last_error = st.to_string();
+  return static_cast<int>(st.code());
+}
+int ok() {
+  g_last_error.clear();
+  return 0;
+}
+
+template <class F>
+int guard(F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    return fail(Status(ErrorCode::kInternal, std::string("unexpected exception: ") + e.what()));
+  } catch (...) {
+    return fail(Status(ErrorCode::kInternal, "unexpected exception"));
+  }
+}
+
+#define KVFERRY_C_CHECK(cond, what) \
+  if (!(cond)) return fail(Status(ErrorCode::kInvalidArgument, what))
+
+void to_c(const kvferry::LayerView& v, kvferry_view* out) {
+  std::memset(out, 0, sizeof *out);
+  out->data = v.data;
+  out->dtype = static_cast<int32_t>(v.view.dtype);
+  out->elem_bytes = static_cast<int32_t>(v.view.elem_bytes());
+  out->rank = v.view.rank;
+  out->on_device = v.on_device ? 1 : 0;
+  for (int i = 0; i < v.view.rank && i < 4; ++i) {
+    out->sizes[i] = v.view.sizes[i];
+    out->strides[i] = v.view.strides[i];
+  }
+  out->offset = v.view.offset;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kvferry_last_error(void) { return g_last_error.c_str(); }
+
+const char* kvferry_status_name(int status) { return kvferry::error_code_name(static_cast<ErrorCode>(status)).data(); }
+
+int kvferry_connect(const char* socket, const char* client_name, kvferry_client** out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(out, "out is NULL");
+    *out = nullptr;
+    kvferry::Client::Options o;
+    if (socket) o.socket = socket;
+    if (client_name) o.name = client_name;
+    auto c = kvferry::Client::connect(o);
+    if (!c.ok()) return fail(c.status());
+    *out = new kvferry_client{std::move(*c)};
+    return ok();
+  });
+}
+
+void kvferry_close(kvferry_client* c) {
+  try {
+    delete c;
+  } catch (...) {
+  }
+}
+
+int kvferry_client_id(kvferry_client* c, uint32_t* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    *out = c->c->id();
+    return ok();
+  });
+}
+
+int kvferry_region_count(kvferry_client* c, uint32_t* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    *out = static_cast<uint32_t>(c->c->regions().size());
+    return ok();
+  });
+}
+
+int kvferry_get_region_info(kvferry_client* c, uint32_t index, kvferry_region_info* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    auto rs = c->c->regions();
+    if (index >= rs.size())
+      return fail(
+          Status(ErrorCode::kOutOfRange, "region index " + std::to_string(index) + " of " + std::to_string(rs.size())));
+    const auto& d = rs[index];
+    std::memset(out, 0, sizeof *out);
+    out->id = d.id;
+    std::strncpy(out->name, d.name.c_str(), sizeof out->name - 1);
+    out->layers = d.spec.layers;
+    out->blocks = d.spec.blocks;
+    out->block_size = d.spec.block_size;
+    std::strncpy(out->format, d.spec.format.name().c_str(), sizeof out->format - 1);
+    out->layout = static_cast<int32_t>(d.spec.layout);
+    out->bytes = d.bytes;
+    out->backend = static_cast<int32_t>(d.backend);
+    out->device = d.device;
+    return ok();
+  });
+}
+
+int kvferry_find_region(kvferry_client* c, const char* name, uint32_t* region_id) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && name && region_id, "client, name or region_id is NULL");
+    auto r = c->c->find_region(name);
+    if (!r.ok()) return fail(r.status());
+    *region_id = *r;
+    return ok();
+  });
+}
+
+int kvferry_map_region(kvferry_client* c, uint32_t region_id, void** base) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && base, "client or base is NULL");
+    auto r = c->c->map_region(region_id);
+    if (!r.ok()) return fail(r.status());
+    *base = *r;
+    return ok();
+  });
+}
+
+int kvferry_create_region(kvferry_client* c, const char* name, int64_t layers, int64_t blocks, int64_t block_size,
+                          const char* format, int32_t layout, uint32_t* region_id) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && name && format && region_id, "client, name, format or region_id is NULL");
+    KVFERRY_C_CHECK(layout == 0 || layout == 1, "layout must be 0 (block_major) or 1 (layer_major)");
+    auto f = kvferry::EntryFormat::parse(format);
+    if (!f.ok()) return fail(f.status());
+    kvferry::KvCacheSpec s{layers, blocks, block_size, *f, static_cast<kvferry::Layout>(layout)};
+    auto r = c->c->create_region(name, s);
+    if (!r.ok()) return fail(r.status());
+    *region_id = *r;
+    return ok();
+  });
+}
+
+int kvferry_register_region(kvferry_client* c, const char* name, int64_t layers, int64_t blocks, int64_t block_size,
+                            const char* format, int32_t layout, int32_t backend, int fd, const uint8_t* ipc_handle,
+                            void* base, uint64_t alloc_bytes, int32_t device, uint32_t* region_id) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && name && format && region_id, "client, name, format or region_id is NULL");
+    KVFERRY_C_CHECK(layout == 0 || layout == 1, "layout must be 0 (block_major) or 1 (layer_major)");
+    KVFERRY_C_CHECK(backend >= 0 && backend <= 2, "backend must be 0 (memfd), 1 (cuda_vmm) or 2 (cuda_ipc)");
+    auto f = kvferry::EntryFormat::parse(format);
+    if (!f.ok()) return fail(f.status());
+    kvferry::KvCacheSpec s{layers, blocks, block_size, *f, static_cast<kvferry::Layout>(layout)};
+    kvferry::Client::OwnBuffer b;
+    b.backend = static_cast<kvferry::proto::Backend>(backend);
+    b.fd = fd;
+    b.ipc_handle = ipc_handle;
+    b.base = base;
+    b.alloc_bytes = alloc_bytes;
+    b.device = device;
+    auto r = c->c->register_region(name, s, b);
+    if (!r.ok()) return fail(r.status());
+    *region_id = *r;
+    return ok();
+  });
+}
+
+int kvferry_layer_view(kvferry_client* c, uint32_t region_id, int64_t layer, kvferry_view* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    auto v = c->c->layer_view(region_id, layer);
+    if (!v.ok()) return fail(v.status());
+    to_c(*v, out);
+    return ok();
+  });
+}
+
+int kvferry_kv_view(kvferry_client* c, uint32_t region_id, int64_t layer, int32_t v_plane, kvferry_view* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    auto v = c->c->kv_view(region_id, layer, v_plane != 0);
+    if (!v.ok()) return fail(v.status());
+    to_c(*v, out);
+    return ok();
+  });
+}
+
+int kvferry_submit(kvferry_client* c, const kvferry_sqe* req) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && req, "client or req is NULL");
+    kvferry::ring::SubmitEntry e{};
+    std::memcpy(&e, req, sizeof e);
+    Status st = c->c->submit(e);
+    return st.ok() ? ok() : fail(st);
+  });
+}
+
+int kvferry_ping(kvferry_client* c, uint64_t id, uint64_t payload) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c, "client is NULL");
+    Status st = c->c->ping(id, payload);
+    return st.ok() ? ok() : fail(st);
+  });
+}
+
+int kvferry_poll(kvferry_client* c, kvferry_cqe* out, uint32_t max, uint32_t* n) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && n && (out || max == 0), "client, out or n is NULL");
+    std::vector<kvferry::ring::CompletionEntry> buf(max);
+    *n = static_cast<uint32_t>(c->c->poll(buf));
+    std::memcpy(out, buf.data(), *n * sizeof(kvferry_cqe));
+    return ok();
+  });
+}
+
+int kvferry_wait(kvferry_client* c, kvferry_cqe* out, uint32_t max, int64_t timeout_us, uint32_t* n) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && n && out && max > 0, "client, out or n is NULL, or max is 0");
+    *n = 0;
+    std::vector<kvferry::ring::CompletionEntry> buf(max);
+    auto r = c->c->wait(buf, timeout_us);
+    if (!r.ok()) return fail(r.status());
+    *n = static_cast<uint32_t>(*r);
+    std::memcpy(out, buf.data(), *n * sizeof(kvferry_cqe));
+    return ok();
+  });
+}
+
+int kvferry_arena(kvferry_client* c, void** base, uint32_t* bytes) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && base && bytes, "client, base or bytes is NULL");
+    auto a = c->c->arena();
+    *base = a.data();
+    *bytes = static_cast<uint32_t>(a.size());
+    return ok();
+  });
+}
+
+int kvferry_debug_read(kvferry_client* c, uint32_t region_id, uint64_t offset, void* dst, uint32_t bytes) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && (dst || bytes == 0), "client or dst is NULL");
+    auto r = c->c->debug_read(region_id, offset, bytes);
+    if (!r.ok()) return fail(r.status());
+    std::memcpy(dst, r->data(), bytes);
+    return ok();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,58 @@
+#pragma once
+// The daemon core (kvferry_daemon_core): the control socket, client sessions, the region
+// registry and the ring service. `kvferryd`'s main only loads the config and wires signals;
+// tests can run a Daemon in-process from a config built in code.
+//
+// Threads: run() drives a Boost.Asio event loop on the calling thread (accept, handshake, control
+// messages, timers); the RingService thread serves the rings. stop() and reload() may be called
+// from any thread.
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "kvferry/config/config.h"
+#include "kvferry/connector/protocol.h"
+#include "kvferry/layouts/status.h"
+
+namespace kvferry::daemon {
+
+/// The version string the daemon reports ("0.1.0").
+const char* version();
+
+/// Sets the spdlog level from the config; the KVFERRY_LOG environment variable (trace, debug,
+/// info, warn, error, off) wins over it.
+void apply_log_level(config::LogLevel level);
+
+class Daemon {
+ public:
+  /// Validates `cfg`, picks the region backend (device.backend; auto = CUDA when
+  /// cuda_device_count() > 0), creates the configured regions and binds the socket.
+  static Result<std::unique_ptr<Daemon>> create(const config::Config& cfg);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  /// Serves until stop(): notifies READY=1 once accepting, WATCHDOG=1 at half the watchdog
+  /// interval, STOPPING=1 when asked to stop; drains the rings and returns.
+  Status run();
+  /// Asks run() to drain and return (thread- and signal-handler-safe via the event loop).
+  void stop();
+  /// Applies the reloadable keys of `cfg` (log level, allowed uids/gids, socket mode) and logs
+  /// the changed keys that need a restart. Thread-safe.
+  void reload(const config::Config& cfg);
+  /// Handles SIGTERM/SIGINT (stop) and SIGHUP (calls `on_hup`, which returns the new config or
+  /// an error to log) inside the event loop. Call before run().
+  void handle_signals(std::function<Result<config::Config>()> on_hup);
+
+  /// A snapshot of version, uptime, regions and clients (as `kvferry status` shows it).
+  proto::StatusReply status() const;
+  const std::string& socket_path() const;
+
+ private:
+  struct Impl;
+  explicit Daemon(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry::daemon

@@ -1,0 +1,73 @@
+#pragma once
+// The data path: one thread that serves every client's submission ring, dispatches each request
+// through one op table and posts completions. It spins for a bounded time after the last
+// request, then flags every ring "sleeping" and waits on the rings' eventfds (epoll).
+// Backpressure: when a client's completion ring is full, that client's submission ring is left
+// alone until the client consumes completions; nothing is dropped.
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "kvferry/connector/ring.h"
+#include "kvferry/connector/wire_io.h"
+
+namespace kvferry::daemon {
+
+/// One client's data channel: the ring memfd (mapped) and its two eventfds. Owned by the
+/// client's session and, while registered, shared with the ring thread.
+struct ClientChannel {
+  uint32_t client_id = 0;
+  UniqueFd ring_fd, sq_efd, cq_efd;
+  void* base = nullptr;
+  uint64_t bytes = 0;
+  ring::Geometry geometry;
+  ring::Channel ch;
+  std::atomic<uint64_t> ops{0};
+  ~ClientChannel();
+  /// Creates the memfd (sealed size), maps and initializes it, and the eventfds.
+  static Result<std::shared_ptr<ClientChannel>> create(uint32_t client_id, uint32_t entries, uint32_t arena_bytes);
+};
+
+/// Handles one request: fills `out` (id/op are preset, status defaults to kOk). Runs on the ring
+/// thread; must not block.
+using OpHandler = void (*)(ClientChannel& client, const ring::SubmitEntry& req, ring::CompletionEntry& out);
+
+class RingService {
+ public:
+  explicit RingService(std::chrono::microseconds spin);
+  ~RingService();
+  RingService(const RingService&) = delete;
+  RingService& operator=(const RingService&) = delete;
+
+  /// Installs `h` for op code `op` (< proto::kOpTableSize). Call before start().
+  void set_handler(uint16_t op, OpHandler h);
+  Status start();
+  /// Serves what is already queued, then stops the thread. Idempotent.
+  void stop();
+  void add(std::shared_ptr<ClientChannel> c);
+  /// Stops serving `c`. The ring thread may finish a pass that still uses it; the reference it
+  /// holds keeps the mapping and the eventfds alive until then, so the caller may drop its own.
+  void remove(const std::shared_ptr<ClientChannel>& c);
+  void set_spin(std::chrono::microseconds spin) { spin_ns_.store(spin.count() * 1000); }
+
+ private:
+  void loop();
+  size_t serve(ClientChannel& c, bool* blocked);
+
+  std::array<OpHandler, 64> table_{};
+  std::atomic<int64_t> spin_ns_;
+  UniqueFd epfd_, wake_efd_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<ClientChannel>> clients_;  // guarded by mu_
+  std::atomic<uint64_t> generation_{0};                  // bumped under mu_; read lock-free by the ring thread
+  std::atomic<bool> stop_{false};
+  std::vector<ClientChannel*> flagged_;  // ring thread only
+  std::thread thread_;
+};
+
+}  // namespace kvferry::daemon

@@ -1,0 +1,144 @@
+#pragma once
+// Test harness: runs kvferryd as a separate process with a config in a temporary directory,
+// and offers bounded waits. Every wait in these tests has a deadline.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace kvferry::testing {
+
+inline std::string make_temp_dir() {
+  char tmpl[] = "/tmp/kvferry-it-XXXXXX";
+  const char* d = ::mkdtemp(tmpl);
+  if (!d) std::abort();
+  ::chmod(d, 0755);  // lets a test client running as another uid reach the socket
+  return d;
+}
+
+/// Polls `pred` every 5 ms until it holds or `timeout` passes.
+inline bool wait_until(const std::function<bool()>& pred, std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return pred();
+}
+
+/// waitpid with a deadline; returns the wait status or -1 on timeout.
+inline int wait_pid(pid_t pid, std::chrono::milliseconds timeout) {
+  int st = -1;
+  bool done = wait_until([&] { return ::waitpid(pid, &st, WNOHANG) == pid; }, timeout);
+  return done ? st : -1;
+}
+
+inline int connect_raw(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+inline std::string read_file(const std::string& p) {
+  std::ifstream f(p);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+/// A kvferryd process. The config's `daemon.socket` is set to dir/kvferry.sock.
+class DaemonProcess {
+ public:
+  /// `extra_yaml` is appended to a config that sets the socket (mode 0666) and the CPU backend.
+  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}, std::string backend = "cpu")
+      : dir_(make_temp_dir()), backend_(std::move(backend)) {
+    socket_ = dir_ + "/kvferry.sock";
+    config_ = dir_ + "/kvferry.yaml";
+    log_ = dir_ + "/kvferryd.log";
+    write_config(extra_yaml);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      int lf = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+      ::dup2(lf, 2);
+      ::dup2(lf, 1);
+      for (auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
+      ::execl(KVFERRYD_PATH, "kvferryd", "--config", config_.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    ready_ = wait_until(
+        [&] {
+          int fd = connect_raw(socket_);
+          if (fd < 0) return false;
+          ::close(fd);
+          return true;
+        },
+        std::chrono::seconds(10));
+  }
+  ~DaemonProcess() {
+    if (pid_ > 0 && !stopped_) stop();
+    std::string cmd = "rm -rf '" + dir_ + "'";
+    if (std::system(cmd.c_str()) != 0) {
+    }
+  }
+  void write_config(const std::string& extra_yaml) {
+    std::ofstream f(config_);
+    f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n"
+      << "device:\n  backend: " << backend_ << "\n"
+      << extra_yaml;
+  }
+  /// SIGTERM and wait (bounded); returns the wait status (-1 when it did not exit in time).
+  int stop(int sig = SIGTERM) {
+    stopped_ = true;
+    ::kill(pid_, sig);
+    int st = wait_pid(pid_, std::chrono::seconds(10));
+    if (st == -1) {
+      ::kill(pid_, SIGKILL);
+      wait_pid(pid_, std::chrono::seconds(5));
+    }
+    return st;
+  }
+  bool ready() const { return ready_; }
+  pid_t pid() const { return pid_; }
+  const std::string& socket() const { return socket_; }
+  const std::string& dir() const { return dir_; }
+  std::string log() const { return read_file(log_); }
+
+ private:
+  std::string dir_, backend_, socket_, config_, log_;
+  pid_t pid_ = -1;
+  bool ready_ = false, stopped_ = false;
+};
+
+/// Runs `fn` in a forked child; returns its exit code, or -1 when it did not exit in time.
+inline int run_in_child(const std::function<int()>& fn, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  pid_t p = ::fork();
+  if (p == 0) ::_exit(fn());
+  int st = wait_pid(p, timeout);
+  if (st == -1) {
+    ::kill(p, SIGKILL);
+    wait_pid(p, std::chrono::seconds(5));
+    return -1;
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+}  // namespace kvferry::testing
