@@ -18,3 +18,9 @@ kvferry_fuzz_target(config
   MODULES config
   LIBS kvferry::config
   SEEDS tests/fuzz/seeds/config deploy deploy/examples)
+
+kvferry_fuzz_target(frame
+  SOURCES fuzz_frame.cpp
+  MODULES connector/protocol
+  LIBS kvferry::protocol
+  SEEDS tests/fuzz/seeds/frame)
