@@ -1,0 +1,113 @@
+// CUDA engines of copy_blocks: an SM copy kernel (few CTAs, 16-byte loads unrolled so many bytes
+// are in flight over PCIe when one side is mapped pinned memory) and cudaMemcpyBatchAsync.
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <utility>
+#include <string>
+
+#include "kvferry/kernels/copy_blocks.h"
+#include "kvferry/kernels/device.h"
+
+namespace kvferry::kernels {
+namespace {
+
+constexpr int kCopyThreads = 512;
+constexpr int kUnroll = 4;
+
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_runs_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, const CopyRun* runs, int64_t n) {
+  for (int64_t i = blockIdx.x; i < n; i += gridDim.x) {
+    const CopyRun r = runs[i];
+    const uint8_t* s = src + r.src;
+    uint8_t* d = dst + r.dst;
+    int64_t head = 0;
+    if (((reinterpret_cast<uintptr_t>(s) | reinterpret_cast<uintptr_t>(d)) & 15u) == 0) {
+      const int64_t nv = r.bytes >> 4;
+      const uint4* sv = reinterpret_cast<const uint4*>(s);
+      uint4* dv = reinterpret_cast<uint4*>(d);
+      constexpr int64_t kStep = int64_t{kCopyThreads} * kUnroll;
+      int64_t base = 0;
+      for (; base + kStep <= nv; base += kStep) {
+        uint4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) v[u] = sv[base + u * kCopyThreads + threadIdx.x];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dv[base + u * kCopyThreads + threadIdx.x] = v[u];
+      }
+      for (int64_t k = base + threadIdx.x; k < nv; k += kCopyThreads) dv[k] = sv[k];
+      head = nv << 4;
+    }
+    for (int64_t k = head + threadIdx.x; k < r.bytes; k += kCopyThreads) d[k] = s[k];
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_copy_runs_kernel(const void* src_base, void* dst_base, const CopyRun* runs, int64_t num_runs,
+                                    int ctas, cudaStream_t stream) {
+  if (num_runs == 0) return cudaSuccess;
+  const int64_t grid = num_runs < ctas ? num_runs : ctas;
+  copy_runs_kernel<<<static_cast<unsigned>(grid), kCopyThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(src_base), static_cast<uint8_t*>(dst_base), runs, num_runs);
+  return cudaGetLastError();
+}
+
+Result<std::unique_ptr<BlockCopier>> BlockCopier::create(int64_t max_runs, int kernel_ctas) {
+  if (max_runs < 1) return Result<std::unique_ptr<BlockCopier>>(ErrorCode::kInvalidArgument, "max_runs must be >= 1");
+  std::unique_ptr<BlockCopier> c(new BlockCopier());
+  c->max_runs_ = max_runs;
+  c->set_kernel_ctas(kernel_ctas);
+  const size_t bytes = static_cast<size_t>(max_runs) * (sizeof(CopyRun) + 2 * sizeof(void*) + sizeof(size_t));
+  KVFERRY_CUDA_TRY(cudaHostAlloc(&c->staging_, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+  KVFERRY_CUDA_TRY(cudaEventCreateWithFlags(&c->done_, cudaEventDisableTiming));
+  return Result<std::unique_ptr<BlockCopier>>(std::move(c));
+}
+
+BlockCopier::~BlockCopier() {
+  if (done_) {
+    if (pending_) (void)cudaEventSynchronize(done_);
+    (void)cudaEventDestroy(done_);
+  }
+  if (staging_) (void)cudaFreeHost(staging_);
+}
+
+Status BlockCopier::copy(const void* src_base, void* dst_base, std::span<const CopyRun> runs, CopyEngine engine,
+                         cudaStream_t stream, int64_t auto_threshold) {
+  if (runs.empty()) return Status::Ok();
+  if (static_cast<int64_t>(runs.size()) > max_runs_)
+    return {ErrorCode::kInvalidArgument,
+            "copy_blocks: " + std::to_string(runs.size()) + " runs but the copier holds " + std::to_string(max_runs_)};
+  if (stream == nullptr || stream == cudaStreamLegacy)
+    return {ErrorCode::kInvalidArgument, "copy_blocks: needs an explicit stream (not the legacy default stream)"};
+  if (pending_) {
+    KVFERRY_CUDA_TRY(cudaEventSynchronize(done_));
+    pending_ = false;
+  }
+  const size_t n = runs.size();
+  auto* staged = static_cast<CopyRun*>(staging_);
+  auto** dsts = reinterpret_cast<void**>(staged + max_runs_);
+  auto** srcs = reinterpret_cast<const void**>(reinterpret_cast<uintptr_t>(dsts + max_runs_));
+  auto* sizes = reinterpret_cast<size_t*>(reinterpret_cast<uintptr_t>(srcs + max_runs_));
+  const CopyEngine e = choose_copy_engine(runs, engine, auto_threshold);
+  if (e == CopyEngine::kKernel) {
+    std::memcpy(staged, runs.data(), n * sizeof(CopyRun));
+    KVFERRY_CUDA_TRY(launch_copy_runs_kernel(src_base, dst_base, staged, static_cast<int64_t>(n), ctas_, stream));
+  } else {
+    for (size_t i = 0; i < n; ++i) {
+      dsts[i] = static_cast<uint8_t*>(dst_base) + runs[i].dst;
+      srcs[i] = static_cast<const uint8_t*>(src_base) + runs[i].src;
+      sizes[i] = static_cast<size_t>(runs[i].bytes);
+    }
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+    KVFERRY_CUDA_TRY(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &attr_idx, 1, stream));
+  }
+  KVFERRY_CUDA_TRY(cudaEventRecord(done_, stream));
+  pending_ = true;
+  return Status::Ok();
+}
+
+}  // namespace kvferry::kernels
