@@ -27,15 +27,21 @@ __global__ void __launch_bounds__(kCopyThreads)
       const uint4* sv = reinterpret_cast<const uint4*>(s);
       uint4* dv = reinterpret_cast<uint4*>(d);
       constexpr int64_t kStep = int64_t{kCopyThreads} * kUnroll;
-      int64_t base = 0;
-      for (; base + kStep <= nv; base += kStep) {
+      // Every thread keeps kUnroll loads in flight (predicated at the tail), so a CTA has
+      // kCopyThreads * kUnroll * 16 bytes outstanding: that hides PCIe latency with few CTAs.
+      for (int64_t base = 0; base < nv; base += kStep) {
         uint4 v[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) v[u] = sv[base + u * kCopyThreads + threadIdx.x];
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t k = base + u * kCopyThreads + threadIdx.x;
+          if (k < nv) v[u] = sv[k];
+        }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dv[base + u * kCopyThreads + threadIdx.x] = v[u];
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t k = base + u * kCopyThreads + threadIdx.x;
+          if (k < nv) dv[k] = v[u];
+        }
       }
-      for (int64_t k = base + threadIdx.x; k < nv; k += kCopyThreads) dv[k] = sv[k];
       head = nv << 4;
     }
     for (int64_t k = head + threadIdx.x; k < r.bytes; k += kCopyThreads) d[k] = s[k];
