@@ -38,6 +38,7 @@ struct Streams {
 /// Times `fn` (which enqueues on s.a and/or s.b) `reps` times after one warm-up; returns seconds per rep.
 template <class Fn>
 double time_it(Streams& s, int reps, Fn&& fn) {
+  cudaDeviceSynchronize();  // fills ran on the legacy stream, which s.a and s.b do not wait for
   auto once = [&] {
     cudaEventRecord(s.t0, s.a);
     cudaStreamWaitEvent(s.b, s.t0, 0);

@@ -50,6 +50,7 @@ struct Mirror {
             test::random_entry(s.format.kind, h + s.page_offset(l, b) + t * e, g);
     }
     (void)cudaMemcpy(d + lo, h + lo, n - static_cast<size_t>(lo), cudaMemcpyHostToDevice);
+    (void)cudaDeviceSynchronize();  // the test streams are non-blocking: let the fill land first
   }
   ~Mirror() {
     if (h) munmap(h, n);
@@ -79,9 +80,11 @@ struct DevVec {
   explicit DevVec(const std::vector<T>& v) : n(v.size()) {
     if (cudaMalloc(&p, std::max<size_t>(1, n * sizeof(T))) == cudaSuccess && n)
       (void)cudaMemcpy(p, v.data(), n * sizeof(T), cudaMemcpyHostToDevice);
+    (void)cudaDeviceSynchronize();
   }
   explicit DevVec(size_t count) : n(count) {
     if (cudaMalloc(&p, std::max<size_t>(1, n * sizeof(T))) == cudaSuccess) (void)cudaMemset(p, 0, n * sizeof(T));
+    (void)cudaDeviceSynchronize();
   }
   ~DevVec() { (void)cudaFree(p); }
   std::vector<T> get() const {
@@ -338,6 +341,7 @@ TEST_P(KernelsGpu, Conversions) {
             }
           }
       CUDA_OK(cudaMemcpy(src.d + src.lo, src.h + src.lo, src.n - static_cast<size_t>(src.lo), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaDeviceSynchronize());
     }
     const int64_t b0 = lo_block(ss), span = ss.blocks - b0;
     std::vector<int64_t> sb, db;
@@ -420,6 +424,7 @@ TEST(KernelsGpuCopy, EnginesMatchMemcpy) {
     CUDA_OK(cudaMalloc(&dreg2, rn));
     CUDA_OK(cudaMallocHost(&pinned, pn));
     CUDA_OK(cudaMemcpy(dreg, host_region.data(), rn, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint8_t> want_pool(pn, 0);
     ASSERT_TRUE(
         copy_blocks_cpu(host_region.data(), static_cast<int64_t>(rn), want_pool.data(), static_cast<int64_t>(pn), *save)
@@ -429,6 +434,7 @@ TEST(KernelsGpuCopy, EnginesMatchMemcpy) {
     for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma, CopyEngine::kAuto}) {
       std::memset(pinned, 0, pn);
       CUDA_OK(cudaMemset(dreg2, 0, rn));
+      CUDA_OK(cudaDeviceSynchronize());
       ASSERT_TRUE((*copier)->copy(dreg, pinned, *save, e, stream).ok());
       CUDA_OK(cudaStreamSynchronize(stream));
       EXPECT_EQ(std::memcmp(pinned, want_pool.data(), pn), 0) << "save, engine " << copy_engine_name(e);

@@ -9,6 +9,10 @@
 #include "kvferry/layouts/dtype.h"
 #include "kvferry/layouts/host_device.h"
 
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
+
 namespace kvferry::kernels::detail {
 
 KVFERRY_HOST_DEVICE float div_rn(float x, float y) {
@@ -49,8 +53,20 @@ KVFERRY_HOST_DEVICE float indexer_scale(float amax, bool ue8m0) {
   return s;
 }
 
+/// float -> e4m3, saturating RNE. On sm_89+ the hardware cvt.rn.satfinite (the same rounding as
+/// layouts' float_to_e4m3 for every non-NaN float: tests/gpu/kernels_fp8_exhaustive_test.cu checks
+/// all 2^32 inputs); NaN goes through float_to_e4m3 so its sign is kept as on the host.
+KVFERRY_HOST_DEVICE uint8_t to_e4m3(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(KVFERRY_SOFT_FP8)
+  if (x != x) return float_to_e4m3(x);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+#else
+  return float_to_e4m3(x);
+#endif
+}
+
 /// e4m3(x / s), saturating RNE.
-KVFERRY_HOST_DEVICE uint8_t quant_e4m3(float x, float s) { return float_to_e4m3(div_rn(x, s)); }
+KVFERRY_HOST_DEVICE uint8_t quant_e4m3(float x, float s) { return to_e4m3(div_rn(x, s)); }
 
 /// bf16 bits of float(e4m3) * s.
 KVFERRY_HOST_DEVICE uint16_t dequant_bf16(uint8_t q, float s) { return float_to_bf16(e4m3_to_float(q) * s); }
@@ -60,7 +76,7 @@ KVFERRY_HOST_DEVICE uint16_t e4m3_to_bf16(uint8_t q) { return float_to_bf16(e4m3
 
 /// The e4m3 byte whose value equals bf16 `h`, and whether it is exact (round trip bit-equal).
 KVFERRY_HOST_DEVICE bool bf16_to_e4m3_exact(uint16_t h, uint8_t* out) {
-  const uint8_t q = float_to_e4m3(bf16_to_float(h));
+  const uint8_t q = to_e4m3(bf16_to_float(h));
   *out = q;
   return e4m3_to_bf16(q) == h;
 }

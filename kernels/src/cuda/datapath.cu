@@ -44,6 +44,19 @@ __device__ __forceinline__ uint2 pack8(const uint8_t* b) {
   return v;
 }
 
+/// q = a / b, r = a % b for a >= 0, b > 0: 32-bit division when both fit (64-bit division is a
+/// long software sequence that would dominate these memory-bound kernels).
+__device__ __forceinline__ void divmod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
+  if (((a | b) >> 32) == 0) {
+    const uint32_t q32 = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+    q = q32;
+    r = a - static_cast<int64_t>(q32) * b;
+  } else {
+    q = a / b;
+    r = a - q * b;
+  }
+}
+
 __device__ __forceinline__ int64_t global_warp() {
   return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
 }
@@ -143,7 +156,9 @@ __global__ void __launch_bounds__(kThreads) write_mla_kernel(const WriteMlaParam
   for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
     const int64_t s = p.slots[n];
     if (s < 0 || s >= limit) continue;
-    uint8_t* dst = p.cache.entry(s / bs, s % bs);
+    int64_t blk, off;
+    divmod(s, bs, blk, off);
+    uint8_t* dst = p.cache.entry(blk, off);
     const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
     const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
     if constexpr (kMode == 0) {
@@ -183,10 +198,14 @@ __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParam
     const uint8_t* src = static_cast<const uint8_t*>(plane == 0 ? p.key : p.value) +
                          n * (plane == 0 ? p.key_stride : p.value_stride) * 2;
     const float sc = plane == 0 ? p.k_scale : p.v_scale;
-    uint8_t* entry = c.entry(s / bs, s % bs);
+    int64_t blk, off;
+    divmod(s, bs, blk, off);
+    uint8_t* entry = c.entry(blk, off);
     const int64_t hstride = c.view.strides[2] * eb;
     for (int64_t g = lane; g < groups; g += 32) {
-      const int64_t hh = g / gpd, k8 = (g - hh * gpd) * 8;
+      int64_t hh, kg;
+      divmod(g, gpd, hh, kg);
+      const int64_t k8 = kg * 8;
       const uint4 v = ld_v16(src + (hh * d + k8) * 2);
       uint8_t* dst = entry + hh * hstride + k8 * eb;
       if constexpr (!kFp8) {
@@ -212,8 +231,9 @@ __global__ void __launch_bounds__(kThreads) indexer_write_kernel(const IndexerWr
   for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
     const int64_t s = p.slots[n];
     if (s < 0 || s >= limit) continue;
-    const int64_t off = s % bs;
-    uint8_t* block = p.cache.entry(s / bs, 0);
+    int64_t blk, off;
+    divmod(s, bs, blk, off);
+    uint8_t* block = p.cache.entry(blk, 0);
     const uint2 raw = ld_v8(static_cast<const uint8_t*>(p.k) + n * p.k_stride * 2 + 8 * lane);
     uint16_t hv[4];
     memcpy(hv, &raw, 8);
@@ -261,8 +281,10 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
   for (int64_t j = global_warp(); j < p.total_rows; j += total_warps()) {
     const int64_t r = find_request(p.cu_seq_lens, p.batch, j);
     const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
-    const int64_t blk = p.block_table[r * p.block_table_stride + pos / bs];
-    const uint8_t* src = p.cache.entry(blk, pos % bs);
+    int64_t col, tok;
+    divmod(pos, bs, col, tok);
+    const int64_t blk = p.block_table[r * p.block_table_stride + col];
+    const uint8_t* src = p.cache.entry(blk, tok);
     uint8_t* dst = static_cast<uint8_t*>(p.dst) + j * p.dst_stride * dst_eb;
     if constexpr (kMode == 0) {
       const int64_t n = e * eb / kVec;
@@ -298,7 +320,9 @@ __global__ void __launch_bounds__(kThreads) dequant_paged_kernel(const DequantPa
   for (int64_t i = global_warp(); i < p.count; i += total_warps()) {
     const int64_t s = p.slots[i];
     if (s < 0 || s >= limit) continue;
-    warp_ds_to_bf16(p.cache.entry(s / bs, s % bs), static_cast<uint8_t*>(p.dst) + i * p.dst_stride * 2, lane);
+    int64_t blk, off;
+    divmod(s, bs, blk, off);
+    warp_ds_to_bf16(p.cache.entry(blk, off), static_cast<uint8_t*>(p.dst) + i * p.dst_stride * 2, lane);
   }
 }
 
@@ -310,8 +334,9 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const ConvertParams p
   const int64_t bs = p.src.view.sizes[1];
   const int64_t items = p.layers * p.count * bs;
   for (int64_t w = global_warp(); w < items; w += total_warps()) {
-    const int64_t t = w % bs, q = w / bs;
-    const int64_t i = q % p.count, l = q / p.count;
+    int64_t q, t, l, i;
+    divmod(w, bs, q, t);
+    divmod(q, p.count, l, i);
     const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
     const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
     const uint8_t* src = p.src.entry(sb, t) + l * p.src_layer_stride;

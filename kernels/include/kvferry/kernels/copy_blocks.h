@@ -59,14 +59,11 @@ class BlockCopier {
   BlockCopier() = default;
   int64_t max_runs_ = 0;
   int ctas_ = 8;
-  void* staging_ = nullptr;  // pinned: CopyRun[max] then void*[max] dsts, srcs, size_t sizes
+  void* staging_ = nullptr;  // pinned: CopyRun[max], chunk prefix[max+1], dsts[max], srcs[max], sizes[max]
   cudaEvent_t done_ = nullptr;
   bool pending_ = false;
 };
 
-/// The copy kernel alone: `runs` must be device-readable (device or mapped pinned memory).
-cudaError_t launch_copy_runs_kernel(const void* src_base, void* dst_base, const CopyRun* runs, int64_t num_runs,
-                                    int ctas, cudaStream_t stream);
 #endif
 
 }  // namespace kvferry::kernels
