@@ -1,10 +1,15 @@
 // CPU backend of copy_blocks (memcpy of byte runs) and the engine choice shared with CUDA.
 //
-// Threshold of kAuto (kCopyAutoThreshold = 256 KiB): on an H200, cudaMemcpyBatchAsync of 4096
-// scattered blocks reaches 0.45 / 0.75 / 0.92 / 0.97 / 0.995 of a 1 GiB pinned copy at
-// 16 KiB / 64 KiB / 256 KiB / 1 MiB / 4 MiB, a copy kernel on mapped pinned memory 0.92-0.95 at
-// every size (DESIGN.md section 8, ENVIRONMENT.md); they meet at about 256 KiB, and from there
-// DMA leaves the SMs to the engine. `kvferry-bench copy` re-measures both on the machine at hand.
+// Threshold of kAuto (kCopyAutoThreshold = 256 KiB), from `kvferry-bench copy` on two H200s
+// (4096 blocks scattered over a 16384-block region; ratios to a 1 GiB pinned copy, d2h / h2d /
+// both ways at once; the first machine ran an earlier copy kernel with one CTA per run, the second
+// (figures in brackets) the current one, a warp per 64 KiB chunk):
+//   64 KiB:  copy kernel 0.94 / 0.92 / 0.62  [0.94 / 0.88 / 0.72]
+//            DMA batch   0.77 / 0.74 / 0.65  [0.77 / 0.68 / 0.63]
+//   256 KiB: copy kernel 0.95 / 0.93 / 0.62  [0.93 / 0.88 / 0.73]
+//            DMA batch   0.93 / 0.92 / 0.89  [0.91 / 0.87 / 0.89]
+// Below 256 KiB the kernel wins clearly; from 256 KiB DMA is as fast one way, much faster both
+// ways, and leaves the SMs to the engine (DESIGN.md section 4), so kAuto switches there.
 #include <cstring>
 #include <string>
 

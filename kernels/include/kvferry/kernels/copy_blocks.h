@@ -22,7 +22,8 @@ enum class CopyEngine : uint8_t { kAuto = 0, kKernel = 1, kDma = 2 };
 const char* copy_engine_name(CopyEngine e);
 
 /// Mean run size from which kAuto picks DMA. The `copy` benchmark on an H200 (see the note in
-/// copy_blocks.cpp) shows the batched DMA matching the mapped-memory kernel from about 256 KiB.
+/// kernels/src/cpu/copy_blocks_cpu.cpp) shows the batched DMA matching the mapped-memory kernel
+/// from about 256 KiB.
 constexpr int64_t kCopyAutoThreshold = 256 << 10;
 
 /// Picks the engine for `runs` under `e` (resolves kAuto).
