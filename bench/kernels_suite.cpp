@@ -7,10 +7,12 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench.h"
 #include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/copy_blocks.h"
 #include "kvferry/kernels/device.h"
 #include "kvferry/kernels/gather.h"
 #include "kvferry/kernels/write.h"
@@ -19,9 +21,18 @@
 namespace kvferry::bench {
 namespace {
 
-#if defined(KVFERRY_WITH_CUDA)
-
 using namespace kernels;
+
+KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks) {
+  KvCacheSpec s;
+  s.layers = layers;
+  s.blocks = blocks;
+  s.block_size = 64;
+  s.format = f;
+  return s;
+}
+
+#if defined(KVFERRY_WITH_CUDA)
 
 /// A device allocation, memset to a pattern whose bytes are finite as e4m3, bf16 and fp32.
 struct Dev {
@@ -65,15 +76,6 @@ double time_launch(cudaStream_t st, int reps, const std::function<cudaError_t()>
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return ms * 1e-3 / reps;
-}
-
-KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks) {
-  KvCacheSpec s;
-  s.layers = layers;
-  s.blocks = blocks;
-  s.block_size = 64;
-  s.format = f;
-  return s;
 }
 
 int run_kernels(const Options& opts) {
@@ -284,7 +286,67 @@ int run_kernels(const Options&) {
 
 #endif
 
+/// The CPU twins of the conversions the daemon runs on the host while a block is staged, and the
+/// CPU copy_blocks, as bytes (read + written) per second over a memcpy of the same bytes, on one
+/// thread and on every hardware thread. Needs no GPU.
+int run_kernels_cpu(const Options& opts) {
+  Report rep("kernels-cpu");
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int64_t layers = 8, blocks = opts.quick ? 16 : 64, bs = 64;
+  const int reps = opts.quick ? 2 : 5;
+  struct K {
+    EntryFormat s, d;
+    const char* name;
+  };
+  const K kinds[] = {{EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds(), "convert 576->656"},
+                     {EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp8(), "convert 656->576"},
+                     {EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds(), "convert bf16->656"},
+                     {EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16(), "convert 656->bf16"}};
+  std::vector<int64_t> ids(static_cast<size_t>(blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  auto timed = [&](const std::function<void()>& fn) {
+    fn();
+    const double t0 = now_s();
+    for (int i = 0; i < reps; ++i) fn();
+    return (now_s() - t0) / reps;
+  };
+  for (int threads : {1, hw}) {
+    const std::string tn = " x" + std::to_string(threads) + " threads";
+    for (const K& k : kinds) {
+      const KvCacheSpec ss = spec_of(k.s, layers, blocks), ds = spec_of(k.d, layers, blocks);
+      std::vector<uint8_t> src(static_cast<size_t>(ss.region_bytes()), 0x3c),
+          dst(static_cast<size_t>(ds.region_bytes()));
+      const double bytes = static_cast<double>(ss.region_bytes() + ds.region_bytes());
+      // Limit: memcpy of the destination's size, split over the same threads, read + write counted.
+      const std::vector<CopyRun> runs = [&] {
+        std::vector<CopyRun> r;
+        const int64_t n = std::min(ss.region_bytes(), ds.region_bytes()), piece = n / 64;
+        for (int64_t o = 0; o + piece <= n; o += piece) r.push_back({o, o, piece});
+        return r;
+      }();
+      double copied = 0;
+      for (const CopyRun& r : runs) copied += 2.0 * static_cast<double>(r.bytes);
+      const double tl = timed([&] {
+        (void)copy_blocks_cpu(src.data(), ss.region_bytes(), dst.data(), ds.region_bytes(), runs, {threads});
+      });
+      Status st;
+      const double tc = timed([&] { st = convert_blocks_cpu(src.data(), ss, ids, dst.data(), ds, ids, {threads}); });
+      if (!st.ok()) {
+        std::fprintf(stderr, "kernels-cpu: %s\n", st.to_string().c_str());
+        return 1;
+      }
+      rep.add({std::string(k.name) + tn, bytes / tc / 1e9, "GB/s", copied / tl / 1e9, "memcpy", true, 0, ""});
+    }
+  }
+  rep.note(std::to_string(layers) + " layers x " + std::to_string(blocks) + " blocks x " + std::to_string(bs) +
+           " tokens per call; " + std::to_string(hw) + " hardware threads");
+  return rep.finish(opts);
+}
+
 }  // namespace
+
+KVFERRY_BENCH_SUITE("kernels-cpu", "CPU twins of the format conversions vs memcpy (the daemon's host path)",
+                    run_kernels_cpu);
 
 KVFERRY_BENCH_SUITE("kernels", "data-path kernels' bytes/s vs a device-to-device copy, contiguous and cross-layer",
                     run_kernels);

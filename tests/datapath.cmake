@@ -2,6 +2,8 @@
 kvferry_add_gtest(kernels_datapath_test LABEL unit
   SOURCES unit/kernels_write_test.cpp unit/kernels_convert_test.cpp
   LIBS kvferry::kernels)
+# One test checks the CPU twins' private lookup tables.
+target_include_directories(kernels_datapath_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels/src)
 if(KVFERRY_WITH_CUDA)
   kvferry_add_gtest(kernels_datapath_gpu_test LABEL gpu TIMEOUT 300
     SOURCES gpu/kernels_datapath_gpu_test.cpp

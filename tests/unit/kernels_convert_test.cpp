@@ -356,3 +356,26 @@ TEST(KernelsCopyBlocks, RejectsRunsOutsideTheBuffersAndPicksEngines) {
 
 }  // namespace
 }  // namespace kvferry
+
+// The CPU twins' lookup tables must be the scalar conversions, value for value.
+#include "cpu/entry_ops.h"
+
+namespace kvferry {
+namespace {
+
+TEST(KernelsCpuTables, MatchTheScalarConversions) {
+  using namespace kernels::detail;
+  for (int q = 0; q < 256; ++q) {
+    ASSERT_EQ(e4m3_bf16_table()[q], e4m3_to_bf16(static_cast<uint8_t>(q))) << q;
+    ASSERT_EQ(float_bits(e4m3_float_table()[q]), float_bits(e4m3_to_float(static_cast<uint8_t>(q)))) << q;
+  }
+  for (uint32_t h = 0; h < 65536; ++h) {
+    uint8_t q = 0;
+    const bool exact = bf16_to_e4m3_exact(static_cast<uint16_t>(h), &q);
+    ASSERT_EQ(bf16_e4m3_table()[h], q) << h;
+    ASSERT_EQ(e4m3_bf16_table()[q] == h, exact) << h;
+  }
+}
+
+}  // namespace
+}  // namespace kvferry

@@ -81,7 +81,7 @@ Status gather_cpu(const GatherParams& p, const CpuOptions& opt) {
       switch (p.mode) {
         case GatherMode::kCopy: std::memcpy(dst, src, static_cast<size_t>(e * dst_eb)); break;
         case GatherMode::kDequantFp8:
-          for (int64_t i = 0; i < e; ++i) st16(dst, i, dequant_bf16(src[i], p.scale));
+          for (int64_t i = 0; i < e; ++i) st16(dst, i, float_to_bf16(e4m3_float_table()[src[i]] * p.scale));
           break;
         case GatherMode::kDequantDs: entry_ds_to_bf16(src, dst); break;
       }
