@@ -2,7 +2,8 @@
 // Cache writers: concat_and_cache_mla (bf16 / mla_fp8 / mla_fp8_ds), the MHA K/V writer and
 // indexer_k_quant_and_cache. Each has a CUDA launcher and a CPU twin with the same contract and
 // bit-identical output. Tokens whose slot is negative are skipped (CUDA-graph padding); slot s
-// addresses block s / BS, token s % BS of the cache view.
+// addresses block s / BS, token s % BS of the cache view. Slots of one call must be distinct
+// (two tokens writing one slot leave either one, as in the engines' own writers).
 #include <cstdint>
 
 #include "kvferry/kernels/datapath_types.h"
