@@ -1,1 +1,5 @@
 # Benchmark suites of the datapath area (target_sources(kvferry_bench PRIVATE ...)).
+target_sources(kvferry_bench PRIVATE
+  ${CMAKE_CURRENT_SOURCE_DIR}/copy_suite.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/kernels_suite.cpp
+)

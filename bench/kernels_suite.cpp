@@ -1,0 +1,354 @@
+// kvferry-bench kernels: each data-path kernel's bytes moved (read + written, index arrays
+// included) per second, as a ratio to a device-to-device copy (read + write counted) measured in
+// the same run; on a contiguous per-layer cache and on a layer view of a block-major buffer.
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench.h"
+#include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/copy_blocks.h"
+#include "kvferry/kernels/device.h"
+#include "kvferry/kernels/gather.h"
+#include "kvferry/kernels/write.h"
+#include "kvferry/layouts/kv_cache_spec.h"
+
+namespace kvferry::bench {
+namespace {
+
+using namespace kernels;
+
+KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks) {
+  KvCacheSpec s;
+  s.layers = layers;
+  s.blocks = blocks;
+  s.block_size = 64;
+  s.format = f;
+  return s;
+}
+
+#if defined(KVFERRY_WITH_CUDA)
+
+/// A device allocation, memset to a pattern whose bytes are finite as e4m3, bf16 and fp32.
+struct Dev {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t bytes) : n(bytes) {
+    if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+      p = nullptr;
+      return;
+    }
+    (void)cudaMemset(p, 0x3c, bytes);
+  }
+  template <class T>
+  explicit Dev(const std::vector<T>& v) : Dev(v.size() * sizeof(T)) {
+    if (p) (void)cudaMemcpy(p, v.data(), n, cudaMemcpyHostToDevice);
+  }
+  ~Dev() {
+    if (p) (void)cudaFree(p);
+  }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+double time_launch(cudaStream_t st, int reps, const std::function<cudaError_t()>& fn, bool* ok) {
+  // The buffers were filled on the legacy stream, which a non-blocking stream does not wait for.
+  *ok &= cudaDeviceSynchronize() == cudaSuccess;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int i = 0; i < 2; ++i) *ok &= fn() == cudaSuccess;
+  cudaEventRecord(a, st);
+  for (int i = 0; i < reps; ++i) *ok &= fn() == cudaSuccess;
+  cudaEventRecord(b, st);
+  *ok &= cudaEventSynchronize(b) == cudaSuccess;
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms * 1e-3 / reps;
+}
+
+int run_kernels(const Options& opts) {
+  if (cuda_device_count() == 0) {
+    std::fprintf(stderr, "kernels: needs a CUDA GPU (%s)\n", cuda_summary().c_str());
+    return 2;
+  }
+  if (cudaSetDevice(opts.device) != cudaSuccess) return 1;
+  Report rep("kernels");
+  rep.note(cuda_summary());
+  cudaStream_t st;
+  if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) return 1;
+  const int reps = opts.quick ? 5 : 20;
+  const int64_t max_tokens = opts.quick ? 16384 : 131072;
+  const int64_t xl = opts.quick ? 8 : 61;         // layers of the cross-layer buffer
+  const double budget = opts.quick ? 1e9 : 10e9;  // bytes of one cross-layer region at most
+
+  // Limit: a device-to-device copy, read + write counted.
+  double d2d = 0;
+  {
+    const size_t n = opts.quick ? (size_t{256} << 20) : (size_t{1} << 30);
+    Dev a(n), b(n);
+    if (!a.p || !b.p) return 1;
+    bool ok = true;
+    const double t = time_launch(
+        st, reps, [&] { return cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, st); }, &ok);
+    d2d = 2.0 * static_cast<double>(n) / t / 1e9;
+    rep.add({"device-to-device copy", d2d, "GB/s", d2d, "itself", true, 0, "read + write"});
+  }
+
+  for (int cross = 0; cross < 2; ++cross) {
+    const int64_t layers = cross ? xl : 1, layer = cross ? xl / 2 : 0;
+    const std::string view = cross ? " L" + std::to_string(xl) + "/" + std::to_string(layer) : " contiguous";
+    // Tokens so that the cross-layer region of the widest format of a kernel stays within budget.
+    auto tokens_for = [&](int64_t bytes_per_token) {
+      const int64_t t = static_cast<int64_t>(budget / static_cast<double>(xl * bytes_per_token));
+      return std::max<int64_t>(64, std::min(max_tokens, t) / 64 * 64);
+    };
+    auto add = [&](const std::string& name, double bytes, double t, bool ok) {
+      if (!ok) {
+        rep.note(name + view + ": launch failed");
+        return;
+      }
+      rep.add({name + view, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0.85, ""});
+    };
+    std::mt19937 g(7);
+    auto perm = [&](int64_t n) {
+      std::vector<int64_t> v(static_cast<size_t>(n));
+      std::iota(v.begin(), v.end(), 0);
+      std::shuffle(v.begin(), v.end(), g);
+      return v;
+    };
+
+    // ---- write_mla, three modes ----
+    for (MlaWriteMode mode : {MlaWriteMode::kCopy, MlaWriteMode::kFp8, MlaWriteMode::kFp8Ds}) {
+      const EntryFormat f = mode == MlaWriteMode::kCopy  ? EntryFormat::mla_bf16()
+                            : mode == MlaWriteMode::kFp8 ? EntryFormat::mla_fp8()
+                                                         : EntryFormat::mla_fp8_ds();
+      const int64_t n = tokens_for(1152);
+      const KvCacheSpec s = spec_of(f, layers, n / 64);
+      Dev cache(static_cast<size_t>(s.region_bytes())), kv(static_cast<size_t>(n * 1152)), slots(perm(n));
+      if (!cache.p || !kv.p || !slots.p) return 1;
+      WriteMlaParams p;
+      p.kv_c = kv.p;
+      p.k_pe = kv.as<uint8_t>() + n * 1024;
+      p.slots = slots.as<int64_t>();
+      p.tokens = n;
+      p.cache = {cache.p, s.region_bytes(), s.layer_view(layer)};
+      p.mode = mode;
+      p.scale = 0.5f;
+      bool ok = validate_write_mla(p).ok();
+      const double t = time_launch(
+          st, reps, [&] { return launch_write_mla(p, st); }, &ok);
+      const char* nm[] = {"write_mla bf16", "write_mla fp8", "write_mla fp8_ds"};
+      add(nm[int(mode)], static_cast<double>(n) * (1152 + 8 + f.bytes_per_token()), t, ok);
+    }
+
+    // ---- write_mha, bf16 NHD and fp8 HND, 8 x 128 ----
+    for (DType dt : {DType::kBF16, DType::kFP8E4M3}) {
+      const EntryFormat f = EntryFormat::mha(8, 128, dt, dt == DType::kBF16 ? MhaOrder::kNHD : MhaOrder::kHND);
+      const int64_t n = tokens_for(f.bytes_per_token() * (dt == DType::kBF16 ? 1 : 2));
+      const KvCacheSpec s = spec_of(f, layers, n / 64);
+      Dev cache(static_cast<size_t>(s.region_bytes())), kv(static_cast<size_t>(n * 2 * 2048)), slots(perm(n));
+      if (!cache.p || !kv.p || !slots.p) return 1;
+      WriteMhaParams p;
+      p.key = kv.p;
+      p.value = kv.as<uint8_t>() + n * 2048;
+      p.key_stride = p.value_stride = 1024;
+      p.slots = slots.as<int64_t>();
+      p.tokens = n;
+      p.k_cache = {cache.p, s.region_bytes(), s.kv_view(layer, false)};
+      p.v_cache = {cache.p, s.region_bytes(), s.kv_view(layer, true)};
+      bool ok = validate_write_mha(p).ok();
+      const double t = time_launch(
+          st, reps, [&] { return launch_write_mha(p, st); }, &ok);
+      add(dt == DType::kBF16 ? "write_mha bf16 8x128 nhd" : "write_mha fp8 8x128 hnd",
+          static_cast<double>(n) * (4096 + 8 + f.bytes_per_token()), t, ok);
+    }
+
+    // ---- indexer ----
+    {
+      const int64_t n = tokens_for(256);
+      const KvCacheSpec s = spec_of(EntryFormat::indexer_fp8(), layers, n / 64);
+      Dev cache(static_cast<size_t>(s.region_bytes())), k(static_cast<size_t>(n * 256)), slots(perm(n));
+      if (!cache.p || !k.p || !slots.p) return 1;
+      IndexerWriteParams p;
+      p.k = k.p;
+      p.slots = slots.as<int64_t>();
+      p.tokens = n;
+      p.cache = {cache.p, s.region_bytes(), s.layer_view(layer)};
+      p.ue8m0 = true;
+      bool ok = validate_indexer_write(p).ok();
+      const double t = time_launch(
+          st, reps, [&] { return launch_indexer_write(p, st); }, &ok);
+      add("indexer_write ue8m0", static_cast<double>(n) * (256 + 8 + 132), t, ok);
+    }
+
+    // ---- gathers: 64 requests over a random block table ----
+    for (GatherMode mode : {GatherMode::kCopy, GatherMode::kDequantFp8, GatherMode::kDequantDs}) {
+      const EntryFormat f = mode == GatherMode::kCopy         ? EntryFormat::mla_bf16()
+                            : mode == GatherMode::kDequantFp8 ? EntryFormat::mla_fp8()
+                                                              : EntryFormat::mla_fp8_ds();
+      const int64_t n = tokens_for(1152), nb = n / 64, batch = 64, per = nb / batch;
+      const KvCacheSpec s = spec_of(f, layers, nb);
+      const auto blocks = perm(nb);
+      std::vector<int32_t> bt(blocks.begin(), blocks.end()), cu;
+      for (int64_t r = 0; r <= batch; ++r) cu.push_back(static_cast<int32_t>(r * per * 64));
+      Dev cache(static_cast<size_t>(s.region_bytes())), out(static_cast<size_t>(n * 1152)), dbt(bt), dcu(cu);
+      if (!cache.p || !out.p || !dbt.p || !dcu.p) return 1;
+      GatherParams p;
+      p.cache = {cache.p, s.region_bytes(), s.layer_view(layer)};
+      p.dst = out.p;
+      p.dst_stride = 576;
+      p.block_table = dbt.as<int32_t>();
+      p.block_table_stride = per;
+      p.cu_seq_lens = dcu.as<int32_t>();
+      p.batch = batch;
+      p.total_rows = cu.back();
+      p.mode = mode;
+      p.scale = 0.5f;
+      bool ok = validate_gather(p).ok();
+      const double t = time_launch(
+          st, reps, [&] { return launch_gather(p, st); }, &ok);
+      const char* nm[] = {"gather bf16 copy", "gather fp8->bf16", "gather 656->bf16"};
+      add(nm[int(mode)], static_cast<double>(p.total_rows) * (f.bytes_per_token() + 1152), t, ok);
+    }
+
+    // ---- dequantize_k_cache_paged ----
+    {
+      const int64_t n = tokens_for(1152);
+      const KvCacheSpec s = spec_of(EntryFormat::mla_fp8_ds(), layers, n / 64);
+      const auto sl = perm(n);
+      std::vector<int32_t> sl32(sl.begin(), sl.end());
+      Dev cache(static_cast<size_t>(s.region_bytes())), out(static_cast<size_t>(n * 1152)), slots(sl32);
+      if (!cache.p || !out.p || !slots.p) return 1;
+      DequantPagedParams p;
+      p.cache = {cache.p, s.region_bytes(), s.layer_view(layer)};
+      p.slots = slots.as<int32_t>();
+      p.count = n;
+      p.dst = out.p;
+      bool ok = validate_dequant_paged(p).ok();
+      const double t = time_launch(
+          st, reps, [&] { return launch_dequant_paged(p, st); }, &ok);
+      add("dequant_paged 656->bf16", static_cast<double>(n) * (656 + 4 + 1152), t, ok);
+    }
+
+    // ---- conversions of one layer's whole view ----
+    struct K {
+      ConvertKind kind;
+      EntryFormat s, d;
+      const char* name;
+    };
+    for (const K& k :
+         {K{ConvertKind::kFp8ToDs, EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds(), "convert 576->656"},
+          K{ConvertKind::kDsToFp8, EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp8(), "convert 656->576"},
+          K{ConvertKind::kBf16ToDs, EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds(), "convert bf16->656"},
+          K{ConvertKind::kDsToBf16, EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16(), "convert 656->bf16"}}) {
+      const int64_t n = tokens_for(1152);
+      const KvCacheSpec ss = spec_of(k.s, layers, n / 64), ds = spec_of(k.d, layers, n / 64);
+      Dev src(static_cast<size_t>(ss.region_bytes())), dst(static_cast<size_t>(ds.region_bytes()));
+      Dev flags(static_cast<size_t>(n / 64 * 4));
+      if (!src.p || !dst.p || !flags.p) return 1;
+      ConvertParams p;
+      p.kind = k.kind;
+      p.src = {src.p, ss.region_bytes(), ss.layer_view(layer)};
+      p.dst = {dst.p, ds.region_bytes(), ds.layer_view(layer)};
+      p.count = n / 64;
+      p.not_lossless = flags.as<int32_t>();
+      bool ok = validate_convert(p).ok();
+      const double t = time_launch(
+          st, reps, [&] { return launch_convert(p, st); }, &ok);
+      add(k.name, static_cast<double>(n) * (k.s.bytes_per_token() + k.d.bytes_per_token()), t, ok);
+    }
+  }
+  rep.note("cross-layer rows use layer " + std::to_string(xl / 2) + " of a block-major buffer of " +
+           std::to_string(xl) + " layers (stride(0) = L x page); tokens shrink so a region stays within " +
+           std::to_string(static_cast<int64_t>(budget / 1e9)) + " GB");
+  cudaStreamDestroy(st);
+  return rep.finish(opts);
+}
+
+#else
+
+int run_kernels(const Options&) {
+  std::fprintf(stderr, "kernels: needs a CUDA GPU (built without CUDA)\n");
+  return 2;
+}
+
+#endif
+
+/// The CPU twins of the conversions the daemon runs on the host while a block is staged, and the
+/// CPU copy_blocks, as bytes (read + written) per second over a memcpy of the same bytes, on one
+/// thread and on every hardware thread. Needs no GPU.
+int run_kernels_cpu(const Options& opts) {
+  Report rep("kernels-cpu");
+  const int hw = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int64_t layers = 8, blocks = opts.quick ? 16 : 64, bs = 64;
+  const int reps = opts.quick ? 2 : 5;
+  struct K {
+    EntryFormat s, d;
+    const char* name;
+  };
+  const K kinds[] = {{EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds(), "convert 576->656"},
+                     {EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp8(), "convert 656->576"},
+                     {EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds(), "convert bf16->656"},
+                     {EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16(), "convert 656->bf16"}};
+  std::vector<int64_t> ids(static_cast<size_t>(blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  auto timed = [&](const std::function<void()>& fn) {
+    fn();
+    const double t0 = now_s();
+    for (int i = 0; i < reps; ++i) fn();
+    return (now_s() - t0) / reps;
+  };
+  for (int threads : {1, hw}) {
+    const std::string tn = " x" + std::to_string(threads) + " threads";
+    for (const K& k : kinds) {
+      const KvCacheSpec ss = spec_of(k.s, layers, blocks), ds = spec_of(k.d, layers, blocks);
+      std::vector<uint8_t> src(static_cast<size_t>(ss.region_bytes()), 0x3c),
+          dst(static_cast<size_t>(ds.region_bytes()));
+      const double bytes = static_cast<double>(ss.region_bytes() + ds.region_bytes());
+      // Limit: memcpy of the destination's size, split over the same threads, read + write counted.
+      const std::vector<CopyRun> runs = [&] {
+        std::vector<CopyRun> r;
+        const int64_t n = std::min(ss.region_bytes(), ds.region_bytes()), piece = n / 64;
+        for (int64_t o = 0; o + piece <= n; o += piece) r.push_back({o, o, piece});
+        return r;
+      }();
+      double copied = 0;
+      for (const CopyRun& r : runs) copied += 2.0 * static_cast<double>(r.bytes);
+      const double tl = timed([&] {
+        (void)copy_blocks_cpu(src.data(), ss.region_bytes(), dst.data(), ds.region_bytes(), runs, {threads});
+      });
+      Status st;
+      const double tc = timed([&] { st = convert_blocks_cpu(src.data(), ss, ids, dst.data(), ds, ids, {threads}); });
+      if (!st.ok()) {
+        std::fprintf(stderr, "kernels-cpu: %s\n", st.to_string().c_str());
+        return 1;
+      }
+      rep.add({std::string(k.name) + tn, bytes / tc / 1e9, "GB/s", copied / tl / 1e9, "memcpy", true, 0, ""});
+    }
+  }
+  rep.note(std::to_string(layers) + " layers x " + std::to_string(blocks) + " blocks x " + std::to_string(bs) +
+           " tokens per call; " + std::to_string(hw) + " hardware threads");
+  return rep.finish(opts);
+}
+
+}  // namespace
+
+KVFERRY_BENCH_SUITE("kernels-cpu", "CPU twins of the format conversions vs memcpy (the daemon's host path)",
+                    run_kernels_cpu);
+
+KVFERRY_BENCH_SUITE("kernels", "data-path kernels' bytes/s vs a device-to-device copy, contiguous and cross-layer",
+                    run_kernels);
+
+}  // namespace kvferry::bench
