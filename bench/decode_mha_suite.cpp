@@ -195,14 +195,15 @@ int run_decode_mha(const Options& opts) {
     rep.add(Row{c.name + " cross-layer L3", x.us, "us", floor_us, "KV bytes at d2d rate", false, 0.7, sp + eff});
     rep.add(Row{c.name + " cross-layer / contig", x.us, "us", a.us, "contiguous, same run", false, 0.99, ""});
   }
-  if (!opts.quick) {  // split sweep of the first shape (the launcher's choice is the row above)
-    const Shape& c = shapes[0];
-    const double bytes = double(c.B) * c.len * c.Hkv * (c.Dk + c.Dv) * double(dtype_size(c.ct));
-    for (int S : {1, 2, 3, 4, 6, 8}) {
-      const Run a = run_case(c, false, S, s, warm, iters / 2, rep);
-      if (!a.ok) continue;
-      rep.add(Row{c.name + " contiguous S=" + std::to_string(S), a.us, "us", rate > 0 ? bytes / (rate * 1e3) : 0,
-                  "KV bytes at d2d rate", false, 0, "split sweep"});
+  if (!opts.quick) {  // split sweep of every shape (the launcher's choice is in the rows above)
+    for (const Shape& c : shapes) {
+      const double bytes = double(c.B) * c.len * c.Hkv * (c.Dk + c.Dv) * double(dtype_size(c.ct));
+      for (int S : {1, 2, 3, 4, 6, 8}) {
+        const Run a = run_case(c, false, S, s, warm, iters / 2, rep);
+        if (!a.ok) continue;
+        rep.add(Row{c.name + " contiguous S=" + std::to_string(S), a.us, "us", rate > 0 ? bytes / (rate * 1e3) : 0,
+                    "KV bytes at d2d rate", false, 0, "split sweep"});
+      }
     }
   }
   cudaStreamDestroy(s);
