@@ -4,8 +4,10 @@
 //
 // One CTA (4 warps) per (request, kv head, chunk of up to 8 query heads, split); each K/V row is
 // read from HBM once for the whole chunk. The warps work independently on interleaved 16-token
-// tiles of the split, each with its own cp.async pipeline in shared memory (no CTA barrier in
-// the loop) and its own online softmax; the CTA merges the four warps at the end.
+// tiles of the split, each with its own pipeline of stages in shared memory filled by
+// one-dimensional bulk copies (TMA, one per K or V row, completion counted on a per-stage
+// mbarrier; no CTA barrier in the loop) and its own online softmax; the CTA merges the four
+// warps at the end.
 //
 // Math runs on tensor cores (mma.sync m16n8k16, fp32 accumulation) in a transposed form so the
 // 8 query heads are the n = 8 side of the tile and no padding to 16 rows is needed:
@@ -16,6 +18,12 @@
 // two into fp16 range first (exact), the scale folded into the score scale. For fp8 V the
 // ldmatrix.trans of byte pairs plus a byte permute yields V^T fragments whose rows are the
 // even / odd head dims, which only changes where each accumulator lands.
+//
+// Status (H200, bench/decode_mha_suite.cpp): 0.91 of the d2d-rate floor for the Llama-3-8B-like
+// bf16 case, 0.95 for Dk 192 / Dv 128, 0.47 for fp8 d128. The fp8 case is bound by the rate of
+// bulk copies (one per 128-byte row, about one per 17 cycles per SM; it takes as long as bf16):
+// 16-byte cp.async reached 0.54-0.59 on it, and three CTAs per SM (a 72 KB pipeline) with 3
+// splits 0.55-0.57. Larger copies (a 2-D tensor-map box of 16 rows) are the next step there.
 //
 // All addressing is int64: row = base + page * stride_page + (n % page) * stride_token +
 // head * stride_head, strides in bytes. The arithmetic does not depend on addresses, so any two
@@ -80,10 +88,15 @@ __host__ __device__ constexpr int num_stages(int dk, int dv, int cb) {
                                                                  : (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb));
 }
 __host__ __device__ constexpr int merge_bytes(int dv) { return kWarps * kN * (dv + 2) * 4; }
+__host__ __device__ constexpr int pipe_bytes(int dk, int dv, int cb) {
+  return kWarps * num_stages(dk, dv, cb) * stage_bytes(dk, dv, cb);
+}
+// The per-stage mbarriers sit after both the pipeline and the merge buffer that aliases it.
+__host__ __device__ constexpr int bar_off(int dk, int dv, int cb) {
+  return pipe_bytes(dk, dv, cb) > merge_bytes(dv) ? pipe_bytes(dk, dv, cb) : merge_bytes(dv);
+}
 __host__ __device__ constexpr int smem_total(int dk, int dv, int cb) {
-  return kWarps * num_stages(dk, dv, cb) * stage_bytes(dk, dv, cb) > merge_bytes(dv)
-             ? kWarps * num_stages(dk, dv, cb) * stage_bytes(dk, dv, cb)
-             : merge_bytes(dv);
+  return bar_off(dk, dv, cb) + kWarps * num_stages(dk, dv, cb) * 8;
 }
 
 template <class CT>
@@ -184,14 +197,29 @@ __device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t
       : "r"(x));
 }
 
-__device__ __forceinline__ void cp_async16(uint32_t saddr, const void* gmem, bool valid) {
-  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(saddr), "l"(gmem), "r"(n) : "memory");
+// One-dimensional bulk copy (TMA) of `bytes` (multiple of 16, 16-byte aligned ends) into shared
+// memory; completion is counted in bytes on the mbarrier at `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n" ::"r"(
+          bar),
+      "r"(parity)
+      : "memory");
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -288,14 +316,28 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
   const uint32_t wsm = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * NST * STAGE;
 
   // Warp tile i of this warp: tokens [start + (warp + i * kWarps) * kTW, +kTW). Lane l copies
-  // row l % 16 (one page lookup per lane and tile), 16-byte chunks l / 16, +2, +4, ...
+  // row l % 16 of K (l < 16) or V (l >= 16) with one bulk copy; rows past the end are not read
+  // (K rows are masked, V rows are zeroed so that 0 * garbage cannot make a NaN).
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + bar_off(DK, DV, CB) + warp * NST * 8;
+  if (lane == 0) {
+    for (int st = 0; st < NST; ++st) mbar_init(bars + st * 8, 1);
+    mbar_init_fence();
+  }
+  __syncwarp();
   auto load = [&](int stage, int i) {
-    const int r = lane & (kTW - 1), c0 = lane >> 4;
-    const int n = start + (warp + i * kWarps) * kTW + r;
-    const bool ok = n < end;
-    const uint8_t* ksrc = kbase;
-    const uint8_t* vsrc = vbase;
-    if (ok) {
+    const int r = lane & (kTW - 1);
+    const bool is_v = lane >= kTW;
+    const int n0 = start + (warp + i * kWarps) * kTW;
+    const int nvalid = min(kTW, end - n0);
+    const uint32_t bar = bars + stage * 8;
+    if (lane == 0) {
+      proxy_fence();  // this stage's earlier generic reads (ordered by __syncwarp) before the async writes
+      mbar_arrive_tx(bar, static_cast<uint32_t>(nvalid * (DK + DV) * CB));
+    }
+    __syncwarp();
+    const uint32_t dst = wsm + stage * STAGE + (is_v ? kTW * RK + r * RV : r * RK);
+    if (r < nvalid) {
+      const int n = n0 + r;
       int pi, off;
       if (a.p_shift >= 0) {
         pi = n >> a.p_shift;
@@ -305,24 +347,21 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
         off = n - pi * a.P;
       }
       const int64_t pg = __ldg(bt + pi);
-      ksrc = kbase + pg * a.k_sp + int64_t{off} * a.k_st + c0 * 16;
-      vsrc = vbase + pg * a.v_sp + int64_t{off} * a.v_st + c0 * 16;
+      const uint8_t* src =
+          is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
+      bulk_g2s(dst, src, static_cast<uint32_t>((is_v ? DV : DK) * CB), bar);
+    } else if (is_v) {
+      uint4* z = reinterpret_cast<uint4*>(smem + (dst - static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
+#pragma unroll
+      for (int j = 0; j < CV; ++j) z[j] = make_uint4(0, 0, 0, 0);
     }
-    const uint32_t kdst = wsm + stage * STAGE + r * RK + c0 * 16;
-    const uint32_t vdst = wsm + stage * STAGE + kTW * RK + r * RV + c0 * 16;
-#pragma unroll
-    for (int j = 0; j < CK / 2; ++j) cp_async16(kdst + 32 * j, ksrc + (ok ? 32 * j : 0), ok);
-#pragma unroll
-    for (int j = 0; j < CV / 2; ++j) cp_async16(vdst + 32 * j, vsrc + (ok ? 32 * j : 0), ok);
   };
 
   const int ntiles = (end - start + kTW - 1) / kTW;
   const int nw = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;
 #pragma unroll
-  for (int st = 0; st < NST - 1; ++st) {
+  for (int st = 0; st < NST - 1; ++st)
     if (st < nw) load(st, st);
-    cp_async_commit();
-  }
 
   // O^T accumulators: o[mt][0..1] = (dim dmap(mt, 0), heads 2tq, 2tq+1), o[mt][2..3] = dim dmap(mt, 1).
   float o[MTV][4];
@@ -337,9 +376,8 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
     {
       const int nx = i + NST - 1;
       if (nx < nw) load(nx % NST, nx);
-      cp_async_commit();
     }
-    cp_async_wait<NST - 1>();
+    mbar_wait(bars + (i % NST) * 8, static_cast<uint32_t>((i / NST) & 1));
     __syncwarp();
     const uint32_t ks = wsm + (i % NST) * STAGE, vs = ks + kTW * RK;
     const int n0 = start + (warp + i * kWarps) * kTW;
@@ -428,13 +466,12 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  cp_async_wait<0>();
 #pragma unroll
   for (int off = 4; off < 32; off <<= 1) {
     l0 += __shfl_xor_sync(0xffffffffu, l0, off);
     l1 += __shfl_xor_sync(0xffffffffu, l1, off);
   }
-  __syncthreads();  // the stages are reused for the merge below
+  __syncthreads();  // every copy was waited for; the stages are reused for the merge below
 
   // Merge the four warps: mo[warp][head][dim], ml[warp][head] = (m, l).
   float* mo = reinterpret_cast<float*>(smem);
