@@ -1,4 +1,4 @@
-// Launcher of the CUDA paged MHA/GQA decode: dispatch on dtypes, Dv and the GQA group chunk,
+// Launcher of the CUDA paged MHA/GQA decode: dispatch on dtypes and head dims,
 // split choice, and the LSE merge of split partials.
 #include "decode_paged_kernel.cuh"
 
@@ -7,30 +7,29 @@ namespace {
 
 using namespace decode_paged_detail;
 
-KernelFn pick_kernel(DType qt, DType ct, int dv, int ng) {
-  if (qt == DType::kBF16 && ct == DType::kBF16) return pick_bf16(dv, ng);
-  if (qt == DType::kFP16 && ct == DType::kFP16) return pick_fp16(dv, ng);
-  if (qt == DType::kBF16 && ct == DType::kFP8E4M3) return pick_fp8_bf16q(dv, ng);
-  if (qt == DType::kFP16 && ct == DType::kFP8E4M3) return pick_fp8_fp16q(dv, ng);
+KernelFn pick_kernel(DType qt, DType ct, int dk, int dv) {
+  if (qt == DType::kBF16 && ct == DType::kBF16) return pick_bf16(dk, dv);
+  if (qt == DType::kFP16 && ct == DType::kFP16) return pick_fp16(dk, dv);
+  if (qt == DType::kBF16 && ct == DType::kFP8E4M3) return pick_fp8_bf16q(dk, dv);
+  if (qt == DType::kFP16 && ct == DType::kFP8E4M3) return pick_fp8_fp16q(dk, dv);
   return nullptr;
 }
 
 int group_of(const DecodePagedParams& p) { return static_cast<int>(p.q.size(1) / std::max<int64_t>(1, p.k.size(2))); }
 
 KernelFn kernel_for(const DecodePagedParams& p) {
-  return pick_kernel(p.q.dtype, p.k.dtype, static_cast<int>(p.v.size(3)), group_chunk(group_of(p)));
+  return pick_kernel(p.q.dtype, p.k.dtype, static_cast<int>(p.k.size(3)), static_cast<int>(p.v.size(3)));
 }
 
 int smem_bytes(const DecodePagedParams& p) {
-  return Smem(static_cast<int>(p.k.size(3)), static_cast<int>(p.v.size(3)), static_cast<int>(dtype_size(p.k.dtype)))
-      .total;
+  return smem_total(static_cast<int>(p.k.size(3)), static_cast<int>(p.v.size(3)),
+                    static_cast<int>(dtype_size(p.k.dtype)));
 }
 
-// Raises the dynamic shared-memory cap to the largest plan (Dk = Dv = 256, 2-byte cache). The
-// attribute belongs to the current device's context; the call is cheap, so it is made per launch.
-cudaError_t prepare(KernelFn fn) {
-  return cudaFuncSetAttribute(reinterpret_cast<const void*>(fn), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              Smem(256, 256, 2).total);
+// Raises the kernel's dynamic shared-memory cap to its plan. The attribute belongs to the current
+// device's context; the call is cheap, so it is made per launch.
+cudaError_t prepare(KernelFn fn, int smem) {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(fn), cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
 }
 
 }  // namespace
@@ -42,24 +41,25 @@ int decode_paged_choose_splits(const DecodePagedParams& p) {
   const int smem = smem_bytes(p);
   int dev = 0, sms = 0, occ = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || prepare(fn) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      prepare(fn, smem) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, reinterpret_cast<const void*>(fn), kThreads, smem) !=
           cudaSuccess) {
     (void)cudaGetLastError();
     return 1;
   }
   const int64_t G = group_of(p);
-  const int64_t base = p.q.size(0) * p.k.size(2) * ((G + kG - 1) / kG);
+  const int64_t base = p.q.size(0) * p.k.size(2) * ((G + kN - 1) / kN);
   const int64_t resident = std::max(1, occ) * int64_t{sms};
   const int64_t tiles = (p.max_seq_len + kT - 1) / kT;
   if (base <= 0 || tiles <= 0) return 1;
-  // Cost of S splits: waves * (tiles per split + a per-CTA overhead of ~4 tiles), plus a merge.
-  const int smax = static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, tiles / 4)));
+  // Cost of S splits: waves * (tiles per split + a per-CTA overhead of ~1 tile), plus a merge.
+  const int smax = static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, tiles / 2)));
   int best = 1;
   double best_cost = 1e300;
   for (int S = 1; S <= smax; ++S) {
     const double waves = static_cast<double>((base * S + resident - 1) / resident);
-    const double cost = waves * (static_cast<double>((tiles + S - 1) / S) + 4.0) + (S > 1 ? 2.0 : 0.0);
+    const double cost = waves * (static_cast<double>((tiles + S - 1) / S) + 1.0) + (S > 1 ? 1.0 : 0.0);
     if (cost < best_cost - 1e-9) {
       best_cost = cost;
       best = S;
@@ -106,7 +106,7 @@ cudaError_t launch_decode_paged(const DecodePagedParams& p, cudaStream_t stream)
   a.v_scale = fp8 ? p.v_scale : 1.0f;
   a.Hq = Hq;
   a.G = Hq / Hkv;
-  a.HC = (a.G + kG - 1) / kG;
+  a.HC = (a.G + kN - 1) / kN;
   a.Dk = static_cast<int>(p.q.size(2));
   a.P = static_cast<int>(p.k.size(1));
   a.S = S;
@@ -115,7 +115,7 @@ cudaError_t launch_decode_paged(const DecodePagedParams& p, cudaStream_t stream)
     if ((1 << sh) == a.P) a.p_shift = sh;
   a.ws_lse = static_cast<float*>(p.workspace);
   a.ws_o = a.ws_lse + int64_t{B} * Hq * S;
-  if (const cudaError_t e = prepare(fn); e != cudaSuccess) return e;
+  if (const cudaError_t e = prepare(fn, smem_bytes(p)); e != cudaSuccess) return e;
   const int64_t blocks_x = int64_t{Hkv} * a.HC * S;
   if (blocks_x > 0x7fffffff) return cudaErrorInvalidValue;
   fn<<<dim3(static_cast<unsigned>(blocks_x), static_cast<unsigned>(B)), kThreads, smem_bytes(p), stream>>>(a);

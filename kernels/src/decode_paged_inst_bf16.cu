@@ -2,5 +2,5 @@
 #include "decode_paged_kernel.cuh"
 
 namespace kvferry::decode_paged_detail {
-KernelFn pick_bf16(int dv, int ng) { return pick_dv_ng<__nv_bfloat16, __nv_bfloat16>(dv, ng); }
+KernelFn pick_bf16(int dk, int dv) { return pick_dk_dv<__nv_bfloat16, __nv_bfloat16>(dk, dv); }
 }  // namespace kvferry::decode_paged_detail

@@ -2,5 +2,5 @@
 #include "decode_paged_kernel.cuh"
 
 namespace kvferry::decode_paged_detail {
-KernelFn pick_fp16(int dv, int ng) { return pick_dv_ng<__half, __half>(dv, ng); }
+KernelFn pick_fp16(int dk, int dv) { return pick_dk_dv<__half, __half>(dk, dv); }
 }  // namespace kvferry::decode_paged_detail

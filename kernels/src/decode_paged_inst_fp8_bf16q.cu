@@ -2,5 +2,5 @@
 #include "decode_paged_kernel.cuh"
 
 namespace kvferry::decode_paged_detail {
-KernelFn pick_fp8_bf16q(int dv, int ng) { return pick_dv_ng<__nv_bfloat16, __nv_fp8_e4m3>(dv, ng); }
+KernelFn pick_fp8_bf16q(int dk, int dv) { return pick_dk_dv<__nv_bfloat16, __nv_fp8_e4m3>(dk, dv); }
 }  // namespace kvferry::decode_paged_detail

@@ -2,17 +2,28 @@
 // CUDA paged MHA/GQA decode over strided K/V views (kernel templates; instantiated per cache
 // dtype in decode_paged_inst_*.cu, launched from decode_paged.cu).
 //
-// One CTA (8 warps) per (request, kv head, head chunk, split) serves the whole GQA group (up to
-// 8 query heads, a compile-time NG so the inner loops have no head guards), so each K/V row is
-// read from HBM once. K/V tiles of 32 tokens are copied into shared memory with 16-byte
-// cp.async in a 3-stage pipeline; scores and P·V run from shared memory with fp32
-// accumulation and an online softmax in base 2. Splits write fp32 partials merged by LSE in a
-// second kernel.
+// One CTA (4 warps) per (request, kv head, chunk of up to 8 query heads, split); each K/V row is
+// read from HBM once for the whole chunk. The warps work independently on interleaved 16-token
+// tiles of the split, each with its own pipeline of stages in shared memory filled by
+// one-dimensional bulk copies (TMA, one per K or V row, completion counted on a per-stage
+// mbarrier; no CTA barrier in the loop) and its own online softmax; the CTA merges the four
+// warps at the end.
 //
-// Status: ~0.50 of the d2d-rate floor on an H200 for the Llama-3-8B-like case (bench/
-// decode_mha_suite.cpp has the table). Still instruction/latency-bound (fp8 is barely faster
-// than bf16); the next steps are mma.sync m16n8k16 for Q·K and P·V (8x fewer math
-// instructions per token), packed bf16x2 math, and 64-token tiles to halve the barriers.
+// Math runs on tensor cores (mma.sync m16n8k16, fp32 accumulation) in a transposed form so the
+// 8 query heads are the n = 8 side of the tile and no padding to 16 rows is needed:
+//   S^T[16 tokens x 8 heads]  = K_tile[16 x Dk] . Q^T[Dk x 8]   (Q fragments live in registers)
+//   O^T[Dv x 8 heads]        += V_tile^T[Dv x 16] . P^T[16 x 8]  (P^T from S^T by movmatrix)
+// bf16 caches use bf16 mma (P rounded to bf16); fp16 caches fp16 mma. fp8 e4m3 caches are
+// converted to fp16 in registers (exact) and use fp16 mma; a bf16 query is scaled by a power of
+// two into fp16 range first (exact), the scale folded into the score scale. For fp8 V the
+// ldmatrix.trans of byte pairs plus a byte permute yields V^T fragments whose rows are the
+// even / odd head dims, which only changes where each accumulator lands.
+//
+// Status (H200, bench/decode_mha_suite.cpp): 0.91 of the d2d-rate floor for the Llama-3-8B-like
+// bf16 case, 0.95 for Dk 192 / Dv 128, 0.47 for fp8 d128. The fp8 case is bound by the rate of
+// bulk copies (one per 128-byte row, about one per 17 cycles per SM; it takes as long as bf16):
+// 16-byte cp.async reached 0.54-0.59 on it, and three CTAs per SM (a 72 KB pipeline) with 3
+// splits 0.55-0.57. Larger copies (a 2-D tensor-map box of 16 rows) are the next step there.
 //
 // All addressing is int64: row = base + page * stride_page + (n % page) * stride_token +
 // head * stride_head, strides in bytes. The arithmetic does not depend on addresses, so any two
@@ -26,18 +37,21 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kvferry/kernels/decode_paged.h"
 
 namespace kvferry::decode_paged_detail {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kT = kDecodePagedTile;  // tokens per tile
-constexpr int kStages = 3;
-constexpr int kG = kDecodePagedMaxGroup;
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTW = 16;                   // tokens per warp tile (the mma m side)
+constexpr int kT = kDecodePagedTile;      // tokens per CTA round (kWarps tiles)
+constexpr int kN = kDecodePagedMaxGroup;  // query heads per CTA (the mma n side)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kT == kWarps * kTW, "split chunks are whole CTA rounds");
+static_assert(kN == 8, "the head chunk is the n = 8 side of m16n8k16");
 
 struct Args {
   const uint8_t* q;          // at q.offset
@@ -62,6 +76,50 @@ struct Args {
   float* ws_lse;  // [B, Hq, S]
 };
 
+// Shared-memory plan. Rows are padded by 16 bytes: the 8 rows an ldmatrix reads at one column
+// then fall into distinct 16-byte bank groups (row / 16 is odd for every supported width).
+__host__ __device__ constexpr int row_k(int dk, int cb) { return dk * cb + 16; }
+__host__ __device__ constexpr int row_v(int dv, int cb) { return dv * cb + 16; }
+__host__ __device__ constexpr int stage_bytes(int dk, int dv, int cb) { return kTW * (row_k(dk, cb) + row_v(dv, cb)); }
+// Stages per warp: ~108 KB of pipeline per CTA (two CTAs per SM), at least double buffering.
+__host__ __device__ constexpr int num_stages(int dk, int dv, int cb) {
+  return (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb)) < 2   ? 2
+         : (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb)) > 8 ? 8
+                                                                 : (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb));
+}
+__host__ __device__ constexpr int merge_bytes(int dv) { return kWarps * kN * (dv + 2) * 4; }
+__host__ __device__ constexpr int pipe_bytes(int dk, int dv, int cb) {
+  return kWarps * num_stages(dk, dv, cb) * stage_bytes(dk, dv, cb);
+}
+// The per-stage mbarriers sit after both the pipeline and the merge buffer that aliases it.
+__host__ __device__ constexpr int bar_off(int dk, int dv, int cb) {
+  return pipe_bytes(dk, dv, cb) > merge_bytes(dv) ? pipe_bytes(dk, dv, cb) : merge_bytes(dv);
+}
+__host__ __device__ constexpr int smem_total(int dk, int dv, int cb) {
+  return bar_off(dk, dv, cb) + kWarps * num_stages(dk, dv, cb) * 8;
+}
+
+template <class CT>
+struct CacheTraits;
+template <>
+struct CacheTraits<__nv_bfloat16> {
+  using MT = __nv_bfloat16;  // mma operand type
+  static constexpr int kBytes = 2;
+  static constexpr bool kFp8 = false;
+};
+template <>
+struct CacheTraits<__half> {
+  using MT = __half;
+  static constexpr int kBytes = 2;
+  static constexpr bool kFp8 = false;
+};
+template <>
+struct CacheTraits<__nv_fp8_e4m3> {
+  using MT = __half;  // e4m3 -> fp16 is exact
+  static constexpr int kBytes = 1;
+  static constexpr bool kFp8 = true;
+};
+
 template <class QT>
 __device__ __forceinline__ float q_to_float(const uint8_t* p) {
   return static_cast<float>(*reinterpret_cast<const QT*>(p));
@@ -71,87 +129,97 @@ template <class QT>
 __device__ __forceinline__ void store_q(uint8_t* p, float f) {
   *reinterpret_cast<QT*>(p) = static_cast<QT>(f);
 }
-
 template <>
 __device__ __forceinline__ void store_q<__nv_bfloat16>(uint8_t* p, float f) {
   *reinterpret_cast<__nv_bfloat16*>(p) = __float2bfloat16_rn(f);
 }
-
 template <>
 __device__ __forceinline__ void store_q<__half>(uint8_t* p, float f) {
   *reinterpret_cast<__half*>(p) = __float2half_rn(f);
 }
 
-// Eight cache elements (16 bytes of bf16/fp16, or 8 bytes of fp8) to floats.
-template <class CT>
-struct Cvt;
-
+// Two floats as one packed register of the mma type (lo in the low half).
+template <class MT>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
 template <>
-struct Cvt<__nv_bfloat16> {
-  static constexpr int kBytes = 2;
-  __device__ __forceinline__ static void eight(const uint8_t* s, float* f) {
-    const uint4 u = *reinterpret_cast<const uint4*>(s);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __nv_bfloat162 h;
-      memcpy(&h, &w[i], 4);
-      const float2 x = __bfloat1622float2(h);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-};
-
-template <>
-struct Cvt<__half> {
-  static constexpr int kBytes = 2;
-  __device__ __forceinline__ static void eight(const uint8_t* s, float* f) {
-    const uint4 u = *reinterpret_cast<const uint4*>(s);
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __half2 h;
-      memcpy(&h, &w[i], 4);
-      const float2 x = __half22float2(h);
-      f[2 * i] = x.x;
-      f[2 * i + 1] = x.y;
-    }
-  }
-};
-
-template <>
-struct Cvt<__nv_fp8_e4m3> {
-  static constexpr int kBytes = 1;
-  __device__ __forceinline__ static void eight(const uint8_t* s, float* f) {
-    const uint2 u = *reinterpret_cast<const uint2*>(s);
-    const uint32_t w[2] = {u.x, u.y};
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        // e4m3 -> fp16 is exact (every e4m3 value is an fp16 value).
-        const __half2_raw r =
-            __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * j)), __NV_E4M3);
-        __half2 h;
-        memcpy(&h, &r, 4);
-        const float2 x = __half22float2(h);
-        f[4 * i + 2 * j] = x.x;
-        f[4 * i + 2 * j + 1] = x.y;
-      }
-    }
-  }
-};
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+
+template <class MT>
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<MT, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t movmatrix_t(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+// Four e4m3 bytes to two fp16x2 registers: lo = bytes 0,1; hi = bytes 2,3 (byte 0 -> low half).
+__device__ __forceinline__ void e4m3x4_to_f16(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+}
+
+// One-dimensional bulk copy (TMA) of `bytes` (multiple of 16, 16-byte aligned ends) into shared
+// memory; completion is counted in bytes on the mbarrier at `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra WAIT_%=;\n}\n" ::"r"(
+          bar),
+      "r"(parity)
+      : "memory");
 }
 
 __device__ __forceinline__ float warp_max(float x) {
@@ -159,56 +227,31 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
-// Shared-memory plan (bytes); rows are padded by 16 bytes so that 8 consecutive rows read at
-// the same column fall into distinct 16-byte bank groups.
-struct Smem {
-  int rsk, rsv, k_off, v_off, q_off, red_off, p_off, a_off, ml_off, fin_off, total;
-  __host__ __device__ Smem(int dk, int dv, int cbytes) {
-    rsk = dk * cbytes + 16;
-    rsv = dv * cbytes + 16;
-    k_off = 0;
-    v_off = k_off + kStages * kT * rsk;
-    q_off = v_off + kStages * kT * rsv;
-    red_off = q_off + kG * dk * 4;
-    p_off = red_off + kWarps * kG * kT * 4;
-    a_off = p_off + kG * kT * 4;
-    ml_off = a_off + kG * 4;
-    total = ml_off + 2 * kG * 4;
-    fin_off = 0;  // after the main loop: aliases the K/V stages (>= kThreads * 8 floats)
-  }
-};
-
-template <class QT, class CT, int DV, int NG>
-__global__ void __launch_bounds__(kThreads, NG >= 8 ? 2 : 3) decode_paged_kernel(const Args a) {
-  static_assert(NG >= 1 && NG <= kG && NG <= kWarps, "group chunk");
-  constexpr int CB = Cvt<CT>::kBytes;
-  constexpr int CHV = DV / 8;          // 8-element V chunks per row
-  constexpr int NTG = kThreads / CHV;  // token groups in P·V
-  constexpr int TPG = (kT + NTG - 1) / NTG;
-  static_assert(kStages * kT * (64 * 1 + 16) * 2 >= kThreads * 8 * 4, "fin must fit in the stages");
+template <class QT, class CT, int DK, int DV>
+__global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
+  using Tr = CacheTraits<CT>;
+  using MT = typename Tr::MT;
+  constexpr int CB = Tr::kBytes;
+  constexpr bool F8 = Tr::kFp8;
+  constexpr int RK = row_k(DK, CB), RV = row_v(DV, CB);
+  constexpr int STAGE = stage_bytes(DK, DV, CB);
+  constexpr int NST = num_stages(DK, DV, CB);
+  constexpr int KS = DK / 16;                          // k-steps of S^T
+  constexpr int MTV = DV / 16;                         // m-tiles of O^T
+  constexpr int CK = DK * CB / 16, CV = DV * CB / 16;  // 16-byte chunks per row
+  static_assert(CK % 2 == 0 && CV % 2 == 0, "rows are whole pairs of 16-byte chunks");
   extern __shared__ __align__(16) uint8_t smem[];
-  const Smem L(a.Dk, DV, CB);
-  float* qs = reinterpret_cast<float*>(smem + L.q_off);
-  float* red = reinterpret_cast<float*>(smem + L.red_off);
-  float* ps = reinterpret_cast<float*>(smem + L.p_off);
-  float* alpha_s = reinterpret_cast<float*>(smem + L.a_off);
-  float* ml_s = reinterpret_cast<float*>(smem + L.ml_off);
-  float* fin = reinterpret_cast<float*>(smem + L.fin_off);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;  // mma fragment row / column pair
   const int s = blockIdx.x % a.S;
   const int rest = blockIdx.x / a.S;
   const int hc = rest % a.HC;
   const int kvh = rest / a.HC;
   const int b = blockIdx.y;
-  const int h0 = kvh * a.G + hc * kG;
-  const int ng = min(NG, a.G - hc * kG);  // heads written (NG - ng padding heads have q = 0)
+  const int h0 = kvh * a.G + hc * kN;
+  const int ng = min(kN, a.G - hc * kN);  // heads written (kN - ng padding heads have q = 0)
   const int len = max(0, min(a.lens[b], a.max_blocks * a.P));
   const int chunk = (((len + a.S - 1) / a.S) + kT - 1) / kT * kT;
   const int start = s * chunk;
@@ -230,212 +273,249 @@ __global__ void __launch_bounds__(kThreads, NG >= 8 ? 2 : 3) decode_paged_kernel
     return;
   }
 
-  // Query rows as fp32 in shared memory (read as broadcasts); padding heads are zero.
-  for (int i = tid; i < NG * a.Dk; i += kThreads) {
-    const int g = i / a.Dk, d = i - g * a.Dk;
-    qs[g * a.Dk + d] = g < ng ? q_to_float<QT>(a.q + b * a.q_sb + (h0 + g) * a.q_sh + int64_t{d} * sizeof(QT)) : 0.0f;
+  // Q^T as mma B fragments (n = head gq). Column pair (tq) of k-step c holds head dims
+  //   16c + 2tq, +1 | 16c + 8 + 2tq, +1   (2-byte cache: ldmatrix pairs)
+  //   16c + 4tq, +1 | 16c + 4tq + 2, +3   (fp8 cache: 4 bytes per ldmatrix element pair)
+  uint32_t qf[KS][2];
+  float score_scale = a.score_scale;
+  {
+    float qv[KS][4];
+    const bool hv = gq < ng;
+    const uint8_t* qrow = a.q + b * a.q_sb + (h0 + (hv ? gq : 0)) * a.q_sh;
+    float amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < KS; ++c) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int d = F8 ? 16 * c + 4 * tq + j : 16 * c + 2 * tq + (j & 1) + 8 * (j >> 1);
+        qv[c][j] = hv ? q_to_float<QT>(qrow + int64_t{d} * sizeof(QT)) : 0.0f;
+        amax = fmaxf(amax, fabsf(qv[c][j]));
+      }
+    }
+    float qscale = 1.0f;
+    if constexpr (F8 && std::is_same_v<QT, __nv_bfloat16>) {
+      // bf16 q into fp16 range by a power of two (exact): |q| * qscale < 2^15.
+      amax = warp_max(amax);
+      if (amax > 0.0f && amax < INFINITY) {
+        int e = 0;
+        (void)frexpf(amax, &e);
+        qscale = ldexpf(1.0f, max(-100, min(100, 15 - e)));
+      }
+      score_scale = a.score_scale / qscale;
+    }
+#pragma unroll
+    for (int c = 0; c < KS; ++c) {
+      qf[c][0] = pack2<MT>(qv[c][0] * qscale, qv[c][1] * qscale);
+      qf[c][1] = pack2<MT>(qv[c][2] * qscale, qv[c][3] * qscale);
+    }
   }
 
   const int32_t* bt = a.bt + int64_t{b} * a.bt_stride;
   const uint8_t* kbase = a.k + kvh * a.k_sh;
   const uint8_t* vbase = a.v + kvh * a.v_sh;
-  const int ck = a.Dk * CB / 16;  // 16-byte chunks per K row
-  constexpr int ckv = DV * CB / 16;
-  const int kstep = kThreads / ck, kc = tid % ck, kt0 = tid / ck;
-  constexpr int vstep = kThreads / ckv;
-  const int vc = tid % ckv, vt0 = tid / ckv;
+  const uint32_t wsm = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * NST * STAGE;
 
-  auto page_of = [&](int n, int& pi, int& off) {
-    if (a.p_shift >= 0) {
-      pi = n >> a.p_shift;
-      off = n & (a.P - 1);
-    } else {
-      pi = n / a.P;
-      off = n - pi * a.P;
-    }
-  };
-  auto load_tile = [&](int stage, int t0) {
-    uint8_t* ks = smem + L.k_off + stage * kT * L.rsk;
-    uint8_t* vs = smem + L.v_off + stage * kT * L.rsv;
-    if (kt0 < kstep) {
-#pragma unroll 4
-      for (int t = kt0; t < kT; t += kstep) {
-        const int n = t0 + t;
-        const bool ok = n < end;
-        const uint8_t* src = kbase;
-        if (ok) {
-          int pi, off;
-          page_of(n, pi, off);
-          src = kbase + int64_t{__ldg(bt + pi)} * a.k_sp + int64_t{off} * a.k_st + kc * 16;
-        }
-        cp_async16(ks + t * L.rsk + kc * 16, src, ok);
-      }
-    }
-    if (vt0 < vstep) {
-#pragma unroll 4
-      for (int t = vt0; t < kT; t += vstep) {
-        const int n = t0 + t;
-        const bool ok = n < end;
-        const uint8_t* src = vbase;
-        if (ok) {
-          int pi, off;
-          page_of(n, pi, off);
-          src = vbase + int64_t{__ldg(bt + pi)} * a.v_sp + int64_t{off} * a.v_st + vc * 16;
-        }
-        cp_async16(vs + t * L.rsv + vc * 16, src, ok);
-      }
-    }
-  };
-
-  const int ntiles = (end - start + kT - 1) / kT;
-#pragma unroll
-  for (int st = 0; st < kStages - 1; ++st) {
-    if (st < ntiles) load_tile(st, start + st * kT);
-    cp_async_commit();
+  // Warp tile i of this warp: tokens [start + (warp + i * kWarps) * kTW, +kTW). Lane l copies
+  // row l % 16 of K (l < 16) or V (l >= 16) with one bulk copy; rows past the end are not read
+  // (K rows are masked, V rows are zeroed so that 0 * garbage cannot make a NaN).
+  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + bar_off(DK, DV, CB) + warp * NST * 8;
+  if (lane == 0) {
+    for (int st = 0; st < NST; ++st) mbar_init(bars + st * 8, 1);
+    mbar_init_fence();
   }
-
-  // Online-softmax state of head g = warp (base-2 units); lanes hold copies.
-  float m_r = ninf, l_r = 0.0f;
-  // P·V accumulators: this thread's 8 columns of V for every head of the chunk.
-  float acc[NG][8];
+  __syncwarp();
+  auto load = [&](int stage, int i) {
+    const int r = lane & (kTW - 1);
+    const bool is_v = lane >= kTW;
+    const int n0 = start + (warp + i * kWarps) * kTW;
+    const int nvalid = min(kTW, end - n0);
+    const uint32_t bar = bars + stage * 8;
+    if (lane == 0) {
+      proxy_fence();  // this stage's earlier generic reads (ordered by __syncwarp) before the async writes
+      mbar_arrive_tx(bar, static_cast<uint32_t>(nvalid * (DK + DV) * CB));
+    }
+    __syncwarp();
+    const uint32_t dst = wsm + stage * STAGE + (is_v ? kTW * RK + r * RV : r * RK);
+    if (r < nvalid) {
+      const int n = n0 + r;
+      int pi, off;
+      if (a.p_shift >= 0) {
+        pi = n >> a.p_shift;
+        off = n & (a.P - 1);
+      } else {
+        pi = n / a.P;
+        off = n - pi * a.P;
+      }
+      const int64_t pg = __ldg(bt + pi);
+      const uint8_t* src =
+          is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
+      bulk_g2s(dst, src, static_cast<uint32_t>((is_v ? DV : DK) * CB), bar);
+    } else if (is_v) {
+      uint4* z = reinterpret_cast<uint4*>(smem + (dst - static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
 #pragma unroll
-  for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < CV; ++j) z[j] = make_uint4(0, 0, 0, 0);
+    }
+  };
+
+  const int ntiles = (end - start + kTW - 1) / kTW;
+  const int nw = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
-  const int cc = tid % CHV, tg = tid / CHV;
+  for (int st = 0; st < NST - 1; ++st)
+    if (st < nw) load(st, st);
 
-  for (int it = 0; it < ntiles; ++it) {
-    const int nxt = it + kStages - 1;
-    if (nxt < ntiles) load_tile(nxt % kStages, start + nxt * kT);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
-    __syncthreads();
-    const int stage = it % kStages;
-    const int t0 = start + it * kT;
-    const uint8_t* ks = smem + L.k_off + stage * kT * L.rsk;
-    const uint8_t* vs = smem + L.v_off + stage * kT * L.rsv;
+  // O^T accumulators: o[mt][0..1] = (dim dmap(mt, 0), heads 2tq, 2tq+1), o[mt][2..3] = dim dmap(mt, 1).
+  float o[MTV][4];
+#pragma unroll
+  for (int mt = 0; mt < MTV; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[mt][j] = 0.0f;
+  float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;  // heads 2tq, 2tq+1 (base-2 units)
+  const float cap = a.logit_cap;
 
-    // 1. Partial dot products: lane = token, warps split the K row by 16-byte chunks.
+  for (int i = 0; i < nw; ++i) {
     {
-      float part[NG];
-#pragma unroll
-      for (int g = 0; g < NG; ++g) part[g] = 0.0f;
-      const uint8_t* krow = ks + lane * L.rsk;
-#pragma unroll 2
-      for (int c = warp; c < ck; c += kWarps) {
-        constexpr int E = 16 / CB;  // elements per 16-byte chunk
-        float kf[E];
-#pragma unroll
-        for (int h = 0; h < E / 8; ++h) Cvt<CT>::eight(krow + c * 16 + h * 8 * CB, kf + 8 * h);
-        const float4* qv = reinterpret_cast<const float4*>(qs + c * E);
-#pragma unroll
-        for (int g = 0; g < NG; ++g) {
-#pragma unroll
-          for (int i = 0; i < E / 4; ++i) {
-            const float4 x = qv[g * (a.Dk / 4) + i];
-            part[g] = fmaf(x.x, kf[4 * i], part[g]);
-            part[g] = fmaf(x.y, kf[4 * i + 1], part[g]);
-            part[g] = fmaf(x.z, kf[4 * i + 2], part[g]);
-            part[g] = fmaf(x.w, kf[4 * i + 3], part[g]);
-          }
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < NG; ++g) red[(warp * NG + g) * kT + lane] = part[g];
+      const int nx = i + NST - 1;
+      if (nx < nw) load(nx % NST, nx);
     }
-    __syncthreads();
+    mbar_wait(bars + (i % NST) * 8, static_cast<uint32_t>((i / NST) & 1));
+    __syncwarp();
+    const uint32_t ks = wsm + (i % NST) * STAGE, vs = ks + kTW * RK;
+    const int n0 = start + (warp + i * kWarps) * kTW;
 
-    // 2. Scores, tile max and probabilities: warp g owns head g, lane = token.
-    if (warp < NG) {
-      const int g = warp;
-      float x = 0.0f;
+    // S^T = K . Q^T: rows gq, gq + 8 (tokens), columns 2tq, 2tq+1 (heads).
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    {
+      const uint32_t kaddr = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RK + 16 * (lane >> 4);
+      if constexpr (!F8) {
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) x += red[(w * NG + g) * kT + lane];
-      x *= a.score_scale;
-      if (a.logit_cap > 0.0f) x = a.logit_cap * tanhf(x / a.logit_cap);
-      x = t0 + lane < end ? x * kLog2e : ninf;
-      const float mn = fmaxf(m_r, warp_max(x));
-      const float al = exp2f(m_r - mn);
-      const float pr = exp2f(x - mn);
-      l_r = l_r * al + warp_sum(pr);
-      m_r = mn;
-      ps[g * kT + lane] = pr;
-      if (lane == 0) alpha_s[g] = al;
+        for (int c = 0; c < KS; ++c) {
+          uint32_t af[4];
+          ldsm_x4(af, kaddr + c * 32);
+          mma16816<MT>(sc, af, qf[c][0], qf[c][1]);
+        }
+      } else {
+#pragma unroll
+        for (int c = 0; c < KS; c += 2) {
+          uint32_t r[4], af[4];
+          ldsm_x4(r, kaddr + c * 16);
+          e4m3x4_to_f16(r[0], af[0], af[2]);
+          e4m3x4_to_f16(r[1], af[1], af[3]);
+          mma16816<MT>(sc, af, qf[c][0], qf[c][1]);
+          e4m3x4_to_f16(r[2], af[0], af[2]);
+          e4m3x4_to_f16(r[3], af[1], af[3]);
+          mma16816<MT>(sc, af, qf[c + 1][0], qf[c + 1][1]);
+        }
+      }
     }
-    __syncthreads();
 
-    // 3. acc = acc * alpha + P · V over this thread's token group.
-    if (tg < NTG) {
-      const int valid = end - t0;
-      float vf[TPG][8];
+    // Online softmax per head over this tile (max across the 8 row groups of the warp).
+    float x[4];
 #pragma unroll
-      for (int j = 0; j < TPG; ++j) {
-        const int t = tg + j * NTG;
-        if (t < kT && t < valid) {
-          Cvt<CT>::eight(vs + t * L.rsv + cc * 8 * CB, vf[j]);
-        } else {
+    for (int j = 0; j < 4; ++j) {
+      float v = sc[j] * score_scale;
+      if (cap > 0.0f) v = cap * tanhf(v / cap);
+      x[j] = n0 + gq + 8 * (j >> 1) < end ? v * kLog2e : ninf;
+    }
+    float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) vf[j][i] = 0.0f;
-        }
+    for (int off = 4; off < 32; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: the tile has a valid token
+    const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = exp2f(x[0] - mn0), p1 = exp2f(x[1] - mn1), p2 = exp2f(x[2] - mn0), p3 = exp2f(x[3] - mn1);
+    l0 = l0 * al0 + (p0 + p2);
+    l1 = l1 * al1 + (p1 + p3);
+#pragma unroll
+    for (int mt = 0; mt < MTV; ++mt) {
+      o[mt][0] *= al0;
+      o[mt][1] *= al1;
+      o[mt][2] *= al0;
+      o[mt][3] *= al1;
+    }
+    // P^T as the B fragment: transpose the (token, head) pairs into (head, token) pairs.
+    const uint32_t pb0 = movmatrix_t(pack2<MT>(p0, p1));
+    const uint32_t pb1 = movmatrix_t(pack2<MT>(p2, p3));
+
+    // O^T += V^T . P^T
+    if constexpr (!F8) {
+      const uint32_t vaddr = vs + ((lane & 7) + 8 * (lane >> 4)) * RV + 16 * ((lane >> 3) & 1);
+#pragma unroll
+      for (int mt = 0; mt < MTV; ++mt) {
+        uint32_t af[4];
+        ldsm_x4_t(af, vaddr + mt * 32);
+        mma16816<MT>(o[mt], af, pb0, pb1);
       }
+    } else {
+      const uint32_t vaddr = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RV + 16 * (lane >> 4);
 #pragma unroll
-      for (int g = 0; g < NG; ++g) {
-        const float al = alpha_s[g];
-        float pr[TPG];
-#pragma unroll
-        for (int j = 0; j < TPG; ++j) {
-          const int t = tg + j * NTG;
-          pr[j] = (t < kT && t < valid) ? ps[g * kT + t] : 0.0f;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float x = acc[g][i] * al;
-#pragma unroll
-          for (int j = 0; j < TPG; ++j) x = fmaf(pr[j], vf[j][i], x);
-          acc[g][i] = x;
-        }
+      for (int mt = 0; mt < MTV; mt += 2) {
+        uint32_t r[4], af[4];
+        ldsm_x4_t(r, vaddr + mt * 16);
+        // r = bytes (tok 2tq, dim 2gq), (2tq, 2gq+1), (2tq+1, 2gq), (2tq+1, 2gq+1): pair by dim.
+        e4m3x4_to_f16(__byte_perm(r[0], 0, 0x3120), af[0], af[1]);
+        e4m3x4_to_f16(__byte_perm(r[1], 0, 0x3120), af[2], af[3]);
+        mma16816<MT>(o[mt], af, pb0, pb1);
+        e4m3x4_to_f16(__byte_perm(r[2], 0, 0x3120), af[0], af[1]);
+        e4m3x4_to_f16(__byte_perm(r[3], 0, 0x3120), af[2], af[3]);
+        mma16816<MT>(o[mt + 1], af, pb0, pb1);
       }
     }
-    __syncthreads();
+    __syncwarp();  // every lane is done with this stage before it is refilled
   }
-  cp_async_wait<0>();
-  __syncthreads();  // the stages are reused as `fin` below
-
-  // Final: sum the token groups' partial accumulators per head, normalise, write.
-  if (warp < NG && lane == 0) {
-    ml_s[2 * warp] = m_r;
-    ml_s[2 * warp + 1] = l_r;
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
   }
+  __syncthreads();  // every copy was waited for; the stages are reused for the merge below
+
+  // Merge the four warps: mo[warp][head][dim], ml[warp][head] = (m, l).
+  float* mo = reinterpret_cast<float*>(smem);
+  float* ml = mo + kWarps * kN * DV;
 #pragma unroll
-  for (int g = 0; g < NG; ++g) {
-    if (g < ng) {
-      if (tg < NTG) {
+  for (int mt = 0; mt < MTV; ++mt) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) fin[tg * DV + cc * 8 + i] = acc[g][i];
-      }
-      __syncthreads();
-      const float m = ml_s[2 * g], l = ml_s[2 * g + 1];
-      const int h = h0 + g;
-      for (int d = tid; d < DV; d += kThreads) {
-        float sum = 0.0f;
+    for (int j = 0; j < 4; ++j) {
+      const int head = 2 * tq + (j & 1), hi = j >> 1;
+      const int d = F8 ? 16 * mt + 2 * gq + hi : 16 * mt + gq + 8 * hi;
+      mo[(warp * kN + head) * DV + d] = o[mt][j];
+    }
+  }
+  if (gq == 0) {
+    ml[(warp * kN + 2 * tq) * 2] = m0;
+    ml[(warp * kN + 2 * tq) * 2 + 1] = l0;
+    ml[(warp * kN + 2 * tq + 1) * 2] = m1;
+    ml[(warp * kN + 2 * tq + 1) * 2 + 1] = l1;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < ng * DV; idx += kThreads) {
+    const int head = idx / DV, d = idx - head * DV, h = h0 + head;
+    float M = ninf;
 #pragma unroll
-        for (int j = 0; j < NTG; ++j) sum += fin[j * DV + d];
-        const float out = sum / l * a.v_scale;
-        if (a.S == 1) {
-          store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), out);
-        } else {
-          a.ws_o[((int64_t{b} * a.Hq + h) * a.S + s) * DV + d] = out;
-        }
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, ml[(w * kN + head) * 2]);
+    float L = 0.0f, acc = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = ml[(w * kN + head) * 2];
+      if (mw != ninf) {  // a warp without tiles contributes nothing
+        const float e = exp2f(mw - M);
+        L += e * ml[(w * kN + head) * 2 + 1];
+        acc += e * mo[(w * kN + head) * DV + d];
       }
-      if (tid == 0) {
-        const float lse = (m + log2f(l)) * kLn2;
-        if (a.S == 1) {
-          if (a.lse != nullptr) a.lse[int64_t{b} * a.Hq + h] = lse;
-        } else {
-          a.ws_lse[(int64_t{b} * a.Hq + h) * a.S + s] = lse;
-        }
-      }
-      __syncthreads();
+    }
+    const float out = acc / L * a.v_scale;
+    const float lse = (M + log2f(L)) * kLn2;
+    if (a.S == 1) {
+      store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), out);
+      if (a.lse != nullptr && d == 0) a.lse[int64_t{b} * a.Hq + h] = lse;
+    } else {
+      const int64_t row = (int64_t{b} * a.Hq + h) * a.S + s;
+      a.ws_o[row * DV + d] = out;
+      if (d == 0) a.ws_lse[row] = lse;
     }
   }
 }
@@ -466,35 +546,32 @@ __global__ void __launch_bounds__(128) decode_paged_merge_kernel(const Args a, i
 
 using KernelFn = void (*)(Args);
 
-/// Group-chunk template size for a GQA group of G heads (chunks of at most kG).
-inline int group_chunk(int G) { return G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8; }
-
-template <class QT, class CT, int DV>
-KernelFn pick_ng(int ng) {
-  switch (ng) {
-    case 1: return decode_paged_kernel<QT, CT, DV, 1>;
-    case 2: return decode_paged_kernel<QT, CT, DV, 2>;
-    case 4: return decode_paged_kernel<QT, CT, DV, 4>;
-    case 8: return decode_paged_kernel<QT, CT, DV, 8>;
+template <class QT, class CT, int DK>
+KernelFn pick_dv(int dv) {
+  switch (dv) {
+    case 64: return decode_paged_kernel<QT, CT, DK, 64>;
+    case 128: return decode_paged_kernel<QT, CT, DK, 128>;
+    case 192: return decode_paged_kernel<QT, CT, DK, 192>;
+    case 256: return decode_paged_kernel<QT, CT, DK, 256>;
     default: return nullptr;
   }
 }
 
 template <class QT, class CT>
-KernelFn pick_dv_ng(int dv, int ng) {
-  switch (dv) {
-    case 64: return pick_ng<QT, CT, 64>(ng);
-    case 128: return pick_ng<QT, CT, 128>(ng);
-    case 192: return pick_ng<QT, CT, 192>(ng);
-    case 256: return pick_ng<QT, CT, 256>(ng);
+KernelFn pick_dk_dv(int dk, int dv) {
+  switch (dk) {
+    case 64: return pick_dv<QT, CT, 64>(dv);
+    case 128: return pick_dv<QT, CT, 128>(dv);
+    case 192: return pick_dv<QT, CT, 192>(dv);
+    case 256: return pick_dv<QT, CT, 256>(dv);
     default: return nullptr;
   }
 }
 
 // One per cache/query dtype pair, each in its own translation unit (decode_paged_inst_*.cu).
-KernelFn pick_bf16(int dv, int ng);
-KernelFn pick_fp16(int dv, int ng);
-KernelFn pick_fp8_bf16q(int dv, int ng);
-KernelFn pick_fp8_fp16q(int dv, int ng);
+KernelFn pick_bf16(int dk, int dv);
+KernelFn pick_fp16(int dk, int dv);
+KernelFn pick_fp8_bf16q(int dk, int dv);
+KernelFn pick_fp8_fp16q(int dk, int dv);
 
 }  // namespace kvferry::decode_paged_detail

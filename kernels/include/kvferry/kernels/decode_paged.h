@@ -24,8 +24,8 @@
 
 namespace kvferry {
 
-/// Tokens per tile of the CUDA kernel; split chunks are rounded up to a multiple of it.
-constexpr int kDecodePagedTile = 32;
+/// Tokens per round of the CUDA kernel (4 warps x 16); split chunks are rounded up to a multiple of it.
+constexpr int kDecodePagedTile = 64;
 /// Query heads one CTA serves at once (a larger GQA group is cut into chunks of this many).
 constexpr int kDecodePagedMaxGroup = 8;
 
