@@ -226,7 +226,13 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   // Warp 0 starts the bulk copies of tile t: one per valid token, all completing on the stage's
   // mbarrier. Rows past the end are zeroed instead (their bytes may be anything, even NaN, and V
   // is multiplied by p = 0, which would keep a NaN).
-  auto load_tile_bulk = [&](int t, int stage) {
+  // This lane's token of tile t: its block id, fetched one tile ahead of the load that uses it so
+  // that the table read's latency hides behind a tile of compute (0 past the split's end).
+  auto fetch_blk = [&](int t) -> int32_t {
+    const int tok = start + t * kTileN + lane;
+    return tok < end ? table[tok / p.page] : 0;
+  };
+  auto load_tile_bulk = [&](int t, int stage, int32_t blk) {
     if (warp != 0) return;
     const int tok0 = start + t * kTileN;
     const int nvalid = min(kTileN, end - tok0);
@@ -240,18 +246,16 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     __syncwarp();
     if (lane < nvalid) {
       const int tok = tok0 + lane;
-      const int64_t blk = table[tok / p.page];
-      const uint8_t* src = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+      const uint8_t* src =
+          p.cache + static_cast<int64_t>(blk) * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
       bulk_g2s(smem_u32(dst0 + lane * kDstRow), src, RAW, bar);
     }
   };
-  auto load_tile = [&](int t, int stage) {
+  auto load_tile = [&](int t, int stage, int32_t blk) {
     const int tok = start + t * kTileN + lane;
     const uint8_t* rb = nullptr;  // this lane's row (token) base; null past the split's end
-    if (tok < end) {
-      const int64_t blk = table[tok / p.page];
-      rb = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
-    }
+    if (tok < end)
+      rb = p.cache + static_cast<int64_t>(blk) * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
     const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
     uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
     constexpr int kItems = kTileN * CH;
@@ -271,11 +275,13 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
 
   if (BULK) {
     cp_async_commit();  // Q
-    load_tile_bulk(0, 0);
+    load_tile_bulk(0, 0, fetch_blk(0));
   } else {
-    load_tile(0, 0);
+    load_tile(0, 0, fetch_blk(0));
     cp_async_commit();
   }
+  const bool loads = !BULK || warp == 0;  // the warps that issue tile loads
+  int32_t blk_next = loads && ntiles > 1 ? fetch_blk(1) : 0;
 
   const int hgl = warp >> 1, ch = warp & 1;
   const int g = lane >> 2, tq = lane & 3;
@@ -290,16 +296,17 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
 
   for (int t = 0; t < ntiles; ++t) {
     if (BULK) {
-      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1);
+      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1, blk_next);
       if (t == 0) cp_async_wait<0>();  // Q
       mbar_wait(bar0 + (t & 1) * 8, (t >> 1) & 1);
     } else if (t + 1 < ntiles) {
-      load_tile(t + 1, (t + 1) & 1);
+      load_tile(t + 1, (t + 1) & 1, blk_next);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
+    if (loads && t + 2 < ntiles) blk_next = fetch_blk(t + 2);
     __syncthreads();
     uint8_t* tile = sK;
     if constexpr (FMT == kFmtBf16) {
@@ -410,12 +417,16 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
     l0 = l0 * al0 + rs0;
     l1 = l1 * al1 + rs1;
+    // Rescale only when some row's maximum moved (al != 1); past the first tiles it rarely does,
+    // and skipping a multiplication by exactly 1 changes no bit.
+    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      acc[n][0] *= al0;
-      acc[n][1] *= al0;
-      acc[n][2] *= al1;
-      acc[n][3] *= al1;
+      for (int n = 0; n < 32; ++n) {
+        acc[n][0] *= al0;
+        acc[n][1] *= al0;
+        acc[n][2] *= al1;
+        acc[n][3] *= al1;
+      }
     }
 
     // O += P V for this warp's 256 columns.
