@@ -166,7 +166,7 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) 
 template <int FMT, int HB>
 constexpr int smem_bytes() {
   return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
-         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB * kSStride * 4;
+         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + 2 * HB * kSStride * 4;
 }
 
 template <int FMT, int HB, bool SPLIT, bool BULK>
@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   uint8_t* sQ = smem + 16;                                      // smem[0, 16): the two stages' mbarriers
   uint8_t* sK = sQ + HB * kRowBytes;                            // 2 stages (bf16) or 1 (fp8)
   uint8_t* sRaw = sK + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes;  // fp8 only: 2 raw stages
-  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [HB][kSStride]
+  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [2][HB][kSStride]
   const uint32_t bar0 = smem_u32(smem);
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -339,48 +339,51 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
     const uint32_t tile_u32 = smem_u32(tile);
 
-    // S = Q K^T for this warp's 16 heads and its half of the tile's tokens (the pair splits the
-    // 32 tokens, 16 each; even and odd k-steps accumulate apart for more independent mma chains),
-    // exchanged through shared memory so that both warps of the pair hold all 32.
+    // S = Q K^T for this warp's 16 heads and all 32 tokens of the tile over half of the 576
+    // columns (the pair splits the depth, 288 each, so each warp reads only its half of the Q rows
+    // and the K tile); the two partial sums are exchanged through shared memory and added, the
+    // same two addends in either warp, so both warps hold the same S bits.
     float s[4][4];
     {
-      float sa[2][4], sb[2][4];
+      float sp[4][4];
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sa[n][e] = sb[n][e] = 0.0f;
-      const uint32_t k_base = tile_u32 + ch * 16 * kRowBytes + k_lane;
+        for (int e = 0; e < 4; ++e) sp[n][e] = 0.0f;
+      constexpr int kHalfBytes = kMlaDim;  // 288 columns of 2 bytes
+      const uint32_t k_base = tile_u32 + ch * kHalfBytes + k_lane;
+      const uint32_t qh = q_addr + ch * kHalfBytes;
 #pragma unroll
-      for (int kk = 0; kk < kMlaDim / 32; ++kk) {
+      for (int kk = 0; kk < kMlaDim / 64; ++kk) {
         uint32_t a0[4], a1[4];
-        ldsm_x4(a0, q_addr + kk * 64);
-        ldsm_x4(a1, q_addr + kk * 64 + 32);
+        ldsm_x4(a0, qh + kk * 64);
+        ldsm_x4(a1, qh + kk * 64 + 32);
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int n = 0; n < 4; ++n) {
           uint32_t bb[4];
           ldsm_x4(bb, k_base + n * 8 * kRowBytes + kk * 64);
-          mma_bf16(sa[n], a0, bb[0], bb[1]);
-          mma_bf16(sb[n], a1, bb[2], bb[3]);
+          mma_bf16(sp[n], a0, bb[0], bb[1]);
+          mma_bf16(sp[n], a1, bb[2], bb[3]);
         }
       }
-      float* srow = sS + hgl * 16 * kSStride;
+      float* mine = sS + (ch * HB + hgl * 16) * kSStride;
+      const float* other = sS + ((ch ^ 1) * HB + hgl * 16) * kSStride;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const int col = ch * 16 + n * 8 + tq * 2;
-        *reinterpret_cast<float2*>(srow + g * kSStride + col) = make_float2(sa[n][0] + sb[n][0], sa[n][1] + sb[n][1]);
-        *reinterpret_cast<float2*>(srow + (g + 8) * kSStride + col) =
-            make_float2(sa[n][2] + sb[n][2], sa[n][3] + sb[n][3]);
+      for (int n = 0; n < 4; ++n) {
+        const int col = n * 8 + tq * 2;
+        *reinterpret_cast<float2*>(mine + g * kSStride + col) = make_float2(sp[n][0], sp[n][1]);
+        *reinterpret_cast<float2*>(mine + (g + 8) * kSStride + col) = make_float2(sp[n][2], sp[n][3]);
       }
       pair_barrier(hgl);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const int col = n * 8 + tq * 2;
-        const float2 x = *reinterpret_cast<const float2*>(srow + g * kSStride + col);
-        const float2 y = *reinterpret_cast<const float2*>(srow + (g + 8) * kSStride + col);
-        s[n][0] = x.x;
-        s[n][1] = x.y;
-        s[n][2] = y.x;
-        s[n][3] = y.y;
+        const float2 x = *reinterpret_cast<const float2*>(other + g * kSStride + col);
+        const float2 y = *reinterpret_cast<const float2*>(other + (g + 8) * kSStride + col);
+        s[n][0] = sp[n][0] + x.x;
+        s[n][1] = sp[n][1] + x.y;
+        s[n][2] = sp[n][2] + y.x;
+        s[n][3] = sp[n][3] + y.y;
       }
     }
 
