@@ -2,13 +2,15 @@
 // rate measured in the same run, contiguous vs cross-layer (a layer view of a block-major buffer).
 // `kvferry-bench decode --mha` reaches this suite too.
 //
-// Measured on an H200 (2026-11-22, d2d 4206 GB/s read+write, floor = K+V bytes / that rate;
-// B 64, 4096 tokens, page 16, Hq 32, Hkv 8, splits chosen by the launcher = 1):
-//   llama3-8b d128 bf16   contiguous 281.7 us (0.906 of 255.3 us), cross-layer 283.2 us (0.995)
-//   dk192/dv128 bf16      contiguous 337.3 us (0.946 of 319.1 us), cross-layer 336.3 us (1.003)
-//   llama3-8b d128 fp8    contiguous 273.0 us (0.468 of 127.6 us), cross-layer 273.0 us (1.000)
-// (the previous scalar kernel: 0.503 / 0.459 / 0.288). fp8 takes as long as bf16: with one bulk
-// copy per 128-byte row the copies, not the bytes, are the limit (see decode_paged_kernel.cuh).
+// Measured on an H200 (2026-11-22, d2d 4217 GB/s read+write, floor = K+V bytes / that rate;
+// B 64, 4096 tokens, page 16, Hq 32, Hkv 8, splits chosen by the launcher):
+//   llama3-8b d128 bf16   S=3 contiguous 275.8 us (0.923 of 254.6 us), cross-layer 275.9 us (1.000)
+//   dk192/dv128 bf16      S=1 contiguous 336.8 us (0.945 of 318.3 us), cross-layer 337.2 us (0.999)
+//   llama3-8b d128 fp8    S=3 contiguous 176.4 us (0.722 of 127.3 us), cross-layer 164.4 us (0.774);
+//                         the split sweep's S=3 row 165.3 us (0.770)
+// (one bulk copy per row, 108 KB pipeline: 0.906 / 0.946 / 0.468; the scalar kernel before it:
+// 0.503 / 0.459 / 0.288). A 72 KB pipeline gives d128 three CTAs per SM, and fp8 rows are copied
+// by 16-byte cp.async instead of one bulk copy per 128-byte row (see decode_paged_kernel.cuh).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

@@ -4,10 +4,12 @@
 //
 // One CTA (4 warps) per (request, kv head, chunk of up to 8 query heads, split); each K/V row is
 // read from HBM once for the whole chunk. The warps work independently on interleaved 16-token
-// tiles of the split, each with its own pipeline of stages in shared memory filled by
-// one-dimensional bulk copies (TMA, one per K or V row, completion counted on a per-stage
-// mbarrier; no CTA barrier in the loop) and its own online softmax; the CTA merges the four
-// warps at the end.
+// tiles of the split, each with its own pipeline of stages in shared memory (~72 KB per CTA, so
+// three CTAs share an SM for d128) and its own online softmax; the CTA merges the four warps at
+// the end. Stages are filled without CTA barriers and completed on per-stage mbarriers: 2-byte
+// caches by one-dimensional bulk copies (TMA, one per K or V row, counted in bytes); fp8 caches,
+// whose short rows make one bulk copy per row copy-rate bound, by 16-byte cp.async (consecutive
+// lanes on consecutive pieces of a row, each lane arriving once per stage).
 //
 // Math runs on tensor cores (mma.sync m16n8k16, fp32 accumulation) in a transposed form so the
 // 8 query heads are the n = 8 side of the tile and no padding to 16 rows is needed:
@@ -19,11 +21,11 @@
 // ldmatrix.trans of byte pairs plus a byte permute yields V^T fragments whose rows are the
 // even / odd head dims, which only changes where each accumulator lands.
 //
-// Status (H200, bench/decode_mha_suite.cpp): 0.91 of the d2d-rate floor for the Llama-3-8B-like
-// bf16 case, 0.95 for Dk 192 / Dv 128, 0.47 for fp8 d128. The fp8 case is bound by the rate of
-// bulk copies (one per 128-byte row, about one per 17 cycles per SM; it takes as long as bf16):
-// 16-byte cp.async reached 0.54-0.59 on it, and three CTAs per SM (a 72 KB pipeline) with 3
-// splits 0.55-0.57. Larger copies (a 2-D tensor-map box of 16 rows) are the next step there.
+// Status (H200, bench/decode_mha_suite.cpp): 0.92 of the d2d-rate floor for the Llama-3-8B-like
+// bf16 case (3 splits), 0.95 for Dk 192 / Dv 128, 0.72-0.77 for fp8 d128 (3 splits; it was 0.47
+// with one bulk copy per 128-byte row, which is copy-rate bound). Next steps for fp8: fewer,
+// larger copies (a 2-D tensor-map box of 16 rows) or one CTA per pair of kv heads (256 contiguous
+// bytes per token in NHD).
 //
 // All addressing is int64: row = base + page * stride_page + (n % page) * stride_token +
 // head * stride_head, strides in bytes. The arithmetic does not depend on addresses, so any two
@@ -81,11 +83,13 @@ struct Args {
 __host__ __device__ constexpr int row_k(int dk, int cb) { return dk * cb + 16; }
 __host__ __device__ constexpr int row_v(int dv, int cb) { return dv * cb + 16; }
 __host__ __device__ constexpr int stage_bytes(int dk, int dv, int cb) { return kTW * (row_k(dk, cb) + row_v(dv, cb)); }
-// Stages per warp: ~108 KB of pipeline per CTA (two CTAs per SM), at least double buffering.
+// Stages per warp: ~72 KB of pipeline per CTA (three CTAs per SM for d128 bf16 and fp8), at least
+// double buffering.
+constexpr int kPipeBudget = 72 * 1024;
 __host__ __device__ constexpr int num_stages(int dk, int dv, int cb) {
-  return (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb)) < 2   ? 2
-         : (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb)) > 8 ? 8
-                                                                 : (108 * 1024) / (kWarps * stage_bytes(dk, dv, cb));
+  return kPipeBudget / (kWarps * stage_bytes(dk, dv, cb)) < 2   ? 2
+         : kPipeBudget / (kWarps * stage_bytes(dk, dv, cb)) > 8 ? 8
+                                                                : kPipeBudget / (kWarps * stage_bytes(dk, dv, cb));
 }
 __host__ __device__ constexpr int merge_bytes(int dv) { return kWarps * kN * (dv + 2) * 4; }
 __host__ __device__ constexpr int pipe_bytes(int dk, int dv, int cb) {
@@ -204,6 +208,16 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
+// 16-byte cp.async (zero-filled when !valid; then nothing is read) and an arrival on the mbarrier
+// at `bar` once every earlier cp.async of this thread has landed (the pending count is not raised:
+// the barrier is initialised with one arrival per lane).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const uint32_t n = valid ? 16u : 0u;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
@@ -241,6 +255,9 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
   constexpr int MTV = DV / 16;                         // m-tiles of O^T
   constexpr int CK = DK * CB / 16, CV = DV * CB / 16;  // 16-byte chunks per row
   static_assert(CK % 2 == 0 && CV % 2 == 0, "rows are whole pairs of 16-byte chunks");
+  // fp8 rows (64-256 bytes) are filled by 16-byte cp.async: one bulk copy per short row is
+  // limited by the copy rate, not by bytes. 2-byte caches use one bulk copy per row.
+  constexpr bool kCpAsync = F8;
   extern __shared__ __align__(16) uint8_t smem[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -320,7 +337,7 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
   // (K rows are masked, V rows are zeroed so that 0 * garbage cannot make a NaN).
   const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + bar_off(DK, DV, CB) + warp * NST * 8;
   if (lane == 0) {
-    for (int st = 0; st < NST; ++st) mbar_init(bars + st * 8, 1);
+    for (int st = 0; st < NST; ++st) mbar_init(bars + st * 8, kCpAsync ? 32 : 1);
     mbar_init_fence();
   }
   __syncwarp();
@@ -330,6 +347,41 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
     const int n0 = start + (warp + i * kWarps) * kTW;
     const int nvalid = min(kTW, end - n0);
     const uint32_t bar = bars + stage * 8;
+    if constexpr (kCpAsync) {
+      // Lane l finds the address of K row l (l < 16) or V row l - 16; the warp then copies the
+      // tile in 16-byte pieces, consecutive lanes on consecutive pieces of a row. Rows past the
+      // end are zero-filled (K rows are masked anyway).
+      const uint8_t* row = is_v ? vbase : kbase;
+      if (r < nvalid) {
+        const int n = n0 + r;
+        int pi, off;
+        if (a.p_shift >= 0) {
+          pi = n >> a.p_shift;
+          off = n & (a.P - 1);
+        } else {
+          pi = n / a.P;
+          off = n - pi * a.P;
+        }
+        const int64_t pg = __ldg(bt + pi);
+        row = is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
+      }
+      const uint32_t sk = wsm + stage * STAGE, sv = sk + kTW * RK;
+      const unsigned long long ra = reinterpret_cast<unsigned long long>(row);
+#pragma unroll
+      for (int j = 0; j < kTW * CK / 32; ++j) {
+        const int idx = lane + 32 * j, rr = idx / CK, c = idx - rr * CK;
+        const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, ra, rr));
+        cp_async16(sk + rr * RK + c * 16, src + (rr < nvalid ? c * 16 : 0), rr < nvalid);
+      }
+#pragma unroll
+      for (int j = 0; j < kTW * CV / 32; ++j) {
+        const int idx = lane + 32 * j, rr = idx / CV, c = idx - rr * CV;
+        const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, ra, kTW + rr));
+        cp_async16(sv + rr * RV + c * 16, src + (rr < nvalid ? c * 16 : 0), rr < nvalid);
+      }
+      cp_async_arrive(bar);
+      return;
+    }
     if (lane == 0) {
       proxy_fence();  // this stage's earlier generic reads (ordered by __syncwarp) before the async writes
       mbar_arrive_tx(bar, static_cast<uint32_t>(nvalid * (DK + DV) * CB));
