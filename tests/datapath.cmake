@@ -1,6 +1,6 @@
 # Tests of the datapath area (kvferry_add_gtest(...)).
 kvferry_add_gtest(kernels_datapath_test LABEL unit
-  SOURCES unit/kernels_write_test.cpp unit/kernels_convert_test.cpp
+  SOURCES unit/kernels_write_test.cpp unit/kernels_convert_test.cpp unit/kernels_fastmath_test.cpp
   LIBS kvferry::kernels)
 # One test checks the CPU twins' private lookup tables.
 target_include_directories(kernels_datapath_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels/src)

@@ -1,5 +1,8 @@
 // The device's float -> e4m3 conversion used by the data-path kernels (hardware cvt on sm_89+)
-// against layouts' float_to_e4m3 (what the CPU twins use) for all 2^32 float bit patterns.
+// against layouts' float_to_e4m3 (what the CPU twins use) for all 2^32 float bit patterns; the
+// kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, and the amortised
+// reciprocal division against __fdiv_rn, for every float dividend and a set of divisors.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -38,6 +41,47 @@ TEST(KernelsGpuFp8, DeviceConversionMatchesHostForAllFloats) {
   EXPECT_EQ(*count, 0ull) << "first mismatch at float bits 0x" << std::hex << *first << ": device "
                           << int(kernels::detail::to_e4m3(bits_float(*first))) << " host "
                           << int(float_to_e4m3(bits_float(*first)));
+  cudaFree(count);
+  cudaFree(first);
+}
+
+__global__ void compare_fast_paths(float s, unsigned long long* mismatches, unsigned* first) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  const kernels::detail::Recip r = kernels::detail::make_recip(s);
+  unsigned long long local = 0;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t{1} << 32);
+       i += stride) {
+    const float x = bits_float(static_cast<uint32_t>(i));
+    bool bad = false;
+    if (x == x) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(x, -x);
+      uint32_t u;
+      memcpy(&u, &h, 4);
+      bad |= u != (float_to_bf16(x) | (static_cast<uint32_t>(float_to_bf16(-x)) << 16));
+    }
+    if (kernels::detail::recip_fast(r, x))
+      bad |= float_bits(kernels::detail::div_recip(x, r)) != float_bits(__fdiv_rn(x, s));
+    if (bad) {
+      ++local;
+      atomicMin(first, static_cast<unsigned>(i));
+    }
+  }
+  if (local) atomicAdd(mismatches, local);
+}
+
+TEST(KernelsGpuFp8, FastPathsMatchScalarMathForAllFloats) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  unsigned long long* count = nullptr;
+  unsigned* first = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
+  for (float s : {0.037f, 0.1f, 3.0f, 0.5f, 1.0f / 448.0f, 0.01171875f / 448.0f, 2.3e-9f, 7.7e13f}) {
+    *count = 0;
+    *first = 0xffffffffu;
+    compare_fast_paths<<<1024, 256>>>(s, count, first);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(*count, 0ull) << "divisor " << s << ": first mismatch at float bits 0x" << std::hex << *first;
+  }
   cudaFree(count);
   cudaFree(first);
 }

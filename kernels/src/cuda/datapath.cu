@@ -1,6 +1,11 @@
 // CUDA kernels of the data path: cache writers, gathers, format conversions, indexer writer.
-// One warp per token entry, 16-byte vector accesses; every entry addressed through the view's
-// strides in 64-bit (CacheRef::entry). The scalar math is the CPU twins' (common/datapath_math.h).
+// A warp handles a few entries per trip, issuing all their loads before converting and storing
+// any; 16-byte vector accesses; every entry addressed through the view's strides in 64-bit
+// (CacheRef::entry). The math gives the CPU twins' bits (common/datapath_math.h): quantisation
+// divides through an amortised exact reciprocal and converts pairs with the packed e4m3 cvt,
+// dequantisation multiplies once per value and packs pairs to bf16; inputs outside those fast
+// paths' exact range (NaN, extreme exponents) take the scalar path.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -33,11 +38,6 @@ __device__ __forceinline__ H8 unpack(uint4 v) {
   memcpy(r.h, &v, 16);
   return r;
 }
-__device__ __forceinline__ uint4 pack16(const uint16_t* h) {
-  uint4 v;
-  memcpy(&v, h, 16);
-  return v;
-}
 __device__ __forceinline__ uint2 pack8(const uint8_t* b) {
   uint2 v;
   memcpy(&v, b, 8);
@@ -62,81 +62,141 @@ __device__ __forceinline__ int64_t global_warp() {
 }
 __device__ __forceinline__ int64_t total_warps() { return (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5; }
 
-unsigned grid_for(int64_t items) {
+/// Blocks for `items` work items handled `per_warp` at a time (capped: the kernels loop).
+unsigned grid_for(int64_t items, int64_t per_warp = 1) {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int64_t want = (items + kWarps - 1) / kWarps;
+  const int64_t warps = (items + per_warp - 1) / per_warp;
+  const int64_t want = (warps + kWarps - 1) / kWarps;
   const int64_t cap = static_cast<int64_t>(sms) * 16;
   return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
-// ---- warp-cooperative entry operations (lane in [0, 32)) ----
+// ---- vector conversions: fast paths bit-identical to the scalar math, scalar fallback ----
 
-/// 512 bf16 nope at `nope` and 64 bf16 rope at `rope` -> one 656 B entry.
-__device__ __forceinline__ void warp_bf16_to_ds(const uint8_t* nope, const uint8_t* rope, uint8_t* dst, int lane) {
-  const H8 a = unpack(ld_v16(nope + 32 * lane));
-  const H8 b = unpack(ld_v16(nope + 32 * lane + 16));
-  float x[16];
-  float amax = 0.0f;
+/// Two floats -> two e4m3 bytes (lo in the low byte); the same cvt as to_e4m3 for non-NaN input.
+__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
+/// Two floats -> two bf16 (lo in the low half), RNE; equals float_to_bf16 for non-NaN input.
+__device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return u;
+}
+
+/// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], r.s).
+__device__ __forceinline__ uint32_t quant4(const float* x, const Recip& r) {
+  bool fast = true;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    x[k] = bf16_to_float(a.h[k]);
-    x[8 + k] = bf16_to_float(b.h[k]);
+  for (int k = 0; k < 4; ++k) fast &= recip_fast(r, x[k]);
+  if (fast)
+    return cvt_e4m3x2(div_recip(x[0], r), div_recip(x[1], r)) |
+           (cvt_e4m3x2(div_recip(x[2], r), div_recip(x[3], r)) << 16);
+  uint32_t w = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w |= static_cast<uint32_t>(quant_e4m3(x[k], r.s)) << (8 * k);
+  return w;
+}
+
+__device__ __forceinline__ uint2 quant8(const float* x, const Recip& r) {
+  return make_uint2(quant4(x, r), quant4(x + 4, r));
+}
+
+/// 8 bf16/fp16 values -> floats.
+__device__ __forceinline__ void to_floats(uint4 v, bool bf16, float* x) {
+  const H8 h = unpack(v);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = half_to_float(h.h[k], bf16);
+}
+
+/// 4 e4m3 bytes -> 4 bf16 (uint2): dequant_bf16(b, d.s), or e4m3_to_bf16(b) when kUnscaled (d.s = 1).
+template <bool kUnscaled = false>
+__device__ __forceinline__ uint2 dequant4(uint32_t w, const DqScale& d) {
+  if (d.fast && !has_e4m3_nan(w))
+    return make_uint2(cvt_bf16x2(dq_fast(w & 0xffu, d), dq_fast((w >> 8) & 0xffu, d)),
+                      cvt_bf16x2(dq_fast((w >> 16) & 0xffu, d), dq_fast(w >> 24, d)));
+  uint16_t h[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t b = static_cast<uint8_t>(w >> (8 * k));
+    h[k] = kUnscaled ? e4m3_to_bf16(b) : dequant_bf16(b, d.s);
   }
+  uint2 v;
+  memcpy(&v, h, 8);
+  return v;
+}
+
+template <bool kUnscaled = false>
+__device__ __forceinline__ uint4 dequant8(uint2 q, const DqScale& d) {
+  const uint2 a = dequant4<kUnscaled>(q.x, d), b = dequant4<kUnscaled>(q.y, d);
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+
+// ---- warp-cooperative entry operations (lane in [0, 32)), split into a load and a store half so
+// a warp can issue the loads of several entries before it converts and stores any of them ----
+
+/// 576 bf16 (512 nope + 64 rope) as loaded for the bf16 -> 656 B conversion.
+struct Bf16In {
+  uint4 a = {}, b = {}, rope = {};
+};
+__device__ __forceinline__ Bf16In load_bf16(const uint8_t* nope, const uint8_t* rope, int lane) {
+  Bf16In in;
+  in.a = ld_v16(nope + 32 * lane);
+  in.b = ld_v16(nope + 32 * lane + 16);
+  if (lane < 8) in.rope = ld_v16(rope + 16 * lane);
+  return in;
+}
+/// -> one 656 B entry.
+__device__ __forceinline__ void store_bf16_as_ds(const Bf16In& in, uint8_t* dst, int lane) {
+  float x[16];
+  to_floats(in.a, true, x);
+  to_floats(in.b, true, x + 8);
+  float amax = 0.0f;
 #pragma unroll
   for (int k = 0; k < 16; ++k) amax = fmax_f(amax, abs_f(x[k]));
 #pragma unroll
   for (int m = 4; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
   const float sc = ds_tile_scale(amax);
-  uint8_t q[16];
-#pragma unroll
-  for (int k = 0; k < 16; ++k) q[k] = quant_e4m3(x[k], sc);
-  uint4 qv;
-  memcpy(&qv, q, 16);
-  st_v16(dst + 16 * lane, qv);
+  const Recip r = make_recip(sc);
+  const uint2 lo = quant8(x, r), hi = quant8(x + 8, r);
+  st_v16(dst + 16 * lane, make_uint4(lo.x, lo.y, hi.x, hi.y));
   if ((lane & 7) == 0) *reinterpret_cast<float*>(dst + kMlaDsScaleOffset + 4 * (lane >> 3)) = sc;
-  if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, ld_v16(rope + 16 * lane));
+  if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, in.rope);
 }
 
-/// One 656 B entry -> 576 bf16 (1152 B).
-__device__ __forceinline__ void warp_ds_to_bf16(const uint8_t* src, uint8_t* dst, int lane) {
-  const uint4 qv = ld_v16(src + 16 * lane);
-  const float sc = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 4 * (lane >> 3));
-  uint8_t q[16];
-  memcpy(q, &qv, 16);
-  uint16_t h[16];
-#pragma unroll
-  for (int k = 0; k < 16; ++k) h[k] = dequant_bf16(q[k], sc);
-  st_v16(dst + 32 * lane, pack16(h));
-  st_v16(dst + 32 * lane + 16, pack16(h + 8));
-  if (lane < 8) st_v16(dst + kMlaRank * 2 + 16 * lane, ld_v16(src + kMlaDsRopeOffset + 16 * lane));
+/// One 656 B entry as loaded for the conversions out of it.
+struct DsIn {
+  uint4 q = {}, scales = {}, rope = {};
+  float sc = 0.0f;
+};
+__device__ __forceinline__ DsIn load_ds(const uint8_t* src, int lane, bool all_scales) {
+  DsIn in;
+  in.q = ld_v16(src + 16 * lane);
+  in.sc = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 4 * (lane >> 3));
+  if (all_scales && lane == 0) in.scales = ld_v16(src + kMlaDsScaleOffset);
+  if (lane < 8) in.rope = ld_v16(src + kMlaDsRopeOffset + 16 * lane);
+  return in;
 }
-
-/// 576 B mla_fp8 -> 656 B: nope kept, scales 1.0, rope e4m3 -> bf16.
-__device__ __forceinline__ void warp_fp8_to_ds(const uint8_t* src, uint8_t* dst, int lane) {
-  st_v16(dst + 16 * lane, ld_v16(src + 16 * lane));
-  if (lane == 0) st_v16(dst + kMlaDsScaleOffset, make_uint4(kOneF32Bits, kOneF32Bits, kOneF32Bits, kOneF32Bits));
-  if (lane < 8) {
-    const uint2 r = ld_v8(src + kMlaRank + 8 * lane);
-    uint8_t q[8];
-    memcpy(q, &r, 8);
-    uint16_t h[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) h[k] = e4m3_to_bf16(q[k]);
-    st_v16(dst + kMlaDsRopeOffset + 16 * lane, pack16(h));
-  }
+/// -> 576 bf16 (1152 B).
+__device__ __forceinline__ void store_ds_as_bf16(const DsIn& in, uint8_t* dst, int lane) {
+  const DqScale d = make_dq_scale(in.sc);
+  st_v16(dst + 32 * lane, dequant8(make_uint2(in.q.x, in.q.y), d));
+  st_v16(dst + 32 * lane + 16, dequant8(make_uint2(in.q.z, in.q.w), d));
+  if (lane < 8) st_v16(dst + kMlaRank * 2 + 16 * lane, in.rope);
 }
-
-/// 656 B -> 576 B; returns (to every lane) whether the entry was lossless.
-__device__ __forceinline__ bool warp_ds_to_fp8(const uint8_t* src, uint8_t* dst, int lane) {
-  st_v16(dst + 16 * lane, ld_v16(src + 16 * lane));
+/// -> 576 B; returns (to every lane) whether the entry was lossless.
+__device__ __forceinline__ bool store_ds_as_fp8(const DsIn& in, uint8_t* dst, int lane) {
+  st_v16(dst + 16 * lane, in.q);
   bool ok = true;
   if (lane == 0) {
-    const uint4 s = ld_v16(src + kMlaDsScaleOffset);
+    const uint4 s = in.scales;
     ok = s.x == kOneF32Bits && s.y == kOneF32Bits && s.z == kOneF32Bits && s.w == kOneF32Bits;
   }
   if (lane < 8) {
-    const H8 h = unpack(ld_v16(src + kMlaDsRopeOffset + 16 * lane));
+    const H8 h = unpack(in.rope);
     uint8_t q[8];
 #pragma unroll
     for (int k = 0; k < 8; ++k) ok &= bf16_to_e4m3_exact(h.h[k], &q[k]);
@@ -144,6 +204,27 @@ __device__ __forceinline__ bool warp_ds_to_fp8(const uint8_t* src, uint8_t* dst,
   }
   return __all_sync(kFull, ok);
 }
+
+/// One 576 B mla_fp8 entry as loaded for the conversion to 656 B.
+struct Fp8In {
+  uint4 nope = {};
+  uint2 rope = {};
+};
+__device__ __forceinline__ Fp8In load_fp8(const uint8_t* src, int lane) {
+  Fp8In in;
+  in.nope = ld_v16(src + 16 * lane);
+  if (lane < 8) in.rope = ld_v8(src + kMlaRank + 8 * lane);
+  return in;
+}
+/// -> 656 B: nope kept, scales 1.0, rope e4m3 -> bf16.
+__device__ __forceinline__ void store_fp8_as_ds(const Fp8In& in, uint8_t* dst, int lane, const DqScale& one) {
+  st_v16(dst + 16 * lane, in.nope);
+  if (lane == 0) st_v16(dst + kMlaDsScaleOffset, make_uint4(kOneF32Bits, kOneF32Bits, kOneF32Bits, kOneF32Bits));
+  if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, dequant8<true>(in.rope, one));
+}
+
+/// Entries (tokens, rows, slots) per warp and loop trip: their loads are all issued first.
+constexpr int kU = 2;
 
 // ---- write_mla ----
 
@@ -153,35 +234,68 @@ __global__ void __launch_bounds__(kThreads) write_mla_kernel(const WriteMlaParam
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
-  for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
-    const int64_t s = p.slots[n];
-    if (s < 0 || s >= limit) continue;
-    int64_t blk, off;
-    divmod(s, bs, blk, off);
-    uint8_t* dst = p.cache.entry(blk, off);
-    const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
-    const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
-    if constexpr (kMode == 0) {
-      for (int v = lane; v < 72; v += 32)
-        st_v16(dst + 16 * v, v < 64 ? ld_v16(nope + 16 * v) : ld_v16(rope + 16 * (v - 64)));
-    } else if constexpr (kMode == 1) {
-      for (int g = lane; g < 72; g += 32) {
-        const H8 h = unpack(g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64)));
-        uint8_t q[8];
+  const Recip rc = make_recip(p.scale);
+  for (int64_t n0 = global_warp() * kU; n0 < p.tokens; n0 += total_warps() * kU) {
+    int64_t s[kU];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) q[k] = quant_e4m3(half_to_float(h.h[k], bf16), p.scale);
-        st_v8(dst + 8 * g, pack8(q));
+    for (int u = 0; u < kU; ++u) s[u] = n0 + u < p.tokens ? p.slots[n0 + u] : -1;
+    uint8_t* dst[kU];
+    uint4 v[kU][3] = {};
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      dst[u] = nullptr;
+      if (s[u] < 0 || s[u] >= limit) continue;
+      int64_t blk, off;
+      divmod(s[u], bs, blk, off);
+      dst[u] = p.cache.entry(blk, off);
+      const int64_t n = n0 + u;
+      const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
+      const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
+      if constexpr (kMode == 2) {
+        const Bf16In in = load_bf16(nope, rope, lane);
+        v[u][0] = in.a;
+        v[u][1] = in.b;
+        v[u][2] = in.rope;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+          const int g = lane + 32 * i;
+          if (g < 72) v[u][i] = g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64));
+        }
       }
-    } else {
-      warp_bf16_to_ds(nope, rope, dst, lane);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (!dst[u]) continue;
+      if constexpr (kMode == 2) {
+        Bf16In in;
+        in.a = v[u][0];
+        in.b = v[u][1];
+        in.rope = v[u][2];
+        store_bf16_as_ds(in, dst[u], lane);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 3; ++i) {
+          const int g = lane + 32 * i;
+          if (g >= 72) continue;
+          if constexpr (kMode == 0) {
+            st_v16(dst[u] + 16 * g, v[u][i]);
+          } else {
+            float x[8];
+            to_floats(v[u][i], bf16, x);
+            st_v8(dst[u] + 8 * g, quant8(x, rc));
+          }
+        }
+      }
     }
   }
 }
 
-// ---- write_mha ----
+// ---- write_mha: one warp per token, K and V planes together ----
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParams p) {
+  constexpr int kG = 4;  // 16-byte groups per lane and plane in flight
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
@@ -189,33 +303,45 @@ __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParam
   const int64_t gpd = d / 8, groups = h * gpd;
   const int64_t eb = kFp8 ? 1 : 2;
   const bool bf16 = p.input_dtype == DType::kBF16;
-  for (int64_t w = global_warp(); w < 2 * p.tokens; w += total_warps()) {
-    const int64_t n = w >> 1;
-    const int plane = static_cast<int>(w & 1);
+  const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
+  const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
+  for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
     const int64_t s = p.slots[n];
     if (s < 0 || s >= limit) continue;
-    const CacheRef& c = plane == 0 ? p.k_cache : p.v_cache;
-    const uint8_t* src = static_cast<const uint8_t*>(plane == 0 ? p.key : p.value) +
-                         n * (plane == 0 ? p.key_stride : p.value_stride) * 2;
-    const float sc = plane == 0 ? p.k_scale : p.v_scale;
     int64_t blk, off;
     divmod(s, bs, blk, off);
-    uint8_t* entry = c.entry(blk, off);
-    const int64_t hstride = c.view.strides[2] * eb;
-    for (int64_t g = lane; g < groups; g += 32) {
-      int64_t hh, kg;
-      divmod(g, gpd, hh, kg);
-      const int64_t k8 = kg * 8;
-      const uint4 v = ld_v16(src + (hh * d + k8) * 2);
-      uint8_t* dst = entry + hh * hstride + k8 * eb;
-      if constexpr (!kFp8) {
-        st_v16(dst, v);
-      } else {
-        const H8 x = unpack(v);
-        uint8_t q[8];
+    uint8_t* ek = p.k_cache.entry(blk, off);
+    uint8_t* ev = p.v_cache.entry(blk, off);
+    const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
+    const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
+    for (int64_t g0 = 0; g0 < groups; g0 += 32 * kG) {
+      uint4 a[kG] = {}, b[kG] = {};
 #pragma unroll
-        for (int k = 0; k < 8; ++k) q[k] = quant_e4m3(half_to_float(x.h[k], bf16), sc);
-        st_v8(dst, pack8(q));
+      for (int i = 0; i < kG; ++i) {
+        const int64_t g = g0 + lane + 32 * i;
+        if (g < groups) {
+          a[i] = ld_v16(sk + 16 * g);
+          b[i] = ld_v16(sv + 16 * g);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kG; ++i) {
+        const int64_t g = g0 + lane + 32 * i;
+        if (g >= groups) continue;
+        int64_t hh, kg;
+        divmod(g, gpd, hh, kg);
+        uint8_t* dk = ek + hh * hsk + kg * 8 * eb;
+        uint8_t* dv = ev + hh * hsv + kg * 8 * eb;
+        if constexpr (!kFp8) {
+          st_v16(dk, a[i]);
+          st_v16(dv, b[i]);
+        } else {
+          float x[8];
+          to_floats(a[i], bf16, x);
+          st_v8(dk, quant8(x, rk));
+          to_floats(b[i], bf16, x);
+          st_v8(dv, quant8(x, rv));
+        }
       }
     }
   }
@@ -224,36 +350,41 @@ __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParam
 // ---- indexer ----
 
 __global__ void __launch_bounds__(kThreads) indexer_write_kernel(const IndexerWriteParams p) {
+  constexpr int kI = 4;  // tokens per warp and trip
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
-  for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
-    const int64_t s = p.slots[n];
-    if (s < 0 || s >= limit) continue;
-    int64_t blk, off;
-    divmod(s, bs, blk, off);
-    uint8_t* block = p.cache.entry(blk, 0);
-    const uint2 raw = ld_v8(static_cast<const uint8_t*>(p.k) + n * p.k_stride * 2 + 8 * lane);
-    uint16_t hv[4];
-    memcpy(hv, &raw, 8);
-    float x[4];
-    float amax = 0.0f;
+  for (int64_t n0 = global_warp() * kI; n0 < p.tokens; n0 += total_warps() * kI) {
+    int64_t s[kI];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      x[k] = half_to_float(hv[k], bf16);
-      amax = fmax_f(amax, abs_f(x[k]));
+    for (int u = 0; u < kI; ++u) s[u] = n0 + u < p.tokens ? p.slots[n0 + u] : -1;
+    uint2 raw[kI] = {};
+#pragma unroll
+    for (int u = 0; u < kI; ++u)
+      if (s[u] >= 0 && s[u] < limit)
+        raw[u] = ld_v8(static_cast<const uint8_t*>(p.k) + (n0 + u) * p.k_stride * 2 + 8 * lane);
+#pragma unroll
+    for (int u = 0; u < kI; ++u) {
+      if (s[u] < 0 || s[u] >= limit) continue;
+      int64_t blk, off;
+      divmod(s[u], bs, blk, off);
+      uint8_t* block = p.cache.entry(blk, 0);
+      uint16_t hv[4];
+      memcpy(hv, &raw[u], 8);
+      float x[4];
+      float amax = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        x[k] = half_to_float(hv[k], bf16);
+        amax = fmax_f(amax, abs_f(x[k]));
+      }
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+      const float sc = indexer_scale(amax, p.ue8m0);
+      *reinterpret_cast<uint32_t*>(block + off * kIndexerHeadDim + 4 * lane) = quant4(x, make_recip(sc));
+      if (lane == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
     }
-#pragma unroll
-    for (int m = 16; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
-    const float sc = indexer_scale(amax, p.ue8m0);
-    uint8_t q[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) q[k] = quant_e4m3(x[k], sc);
-    uint32_t qv;
-    memcpy(&qv, q, 4);
-    *reinterpret_cast<uint32_t*>(block + off * kIndexerHeadDim + 4 * lane) = qv;
-    if (lane == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
   }
 }
 
@@ -271,58 +402,123 @@ __device__ __forceinline__ int64_t find_request(const int32_t* cu, int64_t batch
   return lo;
 }
 
+/// kU consecutive rows per warp: one binary search, then all block-table loads, then all data loads.
 template <int kMode, int kVec>
 __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) {
+  constexpr int kR = 4;  // rows per warp and trip
   const int lane = threadIdx.x & 31;
   const TensorView& v = p.cache.view;
   const int64_t bs = v.sizes[1], e = v.sizes[2];
   const int64_t eb = dtype_size(v.dtype);
   const int64_t dst_eb = kMode == 0 ? eb : 2;
-  for (int64_t j = global_warp(); j < p.total_rows; j += total_warps()) {
-    const int64_t r = find_request(p.cu_seq_lens, p.batch, j);
-    const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
-    int64_t col, tok;
-    divmod(pos, bs, col, tok);
-    const int64_t blk = p.block_table[r * p.block_table_stride + col];
-    const uint8_t* src = p.cache.entry(blk, tok);
-    uint8_t* dst = static_cast<uint8_t*>(p.dst) + j * p.dst_stride * dst_eb;
-    if constexpr (kMode == 0) {
+  const DqScale dq = make_dq_scale(p.scale);
+  for (int64_t j0 = global_warp() * kR; j0 < p.total_rows; j0 += total_warps() * kR) {
+    const int rows = p.total_rows - j0 < kR ? static_cast<int>(p.total_rows - j0) : kR;
+    int64_t tok[kR], col[kR], req[kR];
+    int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
+#pragma unroll
+    for (int u = 0; u < kR; ++u) {
+      tok[u] = col[u] = 0;
+      req[u] = r;
+      if (u >= rows) continue;
+      const int64_t j = j0 + u;
+      while (p.cu_seq_lens[r + 1] <= j) ++r;
+      req[u] = r;
+      const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
+      divmod(pos, bs, col[u], tok[u]);
+    }
+    const uint8_t* src[kR];
+#pragma unroll
+    for (int u = 0; u < kR; ++u) {
+      src[u] = nullptr;
+      if (u < rows) src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
+    }
+    uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * p.dst_stride * dst_eb;
+    const int64_t dst_row = p.dst_stride * dst_eb;
+    if constexpr (kMode == 0 && kVec == 16) {
+      const int64_t n = e * eb / 16;
+      for (int64_t k0 = 0; k0 < n; k0 += 96) {
+        uint4 x[kR][3] = {};
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int i = 0; i < 3; ++i) {
+            const int64_t k = k0 + lane + 32 * i;
+            if (u < rows && k < n) x[u][i] = ld_v16(src[u] + 16 * k);
+          }
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int i = 0; i < 3; ++i) {
+            const int64_t k = k0 + lane + 32 * i;
+            if (u < rows && k < n) st_v16(out + u * dst_row + 16 * k, x[u][i]);
+          }
+      }
+    } else if constexpr (kMode == 0) {
       const int64_t n = e * eb / kVec;
-      for (int64_t k = lane; k < n; k += 32) {
-        if constexpr (kVec == 16)
-          st_v16(dst + 16 * k, ld_v16(src + 16 * k));
-        else if constexpr (kVec == 4)
-          reinterpret_cast<uint32_t*>(dst)[k] = reinterpret_cast<const uint32_t*>(src)[k];
-        else if constexpr (kVec == 2)
-          reinterpret_cast<uint16_t*>(dst)[k] = reinterpret_cast<const uint16_t*>(src)[k];
-        else
-          dst[k] = src[k];
+      for (int u = 0; u < rows; ++u) {
+        const uint8_t* s = src[u];
+        uint8_t* dst = out + u * dst_row;
+        for (int64_t k = lane; k < n; k += 32) {
+          if constexpr (kVec == 4)
+            reinterpret_cast<uint32_t*>(dst)[k] = reinterpret_cast<const uint32_t*>(s)[k];
+          else if constexpr (kVec == 2)
+            reinterpret_cast<uint16_t*>(dst)[k] = reinterpret_cast<const uint16_t*>(s)[k];
+          else
+            dst[k] = s[k];
+        }
       }
     } else if constexpr (kMode == 1) {
-      for (int64_t g = lane; g < e / 8; g += 32) {
-        const uint2 r8 = ld_v8(src + 8 * g);
-        uint8_t q[8];
-        memcpy(q, &r8, 8);
-        uint16_t h[8];
+      const int64_t n = e / 8;
+      for (int64_t k0 = 0; k0 < n; k0 += 96) {
+        uint2 x[kR][3] = {};
 #pragma unroll
-        for (int k = 0; k < 8; ++k) h[k] = dequant_bf16(q[k], p.scale);
-        st_v16(dst + 16 * g, pack16(h));
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int i = 0; i < 3; ++i) {
+            const int64_t k = k0 + lane + 32 * i;
+            if (u < rows && k < n) x[u][i] = ld_v8(src[u] + 8 * k);
+          }
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int i = 0; i < 3; ++i) {
+            const int64_t k = k0 + lane + 32 * i;
+            if (u < rows && k < n) st_v16(out + u * dst_row + 16 * k, dequant8(x[u][i], dq));
+          }
       }
     } else {
-      warp_ds_to_bf16(src, dst, lane);
+      DsIn in[kR];
+#pragma unroll
+      for (int u = 0; u < kR; ++u)
+        if (u < rows) in[u] = load_ds(src[u], lane, false);
+#pragma unroll
+      for (int u = 0; u < kR; ++u)
+        if (u < rows) store_ds_as_bf16(in[u], out + u * dst_row, lane);
     }
   }
 }
 
 __global__ void __launch_bounds__(kThreads) dequant_paged_kernel(const DequantPagedParams p) {
+  constexpr int kR = 4;
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
-  for (int64_t i = global_warp(); i < p.count; i += total_warps()) {
-    const int64_t s = p.slots[i];
-    if (s < 0 || s >= limit) continue;
-    int64_t blk, off;
-    divmod(s, bs, blk, off);
-    warp_ds_to_bf16(p.cache.entry(blk, off), static_cast<uint8_t*>(p.dst) + i * p.dst_stride * 2, lane);
+  for (int64_t i0 = global_warp() * kR; i0 < p.count; i0 += total_warps() * kR) {
+    int64_t s[kR];
+#pragma unroll
+    for (int u = 0; u < kR; ++u) s[u] = i0 + u < p.count ? p.slots[i0 + u] : -1;
+    DsIn in[kR];
+#pragma unroll
+    for (int u = 0; u < kR; ++u) {
+      if (s[u] < 0 || s[u] >= limit) continue;
+      int64_t blk, off;
+      divmod(s[u], bs, blk, off);
+      in[u] = load_ds(p.cache.entry(blk, off), lane, false);
+    }
+#pragma unroll
+    for (int u = 0; u < kR; ++u)
+      if (s[u] >= 0 && s[u] < limit)
+        store_ds_as_bf16(in[u], static_cast<uint8_t*>(p.dst) + (i0 + u) * p.dst_stride * 2, lane);
   }
 }
 
@@ -333,23 +529,58 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const ConvertParams p
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
   const int64_t items = p.layers * p.count * bs;
-  for (int64_t w = global_warp(); w < items; w += total_warps()) {
-    int64_t q, t, l, i;
-    divmod(w, bs, q, t);
-    divmod(q, p.count, l, i);
-    const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
-    const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
-    const uint8_t* src = p.src.entry(sb, t) + l * p.src_layer_stride;
-    uint8_t* dst = p.dst.entry(db, t) + l * p.dst_layer_stride;
+  const DqScale one = make_dq_scale(1.0f);
+  for (int64_t w0 = global_warp() * kU; w0 < items; w0 += total_warps() * kU) {
+    const uint8_t* src[kU];
+    uint8_t* dst[kU];
+    int64_t blk[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      src[u] = nullptr;
+      dst[u] = nullptr;
+      blk[u] = 0;
+      const int64_t w = w0 + u;
+      if (w >= items) continue;
+      int64_t q, t, l, i;
+      divmod(w, bs, q, t);
+      divmod(q, p.count, l, i);
+      const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
+      const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
+      src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
+      dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
+      blk[u] = i;
+    }
     if constexpr (kKind == 0) {
-      warp_fp8_to_ds(src, dst, lane);
-    } else if constexpr (kKind == 1) {
-      const bool ok = warp_ds_to_fp8(src, dst, lane);
-      if (!ok && lane == 0 && p.not_lossless) p.not_lossless[i] = 1;
+      Fp8In in[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (src[u]) in[u] = load_fp8(src[u], lane);
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (src[u]) store_fp8_as_ds(in[u], dst[u], lane, one);
     } else if constexpr (kKind == 2) {
-      warp_bf16_to_ds(src, src + kMlaRank * 2, dst, lane);
+      Bf16In in[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (src[u]) in[u] = load_bf16(src[u], src[u] + kMlaRank * 2, lane);
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (src[u]) store_bf16_as_ds(in[u], dst[u], lane);
     } else {
-      warp_ds_to_bf16(src, dst, lane);
+      DsIn in[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (src[u]) in[u] = load_ds(src[u], lane, kKind == 1);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (!src[u]) continue;
+        if constexpr (kKind == 1) {
+          const bool ok = store_ds_as_fp8(in[u], dst[u], lane);
+          if (!ok && lane == 0 && p.not_lossless) p.not_lossless[blk[u]] = 1;
+        } else {
+          store_ds_as_bf16(in[u], dst[u], lane);
+        }
+      }
     }
   }
 }
@@ -360,7 +591,7 @@ bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) %
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.tokens);
+  const unsigned grid = grid_for(p.tokens, kU);
   switch (p.mode) {
     case MlaWriteMode::kCopy: write_mla_kernel<0><<<grid, kThreads, 0, stream>>>(p); break;
     case MlaWriteMode::kFp8: write_mla_kernel<1><<<grid, kThreads, 0, stream>>>(p); break;
@@ -372,7 +603,7 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
 
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_for(2 * p.tokens);
+  const unsigned grid = grid_for(p.tokens);
   if (p.k_cache.view.dtype == DType::kFP8E4M3)
     write_mha_kernel<true><<<grid, kThreads, 0, stream>>>(p);
   else
@@ -382,13 +613,13 @@ cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
 
 cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  indexer_write_kernel<<<grid_for(p.tokens), kThreads, 0, stream>>>(p);
+  indexer_write_kernel<<<grid_for(p.tokens, 4), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
   if (p.total_rows == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.total_rows);
+  const unsigned grid = grid_for(p.total_rows, 4);
   switch (p.mode) {
     case GatherMode::kCopy: {
       const TensorView& v = p.cache.view;
@@ -418,14 +649,14 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  dequant_paged_kernel<<<grid_for(p.count), kThreads, 0, stream>>>(p);
+  dequant_paged_kernel<<<grid_for(p.count, 4), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t items = p.layers * p.count * p.src.view.sizes[1];
   if (items == 0) return cudaSuccess;
-  const unsigned grid = grid_for(items);
+  const unsigned grid = grid_for(items, kU);
   switch (p.kind) {
     case ConvertKind::kFp8ToDs: convert_kernel<0><<<grid, kThreads, 0, stream>>>(p); break;
     case ConvertKind::kDsToFp8: convert_kernel<1><<<grid, kThreads, 0, stream>>>(p); break;
