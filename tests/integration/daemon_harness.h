@@ -106,9 +106,12 @@ class DaemonProcess {
   }
   void write_config(const std::string& extra_yaml) {
     std::ofstream f(config_);
-    f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n"
+    // No metrics port (tests pass --metrics-listen when they want one) and a small host pool
+    // unless the test sets its own tiers.
+    f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n  metrics_listen: \"\"\n"
       << "device:\n  backend: " << backend_ << "\n"
       << extra_yaml;
+    if (extra_yaml.find("tiers:") == std::string::npos) f << "tiers:\n  host:\n    capacity: 64MiB\n";
   }
   /// SIGTERM and wait (bounded); returns the wait status (-1 when it did not exit in time).
   int stop(int sig = SIGTERM) {
