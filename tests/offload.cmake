@@ -12,3 +12,8 @@ kvferry_add_gtest(offload_gpu_test LABEL gpu TIMEOUT 120
   LIBS kvferry::connector kvferry::kernels)
 add_dependencies(offload_gpu_test kvferryd)
 target_compile_definitions(offload_gpu_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")
+
+# Wire pieces of the data ops (Hello namespace, arena layouts, C ABI mirrors).
+kvferry_add_gtest(offload_wire_test LABEL unit
+  SOURCES unit/offload_wire_test.cpp
+  LIBS kvferry::protocol kvferry::connector)

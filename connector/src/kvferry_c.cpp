@@ -351,6 +351,8 @@ int kvferry_lookup(kvferry_client* c, uint32_t region_id, const kvferry_key* key
     KVFERRY_C_CHECK(c && (keys || n == 0), "client or keys is NULL");
     auto r = c->c->lookup(region_id, key_span(keys, n));
     if (!r.ok()) return fail(r.status());
+    if (r->status != ErrorCode::kOk && r->blocks.empty())  // the request itself failed (e.g. no such region)
+      return fail(Status(r->status, "lookup in region " + std::to_string(region_id) + " failed"));
     if (prefix) *prefix = static_cast<uint32_t>(r->result[0]);
     if (statuses)
       for (size_t i = 0; i < r->blocks.size() && i < n; ++i) statuses[i] = static_cast<int16_t>(r->blocks[i]);

@@ -365,6 +365,14 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   po.capacity = cfg.host.capacity;
   po.numa_node = cfg.host.numa_node;
   po.pin = impl->opts.cuda;
+  // Chunks of 64 MiB (one slot size each); a small pool gets smaller chunks so that it still
+  // holds a few size classes (at least 4 MiB: the largest block a chunk can take).
+  po.chunk_bytes = std::clamp<uint64_t>(cfg.host.capacity / 4, uint64_t{4} << 20, uint64_t{64} << 20) /
+                   store::HostPool::kSlotAlign * store::HostPool::kSlotAlign;
+  if (cfg.host.capacity < po.chunk_bytes)
+    return Status(ErrorCode::kConfig, "tiers.host.capacity " + std::to_string(cfg.host.capacity) +
+                                          " bytes is smaller than one pool chunk (" + std::to_string(po.chunk_bytes) +
+                                          " bytes)");
   uint64_t next_log = 0;
   const auto t0 = Clock::now();
   po.progress = [&next_log](uint64_t done, uint64_t total) {

@@ -22,7 +22,7 @@ namespace kvferry::daemon {
 
 /// One client's data channel: the ring memfd (mapped) and its two eventfds. Owned by the
 /// client's session and, while registered, shared with the ring thread.
-struct ClientChannel : std::enable_shared_from_this<ClientChannel> {
+struct ClientChannel {
   uint32_t client_id = 0;
   std::string model;   ///< from the Hello (namespace), "" = default
   std::string tenant;  ///< from the Hello (namespace)
