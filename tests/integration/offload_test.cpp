@@ -443,6 +443,43 @@ TEST_F(OffloadIt, KilledClientMidSaveLeavesNoPinNorHalfBlock) {
     EXPECT_TRUE(code == ErrorCode::kOk || code == ErrorCode::kNotFound) << error_code_name(code);
 }
 
+TEST_F(OffloadIt, LookupsDoNotWaitBehindTransfers) {
+  auto a = connect(*d_, "busy");
+  auto b = connect(*d_, "busy");
+  ASSERT_TRUE(a && b);
+  // Saves of 128 blocks of 2 x 64 tokens x 1152 B = 18 MiB each (three fit the 64 MiB pool, so
+  // nothing is evicted): milliseconds of copying and hashing, against microseconds for a lookup.
+  const KvCacheSpec spec = spec_of(EntryFormat::mla_bf16(), 2, 128, 64);
+  Region r = create(*a, "busy", spec);
+  fill_bytes(r, 4);
+  ASSERT_TRUE(b->map_region(r.id).ok());
+  const auto small = keys_for(4, 900);
+  const std::vector<int64_t> four = {0, 1, 2, 3};
+  ASSERT_EQ(a->save(r.id, small, four)->done, 4u);
+  std::vector<int64_t> all(128);
+  std::iota(all.begin(), all.end(), 0);
+  std::vector<uint64_t> ids;
+  for (uint64_t s = 901; s < 904; ++s) {  // queued behind one another on two workers
+    auto id = a->submit_save(r.id, keys_for(128, s), all);
+    ASSERT_TRUE(id.ok());
+    ids.push_back(*id);
+  }
+  auto lk = b->lookup(r.id, small, 5'000'000);
+  ASSERT_TRUE(lk.ok());
+  EXPECT_EQ(lk->done, 4u);
+  // The lookup came back while the last save was still queued or running.
+  auto last = a->wait_op(ids.back(), 0);
+  EXPECT_FALSE(last.ok()) << "the saves finished before a lookup that was submitted after them";
+  if (!last.ok()) {
+    EXPECT_EQ(last.status().code(), ErrorCode::kTimeout);
+  }
+  for (uint64_t id : ids) {
+    auto w = a->wait_op(id, 30'000'000);
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    EXPECT_EQ(w->done, 128u);
+  }
+}
+
 /// GET `path` from 127.0.0.1:port; the whole response ("" on failure). Bounded by a 2 s timeout.
 std::string http_get(uint16_t port, const std::string& path) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
