@@ -125,7 +125,8 @@ int run_ls(const std::string& socket, const Common& c, uint32_t limit) {
 
 int run_evict(const std::string& socket, const Common& c, const std::vector<std::string>& hex, bool all) {
   if (!all && (c.region.empty() || hex.empty())) {
-    std::fprintf(stderr, "kvferry evict: give --all, or --region NAME with --key HEX... or --namespace-all\n");
+    std::fprintf(
+        stderr, "kvferry evict: give --all (with --region: that namespace only), or --region NAME with --key HEX...\n");
     return 2;
   }
   std::vector<ops::Key> keys;
