@@ -199,6 +199,8 @@ int run_ipc(const Options& opts) {
   cfg.daemon.socket = "/tmp/kvferry-bench-" + std::to_string(::getpid()) + ".sock";
   cfg.device.backend = config::Backend::kCpu;
   cfg.limits.ring_entries = 1024;
+  cfg.daemon.metrics_listen = "";          // no HTTP port to clash with a running daemon
+  cfg.host.capacity = uint64_t{64} << 20;  // pings need no host pool
   auto d = daemon::Daemon::create(cfg);
   if (!d.ok()) {
     std::fprintf(stderr, "ipc: %s\n", d.status().to_string().c_str());

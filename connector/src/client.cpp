@@ -7,6 +7,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
@@ -42,8 +43,15 @@ Result<std::unique_ptr<Client>> Client::connect(const Options& opts) {
   std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
   if (::connect(c->sock_.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
     return Status(ErrorCode::kUnavailable, "cannot connect to kvferryd at '" + path + "': " + std::strerror(errno));
-  auto f =
-      c->request(proto::encode(proto::Hello{opts.name, static_cast<uint32_t>(::getpid())}), proto::MsgType::kWelcome);
+  proto::Hello hello;
+  hello.client_name = opts.name;
+  hello.pid = static_cast<uint32_t>(::getpid());
+  if (!opts.model.empty() || !opts.tenant.empty()) {
+    hello.has_namespace = true;
+    hello.model = opts.model;
+    hello.tenant = opts.tenant;
+  }
+  auto f = c->request(proto::encode(hello), proto::MsgType::kWelcome);
   if (!f.ok()) return f.status();
   auto w = proto::decode_welcome(f->payload, f->header.field_mask);
   if (!w.ok()) return w.status();
@@ -260,6 +268,10 @@ Status Client::ping(uint64_t id, uint64_t payload) {
 
 size_t Client::poll(std::span<ring::CompletionEntry> out) {
   size_t n = 0;
+  while (n < out.size() && !raw_.empty()) {
+    out[n++] = raw_.front();
+    raw_.erase(raw_.begin());
+  }
   while (n < out.size()) {
     const ring::CompletionEntry* c = ch_.cq.peek();
     if (!c) break;
@@ -307,6 +319,207 @@ Result<proto::StatusReply> Client::status() {
   auto f = request(proto::encode_status_request(), proto::MsgType::kStatusReply);
   if (!f.ok()) return f.status();
   return proto::decode_status_reply(f->payload, f->header.field_mask);
+}
+
+// ---- data ops ----
+
+Result<uint32_t> Client::arena_alloc(uint64_t bytes) {
+  bytes = std::max<uint64_t>(8, (bytes + 7) / 8 * 8);
+  if (bytes > ch_.arena_bytes)
+    return Status(ErrorCode::kInvalidArgument, "a request of " + std::to_string(bytes) +
+                                                   " arena bytes is larger than the arena (" +
+                                                   std::to_string(ch_.arena_bytes) + "): split it");
+  uint64_t at = 0;
+  for (const auto& [off, len] : arena_used_) {  // first fit between used ranges
+    if (off >= at + bytes) break;
+    at = off + len;
+  }
+  if (at + bytes > ch_.arena_bytes)
+    return Status(ErrorCode::kBusy, "the arena is full of requests in flight: reap completions and retry");
+  arena_used_[static_cast<uint32_t>(at)] = static_cast<uint32_t>(bytes);
+  return static_cast<uint32_t>(at);
+}
+
+Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
+                                     std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes) {
+  if (ops::has_block_ids(op) && block_ids.size() != keys.size())
+    return Status(ErrorCode::kInvalidArgument,
+                  std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids");
+  const uint64_t bytes = ops::request_bytes(op, keys.size()) + extra_bytes;
+  auto off = arena_alloc(bytes);
+  if (!off.ok()) return off.status();
+  uint8_t* p = ch_.arena + *off;
+  if (!keys.empty()) std::memcpy(p, keys.data(), keys.size() * sizeof(ops::Key));
+  if (ops::has_block_ids(op) && !block_ids.empty())
+    std::memcpy(p + keys.size() * sizeof(ops::Key), block_ids.data(), block_ids.size() * sizeof(int64_t));
+  ring::SubmitEntry e{};
+  e.id = next_op_id_++;
+  e.op = op;
+  e.region = region_id;
+  e.count = static_cast<uint32_t>(keys.size());
+  e.arena_offset = *off;
+  e.args[0] = arg0;
+  if (Status st = submit(e); !st.ok()) {
+    arena_used_.erase(*off);
+    return st;
+  }
+  pending_[e.id] = Pending{*off, static_cast<uint32_t>(bytes)};
+  return e.id;
+}
+
+void Client::absorb(const ring::CompletionEntry& c) {
+  auto it = pending_.find(c.id);
+  if (it == pending_.end()) {
+    raw_.push_back(c);
+    return;
+  }
+  OpResult r;
+  r.status = static_cast<ErrorCode>(c.status);
+  r.done = c.done;
+  std::memcpy(r.result, c.result, sizeof r.result);
+  const Pending& p = it->second;
+  const uint64_t lo = p.arena_offset, hi = uint64_t{p.arena_offset} + p.arena_bytes;
+  const auto op = static_cast<proto::Op>(c.op);
+  auto inside = [&](uint64_t off, uint64_t n) { return off >= lo && off + n <= hi; };
+  if (op == proto::Op::kStats) {
+    if (inside(c.arena_offset, sizeof(ops::StatsWire)))
+      r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + sizeof(ops::StatsWire));
+  } else if (op == proto::Op::kLs) {
+    const uint64_t n = uint64_t{c.count} * sizeof(ops::LsEntry);
+    if (inside(c.arena_offset, n)) r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + n);
+  } else if (c.count && inside(c.arena_offset, uint64_t{c.count} * sizeof(int16_t))) {
+    r.blocks.resize(c.count);
+    for (uint32_t i = 0; i < c.count; ++i) {
+      int16_t v;
+      std::memcpy(&v, ch_.arena + c.arena_offset + i * sizeof v, sizeof v);
+      r.blocks[i] = static_cast<ErrorCode>(v);
+    }
+  }
+  arena_used_.erase(p.arena_offset);
+  pending_.erase(it);
+  finished_[c.id] = std::move(r);
+}
+
+Result<Client::OpResult> Client::wait_op(uint64_t id, int64_t timeout_us) {
+  using Clock = std::chrono::steady_clock;
+  const auto end = Clock::now() + std::chrono::microseconds(timeout_us);
+  for (;;) {
+    if (auto it = finished_.find(id); it != finished_.end()) {
+      OpResult r = std::move(it->second);
+      finished_.erase(it);
+      return r;
+    }
+    if (!pending_.count(id)) return Status(ErrorCode::kNotFound, "no data op " + std::to_string(id) + " in flight");
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(end - Clock::now()).count();
+    if (left <= 0) return Status(ErrorCode::kTimeout, "data op " + std::to_string(id) + " did not complete in time");
+    ring::CompletionEntry buf[32];
+    // Reap straight from the ring (poll() would hand back raw completions first).
+    size_t n = 0;
+    while (n < 32) {
+      const ring::CompletionEntry* c = ch_.cq.peek();
+      if (!c) break;
+      buf[n++] = *c;
+      ch_.cq.pop();
+    }
+    if (n == 0) {
+      const auto t0 = Clock::now();
+      while (ch_.cq.empty() && Clock::now() - t0 < std::chrono::microseconds(opts_.spin_us)) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      if (ch_.cq.empty() && ch_.cq.prepare_sleep()) {
+        ring::wait_doorbell(cq_efd_.get(), std::min<int64_t>(left, 100'000));
+        ch_.cq.end_sleep();
+      }
+      continue;
+    }
+    for (size_t i = 0; i < n; ++i) absorb(buf[i]);
+  }
+}
+
+Result<uint64_t> Client::submit_lookup(uint32_t region_id, std::span<const ops::Key> keys) {
+  return submit_keys(static_cast<uint16_t>(proto::Op::kLookup), region_id, keys, {}, 0, 0);
+}
+Result<uint64_t> Client::submit_save(uint32_t region_id, std::span<const ops::Key> keys,
+                                     std::span<const int64_t> block_ids) {
+  return submit_keys(static_cast<uint16_t>(proto::Op::kSave), region_id, keys, block_ids, 0, 0);
+}
+Result<uint64_t> Client::submit_load(uint32_t region_id, std::span<const ops::Key> keys,
+                                     std::span<const int64_t> block_ids) {
+  return submit_keys(static_cast<uint16_t>(proto::Op::kLoad), region_id, keys, block_ids, 0, 0);
+}
+Result<uint64_t> Client::submit_pin(uint32_t region_id, std::span<const ops::Key> keys) {
+  return submit_keys(static_cast<uint16_t>(proto::Op::kPin), region_id, keys, {}, 0, 0);
+}
+Result<uint64_t> Client::submit_unpin(uint32_t region_id, std::span<const ops::Key> keys) {
+  return submit_keys(static_cast<uint16_t>(proto::Op::kUnpin), region_id, keys, {}, 0, 0);
+}
+Result<uint64_t> Client::submit_evict(uint32_t region_id, std::span<const ops::Key> keys, uint64_t flags) {
+  return submit_keys(static_cast<uint16_t>(proto::Op::kEvict), region_id,
+                     (flags & (ops::kEvictAll | ops::kEvictAllNs)) ? std::span<const ops::Key>() : keys, {}, flags, 0);
+}
+
+namespace {
+template <class F>
+Result<Client::OpResult> submit_and_wait(Client& c, int64_t timeout_us, F&& submit) {
+  auto id = submit();
+  if (!id.ok()) return id.status();
+  return c.wait_op(*id, timeout_us);
+}
+}  // namespace
+
+Result<Client::OpResult> Client::lookup(uint32_t r, std::span<const ops::Key> k, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_lookup(r, k); });
+}
+Result<Client::OpResult> Client::save(uint32_t r, std::span<const ops::Key> k, std::span<const int64_t> b, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_save(r, k, b); });
+}
+Result<Client::OpResult> Client::load(uint32_t r, std::span<const ops::Key> k, std::span<const int64_t> b, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_load(r, k, b); });
+}
+Result<Client::OpResult> Client::pin(uint32_t r, std::span<const ops::Key> k, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_pin(r, k); });
+}
+Result<Client::OpResult> Client::unpin(uint32_t r, std::span<const ops::Key> k, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_unpin(r, k); });
+}
+Result<Client::OpResult> Client::evict(uint32_t r, std::span<const ops::Key> k, uint64_t flags, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_evict(r, k, flags); });
+}
+
+Result<ops::StatsWire> Client::stats(int64_t timeout_us) {
+  auto r = submit_and_wait(*this, timeout_us, [&] {
+    return submit_keys(static_cast<uint16_t>(proto::Op::kStats), 0, {}, {}, 0, sizeof(ops::StatsWire));
+  });
+  if (!r.ok()) return r.status();
+  if (r->status != ErrorCode::kOk) return Status(r->status, "stats failed");
+  if (r->payload.size() != sizeof(ops::StatsWire))
+    return Status(ErrorCode::kProtocol, "stats answer outside its arena part");
+  ops::StatsWire w;
+  std::memcpy(&w, r->payload.data(), sizeof w);
+  return w;
+}
+
+Result<std::vector<ops::LsEntry>> Client::ls(uint32_t region_id, uint32_t limit, int64_t timeout_us) {
+  const uint64_t room = ch_.arena_bytes / 2 / sizeof(ops::LsEntry);
+  const uint64_t n = limit ? std::min<uint64_t>(limit, room) : room;
+  auto r = submit_and_wait(*this, timeout_us, [&] {
+    return submit_keys(static_cast<uint16_t>(proto::Op::kLs), region_id, {}, {}, n, n * sizeof(ops::LsEntry));
+  });
+  if (!r.ok()) return r.status();
+  if (r->status != ErrorCode::kOk) return Status(r->status, "ls failed");
+  std::vector<ops::LsEntry> out(r->payload.size() / sizeof(ops::LsEntry));
+  if (!out.empty()) std::memcpy(out.data(), r->payload.data(), out.size() * sizeof(ops::LsEntry));
+  return out;
+}
+
+Result<Client::OpResult> Client::corrupt_for_test(uint32_t region_id, const ops::Key& key, uint64_t byte,
+                                                  int64_t timeout_us) {
+  return submit_and_wait(*this, timeout_us, [&] {
+    return submit_keys(static_cast<uint16_t>(proto::Op::kCorruptForTest), region_id, std::span<const ops::Key>(&key, 1),
+                       {}, byte, 0);
+  });
 }
 
 }  // namespace kvferry

@@ -2,6 +2,8 @@
 // exception crosses into C.
 #include "kvferry/connector/kvferry.h"
 
+#include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -21,6 +23,10 @@ thread_local std::string g_last_error;
 static_assert(sizeof(kvferry_sqe) == sizeof(kvferry::ring::SubmitEntry));
 static_assert(sizeof(kvferry_cqe) == sizeof(kvferry::ring::CompletionEntry));
 static_assert(offsetof(kvferry_cqe, result) == offsetof(kvferry::ring::CompletionEntry, result));
+static_assert(sizeof(kvferry_key) == sizeof(kvferry::ops::Key));
+static_assert(sizeof(kvferry_stats_info) == sizeof(kvferry::ops::StatsWire));
+static_assert(sizeof(kvferry_ls_entry) == sizeof(kvferry::ops::LsEntry));
+static_assert(offsetof(kvferry_ls_entry, tier) == offsetof(kvferry::ops::LsEntry, tier));
 static_assert(offsetof(kvferry_sqe, args) == offsetof(kvferry::ring::SubmitEntry, args));
 
 int fail(const Status& st) {
@@ -58,6 +64,29 @@ void to_c(const kvferry::LayerView& v, kvferry_view* out) {
     out->strides[i] = v.view.strides[i];
   }
   out->offset = v.view.offset;
+}
+
+std::span<const kvferry::ops::Key> key_span(const kvferry_key* keys, uint32_t n) {
+  return {reinterpret_cast<const kvferry::ops::Key*>(keys), n};
+}
+
+/// Copies a data op's outcome out; returns its overall code.
+int op_out(const kvferry::Result<kvferry::Client::OpResult>& r, int16_t* statuses, uint32_t max_statuses,
+           uint32_t* done, uint64_t* result) {
+  if (!r.ok()) return fail(r.status());
+  if (statuses)
+    for (size_t i = 0; i < r->blocks.size() && i < max_statuses; ++i) statuses[i] = static_cast<int16_t>(r->blocks[i]);
+  if (done) *done = r->done;
+  if (result) std::memcpy(result, r->result, sizeof r->result);
+  if (r->status == ErrorCode::kOk) return ok();
+  return fail(Status(r->status, std::to_string(r->blocks.size() - r->done) + " of " + std::to_string(r->blocks.size()) +
+                                    " blocks failed (see the per-block statuses)"));
+}
+
+int req_out(const kvferry::Result<uint64_t>& r, uint64_t* req) {
+  if (!r.ok()) return fail(r.status());
+  *req = *r;
+  return ok();
 }
 
 }  // namespace
@@ -264,6 +293,136 @@ int kvferry_debug_read(kvferry_client* c, uint32_t region_id, uint64_t offset, v
     auto r = c->c->debug_read(region_id, offset, bytes);
     if (!r.ok()) return fail(r.status());
     std::memcpy(dst, r->data(), bytes);
+    return ok();
+  });
+}
+
+int kvferry_connect_ns(const char* socket, const char* client_name, const char* model, const char* tenant,
+                       kvferry_client** out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(out, "out is NULL");
+    *out = nullptr;
+    kvferry::Client::Options o;
+    if (socket) o.socket = socket;
+    if (client_name) o.name = client_name;
+    if (model) o.model = model;
+    if (tenant) o.tenant = tenant;
+    auto c = kvferry::Client::connect(o);
+    if (!c.ok()) return fail(c.status());
+    *out = new kvferry_client{std::move(*c)};
+    return ok();
+  });
+}
+
+int kvferry_submit_lookup(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, uint64_t* req) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && req && (keys || n == 0), "client, keys or req is NULL");
+    return req_out(c->c->submit_lookup(region_id, key_span(keys, n)), req);
+  });
+}
+
+int kvferry_submit_save(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
+                        uint32_t n, uint64_t* req) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && req && ((keys && block_ids) || n == 0), "client, keys, block_ids or req is NULL");
+    return req_out(c->c->submit_save(region_id, key_span(keys, n), {block_ids, n}), req);
+  });
+}
+
+int kvferry_submit_load(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
+                        uint32_t n, uint64_t* req) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && req && ((keys && block_ids) || n == 0), "client, keys, block_ids or req is NULL");
+    return req_out(c->c->submit_load(region_id, key_span(keys, n), {block_ids, n}), req);
+  });
+}
+
+int kvferry_wait_op(kvferry_client* c, uint64_t req, int64_t timeout_us, int16_t* statuses, uint32_t max_statuses,
+                    uint32_t* done, uint64_t* result) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c, "client is NULL");
+    return op_out(c->c->wait_op(req, timeout_us), statuses, max_statuses, done, result);
+  });
+}
+
+int kvferry_lookup(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, int16_t* statuses,
+                   uint32_t* prefix) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && (keys || n == 0), "client or keys is NULL");
+    auto r = c->c->lookup(region_id, key_span(keys, n));
+    if (!r.ok()) return fail(r.status());
+    if (r->status != ErrorCode::kOk && r->blocks.empty())  // the request itself failed (e.g. no such region)
+      return fail(Status(r->status, "lookup in region " + std::to_string(region_id) + " failed"));
+    if (prefix) *prefix = static_cast<uint32_t>(r->result[0]);
+    if (statuses)
+      for (size_t i = 0; i < r->blocks.size() && i < n; ++i) statuses[i] = static_cast<int16_t>(r->blocks[i]);
+    return ok();  // misses are answers, not failures
+  });
+}
+
+int kvferry_save(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids, uint32_t n,
+                 int16_t* statuses, uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && ((keys && block_ids) || n == 0), "client, keys or block_ids is NULL");
+    return op_out(c->c->save(region_id, key_span(keys, n), {block_ids, n}), statuses, n, done, nullptr);
+  });
+}
+
+int kvferry_load(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids, uint32_t n,
+                 int16_t* statuses, uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && ((keys && block_ids) || n == 0), "client, keys or block_ids is NULL");
+    return op_out(c->c->load(region_id, key_span(keys, n), {block_ids, n}), statuses, n, done, nullptr);
+  });
+}
+
+int kvferry_pin(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, int16_t* statuses,
+                uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && (keys || n == 0), "client or keys is NULL");
+    return op_out(c->c->pin(region_id, key_span(keys, n)), statuses, n, done, nullptr);
+  });
+}
+
+int kvferry_unpin(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, int16_t* statuses,
+                  uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && (keys || n == 0), "client or keys is NULL");
+    return op_out(c->c->unpin(region_id, key_span(keys, n)), statuses, n, done, nullptr);
+  });
+}
+
+int kvferry_evict(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, uint64_t flags,
+                  int16_t* statuses, uint64_t* evicted) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && (keys || n == 0 || flags), "client or keys is NULL");
+    uint64_t res[5] = {};
+    const int rc = op_out(c->c->evict(region_id, key_span(keys, flags ? 0 : n), flags), statuses, n, nullptr, res);
+    if (evicted) *evicted = res[0];
+    return rc;
+  });
+}
+
+int kvferry_stats(kvferry_client* c, kvferry_stats_info* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    auto r = c->c->stats();
+    if (!r.ok()) return fail(r.status());
+    std::memcpy(out, &*r, sizeof *out);
+    return ok();
+  });
+}
+
+int kvferry_ls(kvferry_client* c, uint32_t region_id, kvferry_ls_entry* out, uint32_t max, uint32_t* n) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && n && (out || max == 0), "client, out or n is NULL");
+    *n = 0;
+    if (max == 0) return ok();
+    auto r = c->c->ls(region_id, max);
+    if (!r.ok()) return fail(r.status());
+    const size_t k = std::min<size_t>(r->size(), max);
+    if (k) std::memcpy(out, r->data(), k * sizeof(kvferry_ls_entry));
+    *n = static_cast<uint32_t>(k);
     return ok();
   });
 }

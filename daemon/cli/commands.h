@@ -15,4 +15,7 @@ std::string default_socket();
 /// Adds `kvferry status [--json]`, talking to the daemon at *socket_path (read when it runs).
 void add_status_command(CLI::App& app, std::function<int()>* run, const std::string* socket_path);
 
+/// Adds `kvferry stats`, `kvferry ls` and `kvferry evict` (each with --json).
+void add_store_commands(CLI::App& app, std::function<int()>* run, const std::string* socket_path);
+
 }  // namespace kvferry::cli

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
                  "daemon control socket (default: $KVFERRY_SOCKET or /run/kvferry/kvferry.sock)");
   kvferry::cli::add_layout_command(app, &run);
   kvferry::cli::add_status_command(app, &run, &socket_path);
+  kvferry::cli::add_store_commands(app, &run, &socket_path);
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
 }

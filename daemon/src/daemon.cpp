@@ -20,11 +20,13 @@
 #include <mutex>
 #include <set>
 
+#include "data_ops.h"
 #include "kvferry/connector/wire_io.h"
 #include "kvferry/daemon/notify.h"
 #include "kvferry/daemon/region.h"
 #include "kvferry/daemon/ring_service.h"
 #include "kvferry/kernels/device.h"
+#include "kvferry/store/http_server.h"
 
 namespace kvferry::daemon {
 
@@ -73,6 +75,8 @@ struct Daemon::Impl {
   asio::steady_timer watchdog{io};
   std::chrono::microseconds watchdog_half{0};
   RingService rings{kSpin};
+  std::unique_ptr<DataOps> data;            // after rings: its workers post to them
+  std::unique_ptr<store::HttpServer> http;  // after io: it serves on it
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::function<Result<config::Config>()> on_hup;
   bool stopping = false;
@@ -252,6 +256,10 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     auto ch = ClientChannel::create(id, d.cfg.limits.ring_entries, kArenaBytes);
     if (!ch.ok()) return ch.status().with_context("creating the client's rings");
     channel = *ch;
+    if (m->has_namespace) {
+      channel->model = m->model;
+      channel->tenant = m->tenant;
+    }
     name = m->client_name;
     hello = true;
     proto::Welcome w;
@@ -377,6 +385,7 @@ bool Daemon::Impl::allowed(uint32_t uid, uint32_t gid) const {
 
 void Daemon::Impl::release(Session& s) {
   if (s.channel) rings.remove(s.channel);
+  if (data && s.hello) data->client_gone(s.id);
   std::lock_guard<std::mutex> g(mu);
   for (uint32_t rid : s.held) {
     auto it = regions.find(rid);
@@ -513,6 +522,8 @@ void Daemon::Impl::do_stop() {
   acceptor.close(ec);
   signals.cancel(ec);
   watchdog.cancel();
+  if (http) http->stop();
+  if (data) data->stop();  // saves and loads already queued finish and post their completions
   rings.stop();
   std::vector<std::shared_ptr<Session>> all;
   {
@@ -542,11 +553,14 @@ Daemon::Daemon(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Daemon::~Daemon() {
   if (!impl_) return;
+  if (impl_->data) impl_->data->stop();
   impl_->rings.stop();
   if (impl_->bound) ::unlink(impl_->cfg.daemon.socket.c_str());
 }
 
-Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg) {
+Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg) { return create(cfg, Options{}); }
+
+Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const Options& opts) {
   auto impl = std::make_unique<Impl>();
   impl->cfg = cfg;
   auto g = ring::Geometry::make(cfg.limits.ring_entries, kArenaBytes);
@@ -569,6 +583,43 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg) {
     if (!r.ok()) return r.status().with_context("regions: '" + rc.name + "'");
   }
   impl->rings.set_handler(static_cast<uint16_t>(proto::Op::kPing), &op_ping);
+  {
+    Impl* d = impl.get();
+    DataOps::Options o;
+    o.cuda = impl->backend == RegionBackend::kCuda;
+    o.test_faults = opts.test_faults;
+    o.find_region = [d](uint32_t id) -> std::shared_ptr<Region> {
+      std::lock_guard<std::mutex> g(d->mu);
+      auto it = d->regions.find(id);
+      return it == d->regions.end() ? nullptr : it->second.region;
+    };
+    o.clients = [d]() -> uint64_t {
+      std::lock_guard<std::mutex> g(d->mu);
+      uint64_t n = 0;
+      for (auto& [_, s] : d->sessions) n += s->hello ? 1 : 0;
+      return n;
+    };
+    auto data = DataOps::create(cfg, std::move(o));
+    if (!data.ok()) return data.status();
+    impl->data = std::move(*data);
+    impl->data->install(impl->rings);
+    if (opts.test_faults) spdlog::warn("test faults are enabled (--enable-test-faults): never in production");
+  }
+  if (!cfg.daemon.metrics_listen.empty()) {
+    DataOps* data = impl->data.get();
+    store::HttpServer::Handlers h;
+    h.metrics = [data] { return data->render_metrics(); };
+    h.health = [data](std::string* body) { return data->healthy(body); };
+    auto http = store::HttpServer::start(impl->io, cfg.daemon.metrics_listen, std::move(h));
+    if (http.ok()) {
+      impl->http = std::move(*http);
+      spdlog::info("metrics on http://{}/metrics (port {})", cfg.daemon.metrics_listen, impl->http->port());
+    } else {
+      // The data path does not depend on the metrics: serve on without them, loudly.
+      spdlog::error("daemon.metrics_listen '{}': {}; serving without /metrics", cfg.daemon.metrics_listen,
+                    http.status().to_string());
+    }
+  }
   KVFERRY_TRY(impl->bind_socket());
   return std::unique_ptr<Daemon>(new Daemon(std::move(impl)));
 }
@@ -632,5 +683,6 @@ void Daemon::handle_signals(std::function<Result<config::Config>()> on_hup) {
 
 proto::StatusReply Daemon::status() const { return impl_->snapshot(); }
 const std::string& Daemon::socket_path() const { return impl_->cfg.daemon.socket; }
+uint16_t Daemon::metrics_port() const { return impl_->http ? impl_->http->port() : 0; }
 
 }  // namespace kvferry::daemon

@@ -16,6 +16,16 @@ int main(int argc, char** argv) {
   std::string check_path;
   app.add_option("-c,--config", config_path, "YAML configuration file (absent = every default)");
   app.add_option("--check-config", check_path, "validate FILE, print the effective configuration and exit");
+  std::string socket_override, metrics_override;
+  bool metrics_set = false;
+  app.add_option("--socket", socket_override, "serve on this control socket (overrides daemon.socket)");
+  app.add_option("--metrics-listen", metrics_override,
+                 "host:port of /metrics and /healthz (overrides daemon.metrics_listen; port 0 picks a free port, "
+                 "logged at start; \"\" = off)")
+      ->each([&](const std::string&) { metrics_set = true; });
+  bool test_faults = false;
+  app.add_flag("--enable-test-faults", test_faults,
+               "serve the fault knob op that corrupts a stored block (integration tests only)");
   app.set_version_flag("--version", std::string("kvferryd ") + daemon::version());
   CLI11_PARSE(app, argc, argv);
 
@@ -32,8 +42,15 @@ int main(int argc, char** argv) {
   spdlog::set_default_logger(spdlog::stderr_color_mt("kvferryd"));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   auto load = [&]() -> Result<config::Config> {
-    if (config_path.empty()) return config::Config{};
-    return config::load_file(config_path);
+    config::Config c;
+    if (!config_path.empty()) {
+      auto f = config::load_file(config_path);
+      if (!f.ok()) return f.status();
+      c = std::move(*f);
+    }
+    if (!socket_override.empty()) c.daemon.socket = socket_override;
+    if (metrics_set) c.daemon.metrics_listen = metrics_override;
+    return c;
   };
   auto cfg = load();
   if (!cfg.ok()) {
@@ -41,7 +58,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   daemon::apply_log_level(cfg->daemon.log_level);
-  auto d = daemon::Daemon::create(*cfg);
+  auto d = daemon::Daemon::create(*cfg, daemon::Daemon::Options{test_faults});
   if (!d.ok()) {
     spdlog::critical("{}", d.status().to_string());
     return 1;

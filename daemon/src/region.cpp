@@ -21,6 +21,7 @@ class MemfdRegion final : public Region {
     if (base_) ::munmap(base_, desc_.alloc_bytes);
   }
   int export_fd() const override { return fd_.get(); }
+  uint8_t* base() const override { return static_cast<uint8_t*>(base_); }
   Status read(uint64_t offset, std::span<uint8_t> out) const override {
     if (offset > desc_.bytes || out.size() > desc_.bytes - offset)
       return {ErrorCode::kOutOfRange, "read of " + std::to_string(out.size()) + " bytes at " + std::to_string(offset) +

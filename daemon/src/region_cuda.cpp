@@ -30,6 +30,8 @@ class VmmRegion final : public Region {
     cuda_vmm::release(m_);
   }
   int export_fd() const override { return m_.fd; }
+  uint8_t* base() const override { return static_cast<uint8_t*>(m_.ptr); }
+  bool on_device() const override { return true; }
   Status read(uint64_t offset, std::span<uint8_t> out) const override {
     KVFERRY_TRY(check_read(desc_, offset, out.size()));
     return cuda_vmm::copy_to_host(out.data(), static_cast<const uint8_t*>(m_.ptr) + offset, out.size(), m_.device);
@@ -53,6 +55,8 @@ class IpcRegion final : public Region {
       cuda_vmm::free_ipc(p_, desc_.device);
   }
   int export_fd() const override { return -1; }
+  uint8_t* base() const override { return static_cast<uint8_t*>(p_); }
+  bool on_device() const override { return true; }
   bool ipc_handle(uint8_t out[64]) const override {
     std::memcpy(out, h_, 64);
     return true;

@@ -64,6 +64,39 @@ void RingService::set_handler(uint16_t op, OpHandler h) {
   if (op < table_.size()) table_[op] = h;
 }
 
+void RingService::set_handler(uint16_t op, DeferrableHandler h) {
+  if (op < deferrable_.size()) deferrable_[op] = std::move(h);
+}
+
+void RingService::post(const std::shared_ptr<ClientChannel>& c, const ring::CompletionEntry& e) {
+  {
+    std::lock_guard<std::mutex> g(post_mu_);
+    posted_.emplace_back(c, e);
+    posted_count_.fetch_add(1, std::memory_order_release);
+  }
+  ring::ring_doorbell(wake_efd_.get());
+}
+
+size_t RingService::drain_posted() {
+  if (posted_count_.load(std::memory_order_acquire) == 0) return 0;
+  std::vector<std::pair<std::weak_ptr<ClientChannel>, ring::CompletionEntry>> batch;
+  {
+    std::lock_guard<std::mutex> g(post_mu_);
+    batch.swap(posted_);
+    posted_count_.store(0, std::memory_order_release);
+  }
+  std::vector<ClientChannel*> rung;
+  for (auto& [w, e] : batch) {
+    auto c = w.lock();
+    if (!c) continue;
+    c->ch.cq.try_push(e);  // cannot fail: serve() kept a slot free for every deferred request
+    c->deferred.fetch_sub(1, std::memory_order_acq_rel);
+    c->ops.fetch_add(1, std::memory_order_relaxed);
+    if (c->ch.cq.consumer_needs_doorbell()) ring::ring_doorbell(c->cq_efd.get());
+  }
+  return batch.size();
+}
+
 Status RingService::start() {
   epfd_.reset(::epoll_create1(EPOLL_CLOEXEC));
   wake_efd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
@@ -106,11 +139,12 @@ void RingService::remove(const std::shared_ptr<ClientChannel>& c) {
   ring::ring_doorbell(wake_efd_.get());
 }
 
-size_t RingService::serve(ClientChannel& c, bool* blocked) {
+size_t RingService::serve(const std::shared_ptr<ClientChannel>& cp, bool* blocked) {
   constexpr size_t kBatch = 64;
-  size_t n = 0;
+  ClientChannel& c = *cp;
+  size_t n = 0, now = 0;
   while (n < kBatch) {
-    if (c.ch.cq.size() >= c.ch.cq.capacity()) {
+    if (c.ch.cq.size() + c.deferred.load(std::memory_order_acquire) >= c.ch.cq.capacity()) {
       *blocked = true;  // backpressure: leave the request in the submission ring
       break;
     }
@@ -120,13 +154,24 @@ size_t RingService::serve(ClientChannel& c, bool* blocked) {
     out.id = req->id;
     out.op = req->op;
     out.status = static_cast<int16_t>(ErrorCode::kOk);
-    table_[req->op < table_.size() ? req->op : 0](c, *req, out);
+    const size_t op = req->op < table_.size() ? req->op : 0;
+    bool complete = true;
+    if (deferrable_[op]) {
+      c.deferred.fetch_add(1, std::memory_order_acq_rel);  // holds a completion slot until posted
+      complete = deferrable_[op](cp, *req, out);
+      if (complete) c.deferred.fetch_sub(1, std::memory_order_acq_rel);
+    } else {
+      table_[op](c, *req, out);
+    }
     c.ch.sq.pop();
-    c.ch.cq.try_push(out);
+    if (complete) {
+      c.ch.cq.try_push(out);
+      ++now;
+    }
     ++n;
   }
-  if (n) {
-    c.ops.fetch_add(n, std::memory_order_relaxed);
+  if (now) {
+    c.ops.fetch_add(now, std::memory_order_relaxed);
     if (c.ch.cq.consumer_needs_doorbell()) ring::ring_doorbell(c.cq_efd.get());
   }
   return n;
@@ -145,7 +190,8 @@ void RingService::loop() {
     const bool stopping = stop_.load(std::memory_order_acquire);
     size_t work = 0;
     bool blocked = false;
-    for (auto& c : local) work += serve(*c, &blocked);
+    work += drain_posted();
+    for (auto& c : local) work += serve(c, &blocked);
     if (stopping && work == 0) break;  // drained (a client held back by backpressure cannot progress)
     if (work) {
       last_work = std::chrono::steady_clock::now();
@@ -168,7 +214,7 @@ void RingService::loop() {
       }
       flagged.push_back(c.get());
     }
-    if (can_sleep) {
+    if (can_sleep && posted_count_.load(std::memory_order_acquire) == 0) {
       epoll_event evs[16];
       // A client held back by a full completion ring rings no doorbell when it drains: poll.
       int n = ::epoll_wait(epfd_.get(), evs, 16, blocked ? 1 : 200);

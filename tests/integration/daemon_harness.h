@@ -69,7 +69,9 @@ inline std::string read_file(const std::string& p) {
 class DaemonProcess {
  public:
   /// `extra_yaml` is appended to a config that sets the socket (mode 0666) and the CPU backend.
-  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}, std::string backend = "cpu")
+  /// `args` are extra kvferryd arguments (e.g. --enable-test-faults).
+  explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}, std::string backend = "cpu",
+                         std::vector<std::string> args = {})
       : dir_(make_temp_dir()), backend_(std::move(backend)) {
     socket_ = dir_ + "/kvferry.sock";
     config_ = dir_ + "/kvferry.yaml";
@@ -81,7 +83,10 @@ class DaemonProcess {
       ::dup2(lf, 2);
       ::dup2(lf, 1);
       for (auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
-      ::execl(KVFERRYD_PATH, "kvferryd", "--config", config_.c_str(), static_cast<char*>(nullptr));
+      std::vector<char*> argv{const_cast<char*>("kvferryd"), const_cast<char*>("--config"), config_.data()};
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv(KVFERRYD_PATH, argv.data());
       ::_exit(127);
     }
     ready_ = wait_until(
@@ -101,9 +106,12 @@ class DaemonProcess {
   }
   void write_config(const std::string& extra_yaml) {
     std::ofstream f(config_);
-    f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n"
+    // No metrics port (tests pass --metrics-listen when they want one) and a small host pool
+    // unless the test sets its own tiers.
+    f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n  metrics_listen: \"\"\n"
       << "device:\n  backend: " << backend_ << "\n"
       << extra_yaml;
+    if (extra_yaml.find("tiers:") == std::string::npos) f << "tiers:\n  host:\n    capacity: 64MiB\n";
   }
   /// SIGTERM and wait (bounded); returns the wait status (-1 when it did not exit in time).
   int stop(int sig = SIGTERM) {

@@ -177,7 +177,7 @@ TEST_F(DaemonIt, PingOverTheRingsAndReservedOps) {
   expect_pings(*c, 2000);
   ring::SubmitEntry e{};
   e.id = 1;
-  e.op = static_cast<uint16_t>(proto::Op::kSave);
+  e.op = static_cast<uint16_t>(proto::Op::kCorruptForTest);  // served only with --enable-test-faults
   ASSERT_TRUE(c->submit(e).ok());
   e.id = 2;
   e.op = 63;
@@ -193,7 +193,7 @@ TEST_F(DaemonIt, PingOverTheRingsAndReservedOps) {
         return got == 3;
       },
       5s));
-  EXPECT_EQ(ce[0].status, static_cast<int16_t>(ErrorCode::kUnsupported)) << "reserved data op";
+  EXPECT_EQ(ce[0].status, static_cast<int16_t>(ErrorCode::kUnsupported)) << "fault knob without --enable-test-faults";
   EXPECT_EQ(ce[1].status, static_cast<int16_t>(ErrorCode::kInvalidArgument)) << "unknown op";
   EXPECT_EQ(ce[2].status, static_cast<int16_t>(ErrorCode::kInvalidArgument)) << "op past the table";
 }

@@ -228,13 +228,22 @@ Frame encode(const Hello& m) {
   Writer w;
   w.str(m.client_name);
   w.u32(m.pid);
-  return finish(MsgType::kHello, w);
+  if (m.has_namespace) {
+    w.str(m.model);
+    w.str(m.tenant);
+  }
+  return finish(MsgType::kHello, w, m.has_namespace ? kFieldNamespace : 0);
 }
-Result<Hello> decode_hello(std::span<const uint8_t> p, uint32_t) {
+Result<Hello> decode_hello(std::span<const uint8_t> p, uint32_t fm) {
   Reader r(p);
   Hello m;
   m.client_name = r.str("client_name", 256);
   m.pid = r.u32("pid");
+  if (fm & kFieldNamespace) {
+    m.has_namespace = true;
+    m.model = r.str("model", 256);
+    m.tenant = r.str("tenant", 256);
+  }
   return done(r, std::move(m));
 }
 

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kvferry/connector/ops.h"
 #include "kvferry/connector/protocol.h"
 #include "kvferry/connector/ring.h"
 #include "kvferry/connector/wire_io.h"
@@ -36,6 +37,19 @@ class Client {
     std::string name = "engine";
     int timeout_ms = 5000;  ///< bound on every control round trip
     int64_t spin_us = 50;   ///< wait(): spin this long before sleeping on the doorbell
+    /// The block namespace (blocks are shared between clients of one model, tenant and format
+    /// family, never across). "" model = the daemon's default namespace.
+    std::string model;
+    std::string tenant;
+  };
+
+  /// The outcome of one data op (lookup, save, load, pin, unpin, evict, stats, ls).
+  struct OpResult {
+    ErrorCode status = ErrorCode::kOk;  ///< overall: kOk, or the first failing block's code
+    uint32_t done = 0;                  ///< blocks that succeeded
+    std::vector<ErrorCode> blocks;      ///< one per key, in request order
+    uint64_t result[5] = {};            ///< lookup: result[0] = longest hit prefix; evict: evicted
+    std::vector<uint8_t> payload;       ///< stats: a StatsWire; ls: LsEntry[count]
   };
 
   /// Connects, performs the handshake and maps the rings. Errors name the socket and the cause
@@ -85,6 +99,42 @@ class Client {
   std::span<uint8_t> arena() const { return {ch_.arena, ch_.arena_bytes}; }
   uint32_t ring_entries() const { return welcome_.ring_entries; }
 
+  // ---- data ops (kvferry/connector/ops.h) ----
+  // submit_*() queue a request and return its id (the block list goes into a part of the arena
+  // the client manages); wait_op() reaps it. At most a ring's worth in flight; kBusy when the
+  // ring or the arena is full (reap and retry). Data ops and raw submit() may be mixed, but then
+  // the arena belongs to the data ops. Same threading as submit()/wait(): wait_op() and
+  // poll()/wait() from one thread at a time.
+  Result<uint64_t> submit_lookup(uint32_t region_id, std::span<const ops::Key> keys);
+  Result<uint64_t> submit_save(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids);
+  Result<uint64_t> submit_load(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids);
+  Result<uint64_t> submit_pin(uint32_t region_id, std::span<const ops::Key> keys);
+  Result<uint64_t> submit_unpin(uint32_t region_id, std::span<const ops::Key> keys);
+  /// `flags`: ops::kEvictAll (the region's whole namespace, keys ignored) or ops::kEvictAllNs
+  /// (every namespace; region_id may be 0).
+  Result<uint64_t> submit_evict(uint32_t region_id, std::span<const ops::Key> keys, uint64_t flags = 0);
+  /// Waits for the data op `id` (kTimeout after `timeout_us`; it can be waited for again).
+  Result<OpResult> wait_op(uint64_t id, int64_t timeout_us);
+
+  static constexpr int64_t kOpTimeoutUs = 60'000'000;
+  /// Submit + wait in one call.
+  Result<OpResult> lookup(uint32_t region_id, std::span<const ops::Key> keys, int64_t timeout_us = kOpTimeoutUs);
+  Result<OpResult> save(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
+                        int64_t timeout_us = kOpTimeoutUs);
+  Result<OpResult> load(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
+                        int64_t timeout_us = kOpTimeoutUs);
+  Result<OpResult> pin(uint32_t region_id, std::span<const ops::Key> keys, int64_t timeout_us = kOpTimeoutUs);
+  Result<OpResult> unpin(uint32_t region_id, std::span<const ops::Key> keys, int64_t timeout_us = kOpTimeoutUs);
+  Result<OpResult> evict(uint32_t region_id, std::span<const ops::Key> keys, uint64_t flags = 0,
+                         int64_t timeout_us = kOpTimeoutUs);
+  /// The daemon's store counters.
+  Result<ops::StatsWire> stats(int64_t timeout_us = kOpTimeoutUs);
+  /// Stored blocks of region_id's namespace (0 = every namespace), at most `limit` (0 = what fits).
+  Result<std::vector<ops::LsEntry>> ls(uint32_t region_id, uint32_t limit = 0, int64_t timeout_us = kOpTimeoutUs);
+  /// The fault knob (kvferryd --enable-test-faults only): flips byte `byte` of the stored block `key`.
+  Result<OpResult> corrupt_for_test(uint32_t region_id, const ops::Key& key, uint64_t byte,
+                                    int64_t timeout_us = kOpTimeoutUs);
+
   /// Reads region bytes through the daemon's own mapping (a debugging and test aid).
   Result<std::vector<uint8_t>> debug_read(uint32_t region_id, uint64_t offset, uint32_t bytes);
   /// The daemon's status (as `kvferry status`).
@@ -102,6 +152,16 @@ class Client {
   Result<proto::RecvFrame> request(const proto::Frame& f, proto::MsgType want);
   Result<uint32_t> map_handle(proto::RecvFrame& f);
   void unmap(Mapped& m);
+  /// Reserves `bytes` of the arena (8-aligned); kBusy when it does not fit now.
+  Result<uint32_t> arena_alloc(uint64_t bytes);
+  Result<uint64_t> submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
+                               std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes);
+  /// Files a completion: a data op's result (reading its arena part, then freeing it) or a raw one.
+  void absorb(const ring::CompletionEntry& c);
+  struct Pending {
+    uint32_t arena_offset = 0;
+    uint32_t arena_bytes = 0;
+  };
 
   Options opts_;
   UniqueFd sock_, ring_fd_, sq_efd_, cq_efd_;
@@ -112,6 +172,12 @@ class Client {
   mutable std::mutex mu_;  // control channel + maps
   std::map<uint32_t, proto::RegionDesc> known_;
   std::map<uint32_t, Mapped> mapped_;
+  // data ops (submit/wait side only)
+  uint64_t next_op_id_ = uint64_t{1} << 63;  // data op ids have the top bit set
+  std::map<uint32_t, uint32_t> arena_used_;  // offset -> bytes
+  std::map<uint64_t, Pending> pending_;
+  std::map<uint64_t, OpResult> finished_;
+  std::vector<ring::CompletionEntry> raw_;  // other completions met by wait_op, handed out by poll()
 };
 
 }  // namespace kvferry

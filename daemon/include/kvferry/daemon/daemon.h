@@ -29,6 +29,11 @@ class Daemon {
   /// Validates `cfg`, picks the region backend (device.backend; auto = CUDA when
   /// cuda_device_count() > 0), creates the configured regions and binds the socket.
   static Result<std::unique_ptr<Daemon>> create(const config::Config& cfg);
+  /// Switches meant for tests, never for production.
+  struct Options {
+    bool test_faults = false;  ///< serve the fault knob op (proto::Op::kCorruptForTest)
+  };
+  static Result<std::unique_ptr<Daemon>> create(const config::Config& cfg, const Options& opts);
   ~Daemon();
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
@@ -48,6 +53,8 @@ class Daemon {
   /// A snapshot of version, uptime, regions and clients (as `kvferry status` shows it).
   proto::StatusReply status() const;
   const std::string& socket_path() const;
+  /// The bound port of /metrics and /healthz (0 when off).
+  uint16_t metrics_port() const;
 
  private:
   struct Impl;

@@ -32,6 +32,10 @@ class Region {
   }
   /// Copies `out.size()` bytes at `offset` through the daemon's own mapping (bounds-checked).
   virtual Status read(uint64_t offset, std::span<uint8_t> out) const = 0;
+  /// The daemon's own mapping of the region (host memory, or a CUDA device pointer when
+  /// on_device()): what the data ops copy blocks from and to.
+  virtual uint8_t* base() const = 0;
+  virtual bool on_device() const { return false; }
 
  protected:
   proto::RegionDesc desc_;

@@ -8,8 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -22,12 +24,16 @@ namespace kvferry::daemon {
 /// client's session and, while registered, shared with the ring thread.
 struct ClientChannel {
   uint32_t client_id = 0;
+  std::string model;   ///< from the Hello (namespace), "" = default
+  std::string tenant;  ///< from the Hello (namespace)
   UniqueFd ring_fd, sq_efd, cq_efd;
   void* base = nullptr;
   uint64_t bytes = 0;
   ring::Geometry geometry;
   ring::Channel ch;
   std::atomic<uint64_t> ops{0};
+  /// Requests handed to a worker whose completion is not posted yet (they hold a completion slot).
+  std::atomic<uint32_t> deferred{0};
   ~ClientChannel();
   /// Creates the memfd (sealed size), maps and initializes it, and the eventfds.
   static Result<std::shared_ptr<ClientChannel>> create(uint32_t client_id, uint32_t entries, uint32_t arena_bytes);
@@ -36,6 +42,12 @@ struct ClientChannel {
 /// Handles one request: fills `out` (id/op are preset, status defaults to kOk). Runs on the ring
 /// thread; must not block.
 using OpHandler = void (*)(ClientChannel& client, const ring::SubmitEntry& req, ring::CompletionEntry& out);
+
+/// A handler that may finish later: returns true when `out` is complete now, false when it took the
+/// request to a worker, which then calls RingService::post() exactly once with the completion.
+/// Runs on the ring thread; must not block.
+using DeferrableHandler = std::function<bool(const std::shared_ptr<ClientChannel>& client, const ring::SubmitEntry& req,
+                                             ring::CompletionEntry& out)>;
 
 class RingService {
  public:
@@ -46,6 +58,12 @@ class RingService {
 
   /// Installs `h` for op code `op` (< proto::kOpTableSize). Call before start().
   void set_handler(uint16_t op, OpHandler h);
+  /// Installs a handler that may complete later through post(). Call before start().
+  void set_handler(uint16_t op, DeferrableHandler h);
+  /// Posts the completion of a deferred request (any thread). The ring thread pushes it to the
+  /// client's completion ring (a slot was held for it) and rings the doorbell; a completion for
+  /// a client that went away is dropped.
+  void post(const std::shared_ptr<ClientChannel>& c, const ring::CompletionEntry& e);
   Status start();
   /// Serves what is already queued, then stops the thread. Idempotent.
   void stop();
@@ -57,9 +75,14 @@ class RingService {
 
  private:
   void loop();
-  size_t serve(ClientChannel& c, bool* blocked);
+  size_t serve(const std::shared_ptr<ClientChannel>& c, bool* blocked);
+  size_t drain_posted();
 
   std::array<OpHandler, 64> table_{};
+  std::array<DeferrableHandler, 64> deferrable_{};
+  std::mutex post_mu_;
+  std::vector<std::pair<std::weak_ptr<ClientChannel>, ring::CompletionEntry>> posted_;  // guarded by post_mu_
+  std::atomic<uint64_t> posted_count_{0};
   std::atomic<int64_t> spin_ns_;
   UniqueFd epfd_, wake_efd_;
   std::mutex mu_;

@@ -59,6 +59,7 @@ enum class Op : uint16_t {
   kEvict = 21,
   kStats = 22,
   kLs = 23,
+  kCorruptForTest = 24,  ///< fault knob: flips a stored byte; kUnsupported unless kvferryd --enable-test-faults
 };
 inline constexpr uint16_t kOpTableSize = 64;  ///< ops dispatch through a table of this size
 
@@ -141,9 +142,16 @@ struct RegionDesc {
   int32_t device = -1;  ///< CUDA device, -1 for host memory
 };
 
+/// Hello field_mask bits.
+inline constexpr uint32_t kFieldNamespace = 1u << 0;  ///< model + tenant follow (the block namespace)
 struct Hello {
   std::string client_name;
   uint32_t pid = 0;
+  /// The client's block namespace: blocks are shared by clients of one model, format family and
+  /// tenant, never across. Sent when has_namespace (older clients get the daemon's default).
+  bool has_namespace = false;
+  std::string model = {};
+  std::string tenant = {};
 };
 
 struct Welcome {

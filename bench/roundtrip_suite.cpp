@@ -1,0 +1,315 @@
+// kvferry-bench roundtrip: save and load of N blocks through kvferryd (client -> ring -> daemon ->
+// copy -> completion) for block sizes 64 KiB .. 4 MiB, each next to a bare copy of the same runs
+// measured in the same run (CPU backend: memcpy of the same runs; CUDA: cudaMemcpyAsync of the
+// same runs between the region and a pinned buffer, plus a pinned 1 GiB copy), and lookup
+// latency p50/p99 with 8 clients next to a ping through the same rings.
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "bench.h"
+#include "kvferry/connector/client.h"
+#include "kvferry/daemon/daemon.h"
+#include "kvferry/kernels/device.h"
+
+#if defined(KVFERRY_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace kvferry::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double secs(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
+
+struct Pct {
+  double p50 = 0, p99 = 0;
+};
+Pct percentiles(std::vector<double> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v[std::min(v.size() - 1, v.size() * 99 / 100)]};
+}
+
+/// Pipelined data op over all blocks: batches of `batch` keys, up to `depth` in flight.
+Result<double> transfer(Client& c, bool load, uint32_t region, const std::vector<ops::Key>& keys,
+                        const std::vector<int64_t>& ids, size_t batch) {
+  const auto t0 = Clock::now();
+  std::vector<uint64_t> inflight;
+  size_t next = 0;
+  constexpr size_t kDepth = 8;
+  while (next < keys.size() || !inflight.empty()) {
+    while (next < keys.size() && inflight.size() < kDepth) {
+      const size_t n = std::min(batch, keys.size() - next);
+      std::span<const ops::Key> k(keys.data() + next, n);
+      std::span<const int64_t> b(ids.data() + next, n);
+      auto id = load ? c.submit_load(region, k, b) : c.submit_save(region, k, b);
+      if (!id.ok()) return id.status();
+      inflight.push_back(*id);
+      next += n;
+    }
+    auto r = c.wait_op(inflight.front(), 60'000'000);
+    if (!r.ok()) return r.status();
+    if (r->status != ErrorCode::kOk)
+      return Status(r->status, std::string(load ? "load" : "save") + ": " + std::to_string(r->blocks.size() - r->done) +
+                                   " blocks failed");
+    inflight.erase(inflight.begin());
+  }
+  return secs(t0);
+}
+
+struct Bare {
+  double save_s = 0, load_s = 0;
+};
+
+/// The same runs copied without the daemon: host memcpy (CPU) or cudaMemcpyAsync (CUDA), region
+/// <-> a buffer of N blocks.
+Bare bare_copy(uint8_t* region, bool device, int64_t block_bytes, int64_t n, std::vector<uint8_t>* host_buf,
+               void* pinned) {
+  Bare b;
+  if (!device) {
+    uint8_t* dst = host_buf->data();
+    auto t0 = Clock::now();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * block_bytes, region + i * block_bytes, block_bytes);
+    b.save_s = secs(t0);
+    t0 = Clock::now();
+    for (int64_t i = 0; i < n; ++i) std::memcpy(region + (n + i) * block_bytes, dst + i * block_bytes, block_bytes);
+    b.load_s = secs(t0);
+    return b;
+  }
+#if defined(KVFERRY_WITH_CUDA)
+  cudaStream_t s;
+  cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+  auto* p = static_cast<uint8_t*>(pinned);
+  auto t0 = Clock::now();
+  for (int64_t i = 0; i < n; ++i)
+    cudaMemcpyAsync(p + i * block_bytes, region + i * block_bytes, block_bytes, cudaMemcpyDeviceToHost, s);
+  cudaStreamSynchronize(s);
+  b.save_s = secs(t0);
+  t0 = Clock::now();
+  for (int64_t i = 0; i < n; ++i)
+    cudaMemcpyAsync(region + (n + i) * block_bytes, p + i * block_bytes, block_bytes, cudaMemcpyHostToDevice, s);
+  cudaStreamSynchronize(s);
+  b.load_s = secs(t0);
+  cudaStreamDestroy(s);
+#else
+  (void)pinned;
+#endif
+  return b;
+}
+
+/// Lookup (16 keys) and ping round trips from `clients` threads, each with its own connection.
+std::pair<Pct, Pct> lookup_latency(const std::string& socket, uint32_t region, const std::vector<ops::Key>& keys,
+                                   int clients, int iters) {
+  std::vector<std::unique_ptr<Client>> cs;
+  for (int k = 0; k < clients; ++k) {
+    Client::Options o;
+    o.socket = socket;
+    o.name = "bench-lookup";
+    o.model = "bench";
+    auto c = Client::connect(o);
+    if (!c.ok()) return {};
+    if (!(*c)->map_region(region).ok()) return {};
+    cs.push_back(std::move(*c));
+  }
+  std::vector<std::vector<double>> lk(clients), pg(clients);
+  std::vector<std::thread> ts;
+  for (int k = 0; k < clients; ++k)
+    ts.emplace_back([&, k] {
+      Client& c = *cs[k];
+      std::span<const ops::Key> probe(keys.data(), std::min<size_t>(16, keys.size()));
+      ring::CompletionEntry ce[1];
+      for (int i = 0; i < iters; ++i) {
+        auto a = Clock::now();
+        auto r = c.lookup(region, probe, 1'000'000);
+        if (!r.ok()) return;
+        lk[k].push_back(secs(a) * 1e6);
+        a = Clock::now();
+        if (!c.ping(static_cast<uint64_t>(i), 0).ok() || !c.wait(ce, 1'000'000).ok()) return;
+        pg[k].push_back(secs(a) * 1e6);
+      }
+    });
+  for (auto& t : ts) t.join();
+  std::vector<double> all_lk, all_pg;
+  for (int k = 0; k < clients; ++k) {
+    all_lk.insert(all_lk.end(), lk[k].begin() + std::min<size_t>(lk[k].size(), iters / 10), lk[k].end());
+    all_pg.insert(all_pg.end(), pg[k].begin() + std::min<size_t>(pg[k].size(), iters / 10), pg[k].end());
+  }
+  return {percentiles(all_lk), percentiles(all_pg)};
+}
+
+int run_roundtrip(const Options& opts) {
+  spdlog::set_level(spdlog::level::warn);
+  const bool cuda = cuda_device_count() > 0;
+  const int64_t max_total = opts.quick ? (int64_t{256} << 20) : (int64_t{4} << 30);  // bytes per size
+  const int64_t max_blocks = opts.quick ? 256 : 4096;
+  const std::vector<int64_t> sizes = opts.quick ? std::vector<int64_t>{64 << 10, 1 << 20}
+                                                : std::vector<int64_t>{64 << 10, 256 << 10, 1 << 20, 4 << 20};
+  config::Config cfg;
+  cfg.daemon.socket = "/tmp/kvferry-bench-rt-" + std::to_string(::getpid()) + ".sock";
+  cfg.daemon.metrics_listen = "";
+  cfg.device.backend = cuda ? config::Backend::kCuda : config::Backend::kCpu;
+  cfg.device.gpu = opts.device;
+  cfg.host.capacity = static_cast<uint64_t>(max_total) + (uint64_t{256} << 20);
+  cfg.host.high_watermark = 0.99;
+  cfg.host.low_watermark = 0.9;
+  auto d = daemon::Daemon::create(cfg);
+  if (!d.ok()) {
+    std::fprintf(stderr, "roundtrip: %s\n", d.status().to_string().c_str());
+    return 1;
+  }
+  std::thread runner([&] { (void)(*d)->run(); });
+  Report rep("roundtrip");
+  rep.note(std::string("backend ") + (cuda ? "cuda (GPU region, page-locked host pool)" : "cpu (memfd region)") + "; " +
+           std::to_string(std::thread::hardware_concurrency()) +
+           " cores; checksums on (XXH3 on save, verified on load)");
+  int rc = 0;
+  {
+    Client::Options o;
+    o.socket = cfg.daemon.socket;
+    o.name = "bench-roundtrip";
+    o.model = "bench";
+    std::unique_ptr<Client> c;
+    for (int i = 0; i < 200 && !c; ++i) {  // the daemon starts on the other thread
+      auto r = Client::connect(o);
+      if (r.ok())
+        c = std::move(*r);
+      else
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (!c) {
+      std::fprintf(stderr, "roundtrip: cannot connect to the in-process daemon\n");
+      rc = 1;
+    }
+    uint32_t last_region = 0;
+    std::vector<ops::Key> last_keys;
+    for (int64_t bb : sizes) {
+      if (!c) break;
+      // mha:bf16:1x128 is 512 B per token; 64-token pages of 32 KiB; layers make up the block.
+      const int64_t layers = bb / (32 << 10);
+      const int64_t n = std::min(max_blocks, max_total / bb);
+      const KvCacheSpec spec{layers, 2 * n, 64, EntryFormat::mha(1, 128, DType::kBF16), Layout::kBlockMajor};
+      if (spec.block_bytes() != bb) {
+        std::fprintf(stderr, "roundtrip: block of %lld bytes, wanted %lld\n", (long long)spec.block_bytes(),
+                     (long long)bb);
+        rc = 1;
+        break;
+      }
+      auto rid = c->create_region("bench-" + human_bytes(bb), spec);
+      if (!rid.ok()) {
+        std::fprintf(stderr, "roundtrip: %s\n", rid.status().to_string().c_str());
+        rc = 1;
+        break;
+      }
+      auto base = c->map_region(*rid);
+      auto lv = c->layer_view(*rid, 0);
+      if (!base.ok() || !lv.ok()) {
+        rc = 1;
+        break;
+      }
+      auto* region = static_cast<uint8_t*>(*base);
+      const bool device = lv->on_device;
+      std::vector<uint8_t> pattern(static_cast<size_t>(bb));
+      for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<uint8_t>(i * 131 + 7);
+      for (int64_t b = 0; b < n; ++b) {
+#if defined(KVFERRY_WITH_CUDA)
+        if (device) {
+          cudaMemcpy(region + b * bb, pattern.data(), bb, cudaMemcpyHostToDevice);
+          continue;
+        }
+#endif
+        std::memcpy(region + b * bb, pattern.data(), static_cast<size_t>(bb));
+      }
+      std::vector<ops::Key> keys(static_cast<size_t>(n));
+      std::vector<int64_t> src(static_cast<size_t>(n)), dst(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        keys[i] = {static_cast<uint64_t>(bb), static_cast<uint64_t>(i)};
+        src[i] = i;
+        dst[i] = n + i;
+      }
+      const size_t batch = static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(256, (256 << 20) / bb)));
+      auto sv = transfer(*c, false, *rid, keys, src, batch);
+      auto ld = sv.ok() ? transfer(*c, true, *rid, keys, dst, batch) : Result<double>(sv.status());
+      if (!sv.ok() || !ld.ok()) {
+        std::fprintf(stderr, "roundtrip %s: %s\n", human_bytes(bb).c_str(),
+                     (!sv.ok() ? sv.status() : ld.status()).to_string().c_str());
+        rc = 1;
+        break;
+      }
+      std::vector<uint8_t> host_buf;
+      void* pinned = nullptr;
+      if (!device) host_buf.resize(static_cast<size_t>(n * bb));
+#if defined(KVFERRY_WITH_CUDA)
+      if (device && cudaMallocHost(&pinned, static_cast<size_t>(n * bb)) != cudaSuccess) pinned = nullptr;
+#endif
+      Bare bare = bare_copy(region, device, bb, n, &host_buf, pinned);
+#if defined(KVFERRY_WITH_CUDA)
+      if (pinned) cudaFreeHost(pinned);
+#endif
+      const double bytes = static_cast<double>(n * bb);
+      const std::string tag = human_bytes(bb) + " x " + std::to_string(n);
+      const std::string lim = device ? "cudaMemcpyAsync of the same runs, pinned" : "memcpy of the same runs";
+      rep.add({"save " + tag, bytes / *sv / 1e9, "GB/s", bytes / bare.save_s / 1e9, lim, true,
+               bb >= (1 << 20) ? 0.9 : 0, ""});
+      rep.add({"load " + tag, bytes / *ld / 1e9, "GB/s", bytes / bare.load_s / 1e9, lim, true,
+               bb >= (1 << 20) ? 0.9 : 0, ""});
+      (void)c->evict(*rid, {}, ops::kEvictAll);
+      last_region = *rid;
+      last_keys = keys;
+    }
+#if defined(KVFERRY_WITH_CUDA)
+    if (cuda && rc == 0) {  // a pinned 1 GiB copy each way: the ceiling of the link
+      const size_t g = opts.quick ? (size_t{256} << 20) : (size_t{1} << 30);
+      void *h = nullptr, *dv = nullptr;
+      if (cudaMallocHost(&h, g) == cudaSuccess && cudaMalloc(&dv, g) == cudaSuccess) {
+        cudaMemcpy(dv, h, g, cudaMemcpyHostToDevice);
+        auto t0 = Clock::now();
+        cudaMemcpy(h, dv, g, cudaMemcpyDeviceToHost);
+        const double d2h = g / secs(t0) / 1e9;
+        t0 = Clock::now();
+        cudaMemcpy(dv, h, g, cudaMemcpyHostToDevice);
+        const double h2d = g / secs(t0) / 1e9;
+        rep.note("pinned " + human_bytes(static_cast<int64_t>(g)) + " cudaMemcpy: D2H " + std::to_string(d2h) +
+                 " GB/s, H2D " + std::to_string(h2d) + " GB/s");
+        for (const auto& r : std::vector<Row>(rep.rows()))
+          if (r.unit == "GB/s")
+            rep.add({r.name + " vs pinned 1GiB", r.value, "GB/s", r.name.rfind("save", 0) == 0 ? d2h : h2d,
+                     "pinned " + human_bytes(static_cast<int64_t>(g)) + " cudaMemcpy", true, 0, ""});
+      }
+      if (dv) cudaFree(dv);
+      if (h) cudaFreeHost(h);
+    }
+#endif
+    // Lookup latency with 8 clients (blocks of the last size stay stored for hits).
+    if (c && rc == 0 && last_region) {
+      std::vector<int64_t> src16(std::min<size_t>(last_keys.size(), 16));
+      std::iota(src16.begin(), src16.end(), 0);
+      std::vector<ops::Key> k16(last_keys.begin(), last_keys.begin() + static_cast<long>(src16.size()));
+      (void)c->save(last_region, k16, src16);
+      const int iters = opts.quick ? 500 : 5000;
+      auto [lk, pg] = lookup_latency(cfg.daemon.socket, last_region, k16, 8, iters);
+      rep.add({"lookup 16 keys p50, 8 clients", lk.p50, "us", pg.p50, "ping p50 through the same rings", false, 0, ""});
+      rep.add({"lookup 16 keys p99, 8 clients", lk.p99, "us", pg.p99, "ping p99 through the same rings", false, 0, ""});
+    }
+  }
+  (*d)->stop();
+  runner.join();
+  const int f = rep.finish(opts);
+  return rc ? rc : f;
+}
+
+}  // namespace
+
+KVFERRY_BENCH_SUITE("roundtrip",
+                    "save and load of blocks through kvferryd (64 KiB .. 4 MiB) vs a bare copy of the same runs, "
+                    "and lookup latency with 8 clients",
+                    run_roundtrip);
+
+}  // namespace kvferry::bench

@@ -1,0 +1,92 @@
+#pragma once
+// Arena layouts of the data ops (proto::Op::kLookup .. kLs): what a client writes into its
+// arena at `SubmitEntry::arena_offset` and what the daemon writes back. Little-endian, fixed
+// width, 8-byte aligned (`arena_offset` must be a multiple of 8). Every op that takes keys
+// writes one int16 ErrorCode per key after its input, at status_offset(); the completion's
+// `arena_offset`/`count` point there and `done` counts the keys that succeeded.
+//
+//   op       | region        | input at arena_offset              | results
+//   ---------+---------------+------------------------------------+----------------------------------
+//   lookup   | the region    | Key[count]                         | int16[count] (kOk hit, kNotFound),
+//            |               |                                    | result[0] = longest hit prefix
+//   save     | the region    | Key[count], int64 block_id[count]  | int16[count]
+//   load     | the region    | Key[count], int64 block_id[count]  | int16[count]
+//   pin      | the region    | Key[count]                         | int16[count]
+//   unpin    | the region    | Key[count]                         | int16[count]
+//   evict    | the region,   | Key[count]; args[0] & kEvictAll:   | int16[count] (kOk evicted,
+//            | 0 with        | every unpinned block of the        | kNotFound, kBusy pinned/in use);
+//            | kEvictAllNs   | region's namespace (count 0);      | result[0] = blocks evicted
+//            |               | kEvictAllNs: of every namespace    |
+//   stats    | 0             | -                                  | StatsWire at arena_offset
+//   ls       | region or 0   | args[0] = most entries             | LsEntry[count] at arena_offset
+//            | (0 = every    |                                    | (count = entries written)
+//            | namespace)    |                                    |
+//
+// A block's namespace is `model|format family of the region|tenant` (model and tenant from the
+// client's Hello; see Client::Options), so the region an op names picks the family.
+#include <cstddef>
+#include <cstdint>
+
+namespace kvferry::ops {
+
+/// A 128-bit block key chosen by the engine (e.g. a chained hash of the block's token ids).
+struct Key {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  bool operator==(const Key&) const = default;
+};
+static_assert(sizeof(Key) == 16);
+
+inline constexpr uint64_t kEvictAll = 1;    ///< evict args[0]: every unpinned block of the region's namespace
+inline constexpr uint64_t kEvictAllNs = 2;  ///< evict args[0]: every unpinned block of every namespace
+
+/// Whether `op` carries block ids after its keys (save, load).
+inline constexpr bool has_block_ids(uint16_t op) { return op == 17 || op == 18; }
+/// Bytes of the input of `count` keys of `op`.
+inline constexpr uint64_t input_bytes(uint16_t op, uint64_t count) {
+  return count * (sizeof(Key) + (has_block_ids(op) ? sizeof(int64_t) : 0));
+}
+/// Where the per-key int16 statuses of a request at `arena_offset` go.
+inline constexpr uint64_t status_offset(uint16_t op, uint64_t arena_offset, uint64_t count) {
+  return arena_offset + input_bytes(op, count);
+}
+/// Arena bytes one request of `count` keys of `op` uses (input + statuses, rounded to 8).
+inline constexpr uint64_t request_bytes(uint16_t op, uint64_t count) {
+  return (input_bytes(op, count) + count * sizeof(int16_t) + 7) / 8 * 8;
+}
+
+/// The answer of stats (all counters since the daemon started).
+struct StatsWire {
+  uint64_t entries;         ///< blocks stored
+  uint64_t writing;         ///< blocks being written
+  uint64_t pinned;          ///< pinned blocks
+  uint64_t used_bytes;      ///< host pool bytes in use
+  uint64_t capacity_bytes;  ///< host pool capacity
+  uint64_t evictions;       ///< blocks evicted
+  uint64_t evicted_bytes;
+  uint64_t lookups;  ///< keys looked up
+  uint64_t hits;
+  uint64_t misses;
+  uint64_t blocks_saved;
+  uint64_t bytes_saved;
+  uint64_t blocks_loaded;
+  uint64_t bytes_loaded;
+  uint64_t checksum_failures;
+  uint64_t clients;
+  uint64_t pool_pinned;  ///< 1 when the pool is page-locked for DMA
+};
+static_assert(sizeof(StatsWire) % 8 == 0);
+
+/// One stored block as ls lists it.
+struct LsEntry {
+  Key key;
+  uint64_t bytes;
+  uint32_t pins;
+  uint32_t reserved;
+  char ns[96];      ///< namespace, NUL-terminated (truncated)
+  char format[32];  ///< stored entry format name
+  char tier[8];     ///< "host"
+};
+static_assert(sizeof(LsEntry) == 168);
+
+}  // namespace kvferry::ops

@@ -1,0 +1,196 @@
+// `kvferry stats`, `kvferry ls`, `kvferry evict`: the block store of a running daemon, through
+// the data ops of a short-lived client connection.
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "commands.h"
+#include "kvferry/connector/client.h"
+
+namespace kvferry::cli {
+namespace {
+
+struct Common {
+  std::string region;  ///< picks the namespace's format family
+  std::string model, tenant;
+  bool json = false;
+};
+
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    o += c;
+  }
+  return o + "\"";
+}
+
+Result<std::unique_ptr<Client>> connect(const std::string& socket, const Common& c) {
+  Client::Options o;
+  o.socket = socket;
+  o.name = "kvferry-cli";
+  o.model = c.model;
+  o.tenant = c.tenant;
+  return Client::connect(o);
+}
+
+Result<uint32_t> region_id(Client& cl, const std::string& name) {
+  if (name.empty()) return uint32_t{0};
+  return cl.find_region(name);
+}
+
+bool parse_key(const std::string& hex, ops::Key* k) {
+  if (hex.empty() || hex.size() > 32) return false;
+  const std::string h = std::string(32 - hex.size(), '0') + hex;
+  char* end = nullptr;
+  k->hi = std::strtoull(h.substr(0, 16).c_str(), &end, 16);
+  if (*end) return false;
+  k->lo = std::strtoull(h.substr(16).c_str(), &end, 16);
+  return !*end;
+}
+
+std::string key_hex(const ops::Key& k) {
+  char b[40];
+  std::snprintf(b, sizeof b, "%016" PRIx64 "%016" PRIx64, k.hi, k.lo);
+  return b;
+}
+
+int report(const char* cmd, const Status& st) {
+  std::fprintf(stderr, "kvferry %s: %s\n", cmd, st.to_string().c_str());
+  return 1;
+}
+
+int run_stats(const std::string& socket, const Common& c) {
+  auto cl = connect(socket, c);
+  if (!cl.ok()) return report("stats", cl.status());
+  auto s = (*cl)->stats();
+  if (!s.ok()) return report("stats", s.status());
+  const ops::StatsWire& w = *s;
+  const double occ = w.capacity_bytes ? 100.0 * static_cast<double>(w.used_bytes) / w.capacity_bytes : 0.0;
+  if (c.json) {
+    std::printf("{\"tier\":\"host\",\"entries\":%" PRIu64 ",\"writing\":%" PRIu64 ",\"pinned\":%" PRIu64
+                ",\"used_bytes\":%" PRIu64 ",\"capacity_bytes\":%" PRIu64
+                ",\"occupancy\":%.4f,\"pool_page_locked\":%s"
+                ",\"evictions\":%" PRIu64 ",\"evicted_bytes\":%" PRIu64 ",\"lookups\":%" PRIu64 ",\"hits\":%" PRIu64
+                ",\"misses\":%" PRIu64 ",\"blocks_saved\":%" PRIu64 ",\"bytes_saved\":%" PRIu64
+                ",\"blocks_loaded\":%" PRIu64 ",\"bytes_loaded\":%" PRIu64 ",\"checksum_failures\":%" PRIu64
+                ",\"clients\":%" PRIu64 "}\n",
+                w.entries, w.writing, w.pinned, w.used_bytes, w.capacity_bytes, occ / 100.0,
+                w.pool_pinned ? "true" : "false", w.evictions, w.evicted_bytes, w.lookups, w.hits, w.misses,
+                w.blocks_saved, w.bytes_saved, w.blocks_loaded, w.bytes_loaded, w.checksum_failures, w.clients);
+    return 0;
+  }
+  std::printf("host pool   %.1f of %.1f MiB used (%.1f%%), %s\n", w.used_bytes / 1048576.0,
+              w.capacity_bytes / 1048576.0, occ, w.pool_pinned ? "page-locked" : "pageable");
+  std::printf("blocks      %" PRIu64 " stored, %" PRIu64 " being written, %" PRIu64 " pinned\n", w.entries, w.writing,
+              w.pinned);
+  std::printf("saved       %" PRIu64 " blocks, %.1f MiB\n", w.blocks_saved, w.bytes_saved / 1048576.0);
+  std::printf("loaded      %" PRIu64 " blocks, %.1f MiB\n", w.blocks_loaded, w.bytes_loaded / 1048576.0);
+  std::printf("lookups     %" PRIu64 " keys: %" PRIu64 " hits, %" PRIu64 " misses\n", w.lookups, w.hits, w.misses);
+  std::printf("evictions   %" PRIu64 " blocks, %.1f MiB\n", w.evictions, w.evicted_bytes / 1048576.0);
+  std::printf("checksums   %" PRIu64 " damaged blocks caught\n", w.checksum_failures);
+  std::printf("clients     %" PRIu64 " connected (this one included)\n", w.clients);
+  return 0;
+}
+
+int run_ls(const std::string& socket, const Common& c, uint32_t limit) {
+  auto cl = connect(socket, c);
+  if (!cl.ok()) return report("ls", cl.status());
+  auto rid = region_id(**cl, c.region);
+  if (!rid.ok()) return report("ls", rid.status());
+  auto l = (*cl)->ls(*rid, limit);
+  if (!l.ok()) return report("ls", l.status());
+  if (c.json) {
+    std::printf("[");
+    for (size_t i = 0; i < l->size(); ++i) {
+      const auto& e = (*l)[i];
+      std::printf("%s{\"namespace\":%s,\"key\":\"%s\",\"tier\":%s,\"format\":%s,\"bytes\":%" PRIu64 ",\"pins\":%u}",
+                  i ? "," : "", json_str(e.ns).c_str(), key_hex(e.key).c_str(), json_str(e.tier).c_str(),
+                  json_str(e.format).c_str(), e.bytes, e.pins);
+    }
+    std::printf("]\n");
+    return 0;
+  }
+  std::printf("%-40s %-32s %-5s %-11s %10s %4s\n", "NAMESPACE", "KEY", "TIER", "FORMAT", "BYTES", "PINS");
+  for (const auto& e : *l)
+    std::printf("%-40s %-32s %-5s %-11s %10" PRIu64 " %4u\n", e.ns, key_hex(e.key).c_str(), e.tier, e.format, e.bytes,
+                e.pins);
+  std::printf("%zu block(s)\n", l->size());
+  return 0;
+}
+
+int run_evict(const std::string& socket, const Common& c, const std::vector<std::string>& hex, bool all) {
+  if (!all && (c.region.empty() || hex.empty())) {
+    std::fprintf(
+        stderr, "kvferry evict: give --all (with --region: that namespace only), or --region NAME with --key HEX...\n");
+    return 2;
+  }
+  std::vector<ops::Key> keys;
+  for (const auto& h : hex) {
+    ops::Key k;
+    if (!parse_key(h, &k)) {
+      std::fprintf(stderr, "kvferry evict: '%s' is not a key (up to 32 hex digits)\n", h.c_str());
+      return 2;
+    }
+    keys.push_back(k);
+  }
+  auto cl = connect(socket, c);
+  if (!cl.ok()) return report("evict", cl.status());
+  auto rid = region_id(**cl, c.region);
+  if (!rid.ok()) return report("evict", rid.status());
+  const uint64_t flags = all ? (c.region.empty() ? ops::kEvictAllNs : ops::kEvictAll) : 0;
+  auto r = (*cl)->evict(*rid, keys, flags);
+  if (!r.ok()) return report("evict", r.status());
+  if (c.json) {
+    std::printf("{\"evicted\":%" PRIu64 ",\"keys\":[", r->result[0]);
+    for (size_t i = 0; i < r->blocks.size() && i < keys.size(); ++i)
+      std::printf("%s{\"key\":\"%s\",\"status\":\"%s\"}", i ? "," : "", key_hex(keys[i]).c_str(),
+                  std::string(error_code_name(r->blocks[i])).c_str());
+    std::printf("]}\n");
+  } else {
+    for (size_t i = 0; i < r->blocks.size() && i < keys.size(); ++i)
+      std::printf("%s %s\n", key_hex(keys[i]).c_str(),
+                  r->blocks[i] == ErrorCode::kOk     ? "evicted"
+                  : r->blocks[i] == ErrorCode::kBusy ? "kept (pinned or in use)"
+                                                     : std::string(error_code_name(r->blocks[i])).c_str());
+    std::printf("%" PRIu64 " block(s) evicted\n", r->result[0]);
+  }
+  return 0;
+}
+
+void add_common(CLI::App* sub, Common* c, bool with_region) {
+  if (with_region) sub->add_option("--region", c->region, "region whose namespace (format family) to address");
+  sub->add_option("--model", c->model, "namespace model (as the engine registered it)");
+  sub->add_option("--tenant", c->tenant, "namespace tenant");
+  sub->add_flag("--json", c->json, "machine-readable output");
+}
+
+}  // namespace
+
+void add_store_commands(CLI::App& app, std::function<int()>* run, const std::string* socket_path) {
+  auto common = std::make_shared<Common>();
+  auto limit = std::make_shared<uint32_t>(0);
+  auto keys = std::make_shared<std::vector<std::string>>();
+  auto all = std::make_shared<bool>(false);
+
+  CLI::App* st = app.add_subcommand("stats", "host pool occupancy, blocks, hits and misses, evictions");
+  add_common(st, common.get(), false);
+  st->callback([=] { *run = [=] { return run_stats(*socket_path, *common); }; });
+
+  CLI::App* ls = app.add_subcommand("ls", "stored blocks: namespace, key, tier, format, size, pins");
+  add_common(ls, common.get(), true);
+  ls->add_option("--limit", *limit, "at most this many blocks (0 = what one answer holds)");
+  ls->callback([=] { *run = [=] { return run_ls(*socket_path, *common, *limit); }; });
+
+  CLI::App* ev = app.add_subcommand("evict", "drop stored blocks (pinned and in-use ones stay)");
+  add_common(ev, common.get(), true);
+  ev->add_option("--key", *keys, "key(s) to evict, hex (with --region)");
+  ev->add_flag("--all", *all, "every unpinned block (of --region's namespace, else of every namespace)");
+  ev->callback([=] { *run = [=] { return run_evict(*socket_path, *common, *keys, *all); }; });
+}
+
+}  // namespace kvferry::cli

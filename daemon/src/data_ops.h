@@ -1,0 +1,56 @@
+#pragma once
+// The data ops of kvferryd (lookup, save, load, pin, unpin, evict, stats, ls and the test fault
+// knob): the host pool, the block index, the offload service and the metrics, wired into the
+// ring service's op table. Arena layouts: kvferry/connector/ops.h.
+//
+// Threads: lookups, pins, evictions, stats and ls run on the ring thread (they take the index's
+// metadata lock only, never wait behind a copy); saves and loads go to a small worker pool and
+// complete through RingService::post, so one client's transfer never stalls another's lookups.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "kvferry/config/config.h"
+#include "kvferry/daemon/region.h"
+#include "kvferry/daemon/ring_service.h"
+#include "kvferry/layouts/status.h"
+
+namespace kvferry::daemon {
+
+class DataOps {
+ public:
+  struct Options {
+    bool cuda = false;         ///< regions may be device memory; pin the pool
+    bool test_faults = false;  ///< serve kCorruptForTest
+    int workers = 2;           ///< save/load threads
+    /// Resolves a region id (nullptr when there is none).
+    std::function<std::shared_ptr<Region>(uint32_t)> find_region;
+    /// Connected clients (for the metrics).
+    std::function<uint64_t()> clients;
+  };
+
+  /// Creates the host pool (populated and pinned now, progress logged), the index and the
+  /// offload service from `cfg` (tiers.host, integrity).
+  static Result<std::unique_ptr<DataOps>> create(const config::Config& cfg, Options opts);
+  ~DataOps();
+
+  /// Installs the op handlers. Call before rings.start().
+  void install(RingService& rings);
+  /// A client went away: drop its pins (its saves in flight complete or abort on their own).
+  void client_gone(uint32_t client_id);
+  /// Finishes the saves and loads already queued, then stops the workers. Idempotent.
+  void stop();
+
+  /// Prometheus text of every metric.
+  std::string render_metrics() const;
+  /// /healthz: true and a one-line summary while the workers run.
+  bool healthy(std::string* body) const;
+
+ private:
+  struct Impl;
+  explicit DataOps(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry::daemon
