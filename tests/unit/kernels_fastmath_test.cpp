@@ -24,7 +24,9 @@ void check_divisor(float s, std::mt19937& g, int samples) {
     ASSERT_TRUE(same_bits(div_recip(x, r), div_rn(x, s)))
         << "x bits 0x" << std::hex << float_bits(x) << " s bits 0x" << float_bits(s);
   }
-  if (r.kind != 0) EXPECT_GT(checked, 0);
+  if (r.kind != 0) {
+    EXPECT_GT(checked, 0);
+  }
 }
 
 TEST(KernelsFastMath, ReciprocalDivisionIsExact) {
