@@ -186,7 +186,7 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   const int row = (kMlaDim + 8) * 2, tile = 32 * row;
   const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
   const int raw = static_cast<int>(p.format.bytes_per_token());
-  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + 2 * hb * 40 * 4;
+  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb * 40 * 4;
   const int per_sm = std::max(1, std::min(65536 / (hb * 4 * 240), 228 * 1024 / (smem + 1024)));
   const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
   const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);

@@ -1,14 +1,11 @@
 // CUDA MLA paged decode (contract in decode_mla.h).
 //
 // One CTA per (group of HB <= 64 heads, split, request). Every 32-token K tile is brought into
-// shared memory once (bulk copies or cp.async, double-buffered; fp8 tiles are converted to fp16 in
-// shared memory) and used by all HB heads: warp w owns heads [16*(w/2), +16); for Q K^T the warp
-// pair splits the 576-deep product (288 columns each, partial sums exchanged through shared
-// memory), for P V warp w owns output columns [256*(w%2), +256). Both products run on mma.sync
-// m16n8k16 (bf16 operands for a bf16 cache, fp16 for the fp8 caches, whose e4m3 values convert to
-// fp16 in one instruction per pair) with fp32 accumulation and an online softmax in the log2
-// domain. With more than one split the CTAs write fp32 (o, lse) partials and a small kernel merges
-// them; with one split the CTA writes o, lse.
+// shared memory once (cp.async, double-buffered; fp8 tiles are converted to bf16 in shared memory)
+// and used by all HB heads: warp w owns heads [16*(w/2), +16) and output columns [256*(w%2), +256);
+// QK^T (576 deep) and P.V (V = the first 512 of the same tile) run on mma.sync m16n8k16 bf16 with
+// fp32 accumulation and an online softmax in the log2 domain. With more than one split the CTAs
+// write fp32 (o, lse) partials and a small kernel merges them; with one split the CTA writes o, lse.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -126,88 +123,50 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
-// D += A B on tensor cores with fp32 accumulation; operands bf16 (F16 = false) or fp16 (F16 = true).
-template <bool F16>
-__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (F16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <bool F16>
-__device__ __forceinline__ uint32_t pack_op(float lo, float hi) {
-  if constexpr (F16) {
-    return pack_f16(lo, hi);
-  } else {
-    return pack_bf16(lo, hi);
-  }
+
+// Two e4m3 bytes (low byte first) -> two floats, exact (e4m3 is a subset of fp16).
+__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
+  return __half22float2(__half2(h));
 }
 
-// Two e4m3 bytes (low byte first) -> fp16x2 bits, exact (e4m3 is a subset of fp16): one
-// cvt.rn.f16x2.e4m3x2, where reaching bf16 costs three more instructions per pair.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xffffu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-}
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint32_t v) {
-  const uint32_t h = e4m3x2_to_f16x2(v);
-  return __half22float2(*reinterpret_cast<const __half2*>(&h));
-}
-
-// 16 e4m3 bytes -> 16 fp16, two 16-byte stores. mla_fp8: exact (S = false). mla_fp8_ds (S =
-// true): times the tile scale `s` in fp32, rounded once to fp16; with s = 1 the product is exact,
-// so mla_fp8 and mla_fp8_ds with unit scales fill the tile with the same bits.
-template <bool S>
+// 16 e4m3 bytes -> 16 bf16 (times `s`, rounded once from fp32) written as two 16-byte stores.
+// With s = 1 (mla_fp8) the product is exact, so mla_fp8 and mla_fp8_ds with unit scales fill the
+// tile with the same bits.
 __device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    if constexpr (S) {
-      float2 a = e4m3x2_to_float2(w[i]);
-      float2 b = e4m3x2_to_float2(w[i] >> 16);
-      out[2 * i] = pack_f16(__fmul_rn(a.x, s), __fmul_rn(a.y, s));
-      out[2 * i + 1] = pack_f16(__fmul_rn(b.x, s), __fmul_rn(b.y, s));
-    } else {
-      out[2 * i] = e4m3x2_to_f16x2(w[i]);
-      out[2 * i + 1] = e4m3x2_to_f16x2(w[i] >> 16);
-    }
+    float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
+    float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
+    a.x = __fmul_rn(a.x, s);
+    a.y = __fmul_rn(a.y, s);
+    b.x = __fmul_rn(b.x, s);
+    b.y = __fmul_rn(b.y, s);
+    out[2 * i] = pack_bf16(a.x, a.y);
+    out[2 * i + 1] = pack_bf16(b.x, b.y);
   }
   dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
   dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// 8 bf16 -> 8 fp16 (round to nearest; exact inside fp16's normal range).
-__device__ __forceinline__ uint4 bf16x8_to_f16x8(const uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t out[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = pack_f16(__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u));
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
 template <int FMT, int HB>
 constexpr int smem_bytes() {
   return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
-         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + 2 * HB * kSStride * 4;
+         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB * kSStride * 4;
 }
 
 template <int FMT, int HB, bool SPLIT, bool BULK>
@@ -216,12 +175,11 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   constexpr int RAW = Fmt<FMT>::kRaw;
   constexpr int CH = RAW / 16;                                // 16-byte chunks per cache entry
   constexpr int kDstRow = FMT == kFmtBf16 ? kRowBytes : RAW;  // row pitch of the tile the loader fills
-  constexpr bool H16 = FMT != kFmtBf16;  // fp8 caches: fp16 operands (Q, K tile, P), see decode_mla.h
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* sQ = smem + 16;                                      // smem[0, 16): the two stages' mbarriers
   uint8_t* sK = sQ + HB * kRowBytes;                            // 2 stages (bf16) or 1 (fp8)
   uint8_t* sRaw = sK + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes;  // fp8 only: 2 raw stages
-  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [2][HB][kSStride]
+  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [HB][kSStride]
   const uint32_t bar0 = smem_u32(smem);
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -268,13 +226,7 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   // Warp 0 starts the bulk copies of tile t: one per valid token, all completing on the stage's
   // mbarrier. Rows past the end are zeroed instead (their bytes may be anything, even NaN, and V
   // is multiplied by p = 0, which would keep a NaN).
-  // This lane's token of tile t: its block id, fetched one tile ahead of the load that uses it so
-  // that the table read's latency hides behind a tile of compute (0 past the split's end).
-  auto fetch_blk = [&](int t) -> int32_t {
-    const int tok = start + t * kTileN + lane;
-    return tok < end ? table[tok / p.page] : 0;
-  };
-  auto load_tile_bulk = [&](int t, int stage, int32_t blk) {
+  auto load_tile_bulk = [&](int t, int stage) {
     if (warp != 0) return;
     const int tok0 = start + t * kTileN;
     const int nvalid = min(kTileN, end - tok0);
@@ -288,16 +240,18 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     __syncwarp();
     if (lane < nvalid) {
       const int tok = tok0 + lane;
-      const uint8_t* src =
-          p.cache + static_cast<int64_t>(blk) * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+      const int64_t blk = table[tok / p.page];
+      const uint8_t* src = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
       bulk_g2s(smem_u32(dst0 + lane * kDstRow), src, RAW, bar);
     }
   };
-  auto load_tile = [&](int t, int stage, int32_t blk) {
+  auto load_tile = [&](int t, int stage) {
     const int tok = start + t * kTileN + lane;
     const uint8_t* rb = nullptr;  // this lane's row (token) base; null past the split's end
-    if (tok < end)
-      rb = p.cache + static_cast<int64_t>(blk) * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+    if (tok < end) {
+      const int64_t blk = table[tok / p.page];
+      rb = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
+    }
     const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
     uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
     constexpr int kItems = kTileN * CH;
@@ -317,13 +271,11 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
 
   if (BULK) {
     cp_async_commit();  // Q
-    load_tile_bulk(0, 0, fetch_blk(0));
+    load_tile_bulk(0, 0);
   } else {
-    load_tile(0, 0, fetch_blk(0));
+    load_tile(0, 0);
     cp_async_commit();
   }
-  const bool loads = !BULK || warp == 0;  // the warps that issue tile loads
-  int32_t blk_next = loads && ntiles > 1 ? fetch_blk(1) : 0;
 
   const int hgl = warp >> 1, ch = warp & 1;
   const int g = lane >> 2, tq = lane & 3;
@@ -338,35 +290,27 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
 
   for (int t = 0; t < ntiles; ++t) {
     if (BULK) {
-      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1, blk_next);
+      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1);
       if (t == 0) cp_async_wait<0>();  // Q
       mbar_wait(bar0 + (t & 1) * 8, (t >> 1) & 1);
     } else if (t + 1 < ntiles) {
-      load_tile(t + 1, (t + 1) & 1, blk_next);
+      load_tile(t + 1, (t + 1) & 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
-    if (loads && t + 2 < ntiles) blk_next = fetch_blk(t + 2);
     __syncthreads();
     uint8_t* tile = sK;
     if constexpr (FMT == kFmtBf16) {
       tile = sK + (t & 1) * kTileBytes;
     } else {
       const uint8_t* raw = sRaw + (t & 1) * (kTileN * RAW);
-      if (t == 0) {  // Q (bf16, landed with tile 0) to fp16, in place: each thread its own chunks
-        for (int c = tid; c < HB * (kMlaDim / 8); c += NT) {
-          uint4* qc = reinterpret_cast<uint4*>(sQ + (c / (kMlaDim / 8)) * kRowBytes + (c % (kMlaDim / 8)) * 16);
-          *qc = bf16x8_to_f16x8(*qc);
-        }
-      }
       if constexpr (FMT == kFmtFp8) {
-#pragma unroll 2
         for (int c = tid; c < kTileN * CH; c += NT) {
           const int r = c / CH, col = c % CH;
           const uint4 v = *reinterpret_cast<const uint4*>(raw + r * RAW + col * 16);
-          convert16<false>(v, 1.0f, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
+          convert16(v, 1.0f, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
         }
       } else {
         constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
@@ -376,11 +320,11 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
           if (col < kMlaRank / 16) {
             const float s = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
             const uint4 v = *reinterpret_cast<const uint4*>(row + col * 16);
-            convert16<true>(v, s, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
+            convert16(v, s, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
           } else {
             const int rc = col - kMlaRank / 16;
             *reinterpret_cast<uint4*>(sK + r * kRowBytes + kMlaRank * 2 + rc * 16) =
-                bf16x8_to_f16x8(*reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16));
+                *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16);
           }
         }
       }
@@ -388,51 +332,48 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
     const uint32_t tile_u32 = smem_u32(tile);
 
-    // S = Q K^T for this warp's 16 heads and all 32 tokens of the tile over half of the 576
-    // columns (the pair splits the depth, 288 each, so each warp reads only its half of the Q rows
-    // and the K tile); the two partial sums are exchanged through shared memory and added, the
-    // same two addends in either warp, so both warps hold the same S bits.
+    // S = Q K^T for this warp's 16 heads and its half of the tile's tokens (the pair splits the
+    // 32 tokens, 16 each; even and odd k-steps accumulate apart for more independent mma chains),
+    // exchanged through shared memory so that both warps of the pair hold all 32.
     float s[4][4];
     {
-      float sp[4][4];
+      float sa[2][4], sb[2][4];
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sp[n][e] = 0.0f;
-      constexpr int kHalfBytes = kMlaDim;  // 288 columns of 2 bytes
-      const uint32_t k_base = tile_u32 + ch * kHalfBytes + k_lane;
-      const uint32_t qh = q_addr + ch * kHalfBytes;
+        for (int e = 0; e < 4; ++e) sa[n][e] = sb[n][e] = 0.0f;
+      const uint32_t k_base = tile_u32 + ch * 16 * kRowBytes + k_lane;
 #pragma unroll
-      for (int kk = 0; kk < kMlaDim / 64; ++kk) {
+      for (int kk = 0; kk < kMlaDim / 32; ++kk) {
         uint32_t a0[4], a1[4];
-        ldsm_x4(a0, qh + kk * 64);
-        ldsm_x4(a1, qh + kk * 64 + 32);
+        ldsm_x4(a0, q_addr + kk * 64);
+        ldsm_x4(a1, q_addr + kk * 64 + 32);
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
+        for (int n = 0; n < 2; ++n) {
           uint32_t bb[4];
           ldsm_x4(bb, k_base + n * 8 * kRowBytes + kk * 64);
-          mma16816<H16>(sp[n], a0, bb[0], bb[1]);
-          mma16816<H16>(sp[n], a1, bb[2], bb[3]);
+          mma_bf16(sa[n], a0, bb[0], bb[1]);
+          mma_bf16(sb[n], a1, bb[2], bb[3]);
         }
       }
-      float* mine = sS + (ch * HB + hgl * 16) * kSStride;
-      const float* other = sS + ((ch ^ 1) * HB + hgl * 16) * kSStride;
+      float* srow = sS + hgl * 16 * kSStride;
 #pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        const int col = n * 8 + tq * 2;
-        *reinterpret_cast<float2*>(mine + g * kSStride + col) = make_float2(sp[n][0], sp[n][1]);
-        *reinterpret_cast<float2*>(mine + (g + 8) * kSStride + col) = make_float2(sp[n][2], sp[n][3]);
+      for (int n = 0; n < 2; ++n) {
+        const int col = ch * 16 + n * 8 + tq * 2;
+        *reinterpret_cast<float2*>(srow + g * kSStride + col) = make_float2(sa[n][0] + sb[n][0], sa[n][1] + sb[n][1]);
+        *reinterpret_cast<float2*>(srow + (g + 8) * kSStride + col) =
+            make_float2(sa[n][2] + sb[n][2], sa[n][3] + sb[n][3]);
       }
       pair_barrier(hgl);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         const int col = n * 8 + tq * 2;
-        const float2 x = *reinterpret_cast<const float2*>(other + g * kSStride + col);
-        const float2 y = *reinterpret_cast<const float2*>(other + (g + 8) * kSStride + col);
-        s[n][0] = sp[n][0] + x.x;
-        s[n][1] = sp[n][1] + x.y;
-        s[n][2] = sp[n][2] + y.x;
-        s[n][3] = sp[n][3] + y.y;
+        const float2 x = *reinterpret_cast<const float2*>(srow + g * kSStride + col);
+        const float2 y = *reinterpret_cast<const float2*>(srow + (g + 8) * kSStride + col);
+        s[n][0] = x.x;
+        s[n][1] = x.y;
+        s[n][2] = y.x;
+        s[n][3] = y.y;
       }
     }
 
@@ -469,30 +410,25 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
     l0 = l0 * al0 + rs0;
     l1 = l1 * al1 + rs1;
-    // Rescale only when some row's maximum moved (al != 1); past the first tiles it rarely does,
-    // and skipping a multiplication by exactly 1 changes no bit.
-    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        acc[n][0] *= al0;
-        acc[n][1] *= al0;
-        acc[n][2] *= al1;
-        acc[n][3] *= al1;
-      }
+    for (int n = 0; n < 32; ++n) {
+      acc[n][0] *= al0;
+      acc[n][1] *= al0;
+      acc[n][2] *= al1;
+      acc[n][3] *= al1;
     }
 
     // O += P V for this warp's 256 columns.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uint32_t a[4] = {pack_op<H16>(s[2 * i][0], s[2 * i][1]), pack_op<H16>(s[2 * i][2], s[2 * i][3]),
-                             pack_op<H16>(s[2 * i + 1][0], s[2 * i + 1][1]),
-                             pack_op<H16>(s[2 * i + 1][2], s[2 * i + 1][3])};
+      const uint32_t a[4] = {pack_bf16(s[2 * i][0], s[2 * i][1]), pack_bf16(s[2 * i][2], s[2 * i][3]),
+                             pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]), pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3])};
 #pragma unroll
       for (int np = 0; np < 16; ++np) {
         uint32_t bb[4];
         ldsm_x4_t(bb, tile_u32 + i * 16 * kRowBytes + v_lane + np * 32);
-        mma16816<H16>(acc[2 * np], a, bb[0], bb[1]);
-        mma16816<H16>(acc[2 * np + 1], a, bb[2], bb[3]);
+        mma_bf16(acc[2 * np], a, bb[0], bb[1]);
+        mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
       }
     }
     __syncthreads();  // the next iteration's load overwrites this stage

@@ -13,17 +13,11 @@
 // Dequantization (the contract both implementations follow):
 //   mla_bf16    k_j[d] = the stored bf16 value; k_scale must be 1.
 //   mla_fp8     k_j[d] = e4m3(byte d) * k_scale (per-tensor scale). The GPU keeps e4m3 as exact
-//               fp16 and folds k_scale into the logit scale and the output.
+//               bf16 and folds k_scale into the logit scale and the output.
 //   mla_fp8_ds  656 B entries: k_j[d] = bf16_rn(float(e4m3(byte d)) * scale[d / 128]) for d < 512
 //               (fp32 product, rounded to bf16), k_j[512 + i] = the stored bf16 rope value;
 //               k_scale must be 1. With all scales 1.0 this equals mla_fp8 with k_scale 1 exactly,
 //               so the two caches give bit-identical GPU output.
-// GPU precision of the fp8 caches: their products run on fp16 tensor cores (e4m3 -> fp16 is one
-// instruction per pair, e4m3 -> bf16 four). q and the ds rope are rounded bf16 -> fp16 (exact for
-// magnitudes in [2^-14, 65504]; larger ones overflow, smaller ones keep 2^-24 absolute precision),
-// the ds product e4m3 * scale is rounded once to fp16 where the CPU twin rounds it to bf16 (finer
-// inside fp16's range; both stay within the bf16 bound of each other), and the softmax weights
-// are fp16. Keys and queries of real models sit far inside that range.
 // Length 0: o = 0 (all 512 values +0.0) and lse = -inf. Length 1: o = k_0[0:512], lse = x_0.
 //
 // Shapes: q [batch, heads, 576] bf16 contiguous; o [batch, heads, 512] bf16 contiguous; lse
@@ -33,10 +27,10 @@
 //
 // The GPU splits every request's tokens into num_splits chunks (split-KV), one CTA per (request,
 // split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
-// copies, one per entry, or cp.async; double-buffered) for all its heads; Q K^T and P V run on
-// tensor cores (mma.sync m16n8k16, bf16 or, for fp8 caches, fp16 operands, fp32 accumulation)
-// with an online softmax, and a second kernel merges the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each,
-// adjacent in the grid so the second read of a tile is an L2 hit) share each tile. The CPU twin computes in float64.
+// copies, one per entry, double-buffered) for all its heads; Q K^T and P V run on bf16 tensor
+// cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a second kernel merges
+// the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
+// second read of a tile is an L2 hit) share each tile. The CPU twin computes in float64.
 #include <cstddef>
 #include <cstdint>
 
