@@ -2,7 +2,10 @@
 # Run on a GPU machine, from the repository root: configures for the local GPU, builds what the
 # machine can build, runs the gpu-labelled tests (then unit and integration), and every
 # benchmark suite, writing logs and JSON to OUTDIR.
-#   bash scripts/gpu-check.sh OUTDIR [--quick] [--only SUITE[,SUITE]] [--tests REGEX]
+#   bash scripts/gpu-check.sh OUTDIR [--quick] [--only SUITE[,SUITE]] [--tests REGEX] [--pack]
+# --tests REGEX selects tests by name (ctest -R over GoogleTest names such as
+#   "Shapes/DecodePagedGpu.X/y"), not by target. --pack leaves OUTDIR/gpu-check.log and one
+#   OUTDIR/logs.tar.gz instead of a file per log (for transports that limit the file count).
 # Header-only dependencies the machine lacks can be carried as .deb files in .gpu-deps/
 # (scripts/gpu-deps.sh fetches them); they are unpacked into a private prefix.
 set -uo pipefail
@@ -12,11 +15,13 @@ shift
 QUICK=""
 ONLY=""
 TESTS=""
+PACK=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK="--quick" ;;
     --only) ONLY="$2"; shift ;;
     --tests) TESTS="$2"; shift ;;
+    --pack) PACK=1 ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -74,4 +79,8 @@ for s in $SUITES; do
   sed -n '/^== kvferry-bench/,$p' "$OUTDIR/bench-$s.log"
 done
 stamp "done (rc=$rc)"
+if [ -n "$PACK" ]; then
+  (cd "$OUTDIR" && tar czf /tmp/kvferry-gpu-logs.tar.gz --exclude gpu-check.log . &&
+    find . -type f ! -name gpu-check.log -delete && mv /tmp/kvferry-gpu-logs.tar.gz logs.tar.gz)
+fi
 exit $rc
