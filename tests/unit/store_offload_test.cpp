@@ -123,6 +123,20 @@ TEST_F(OffloadTest, MissesAndBadBlockIdsArePerBlock) {
   EXPECT_EQ(mism[0].code(), ErrorCode::kInvalidArgument);
 }
 
+TEST_F(OffloadTest, ListsOfDifferentLengthsFailEveryBlock) {
+  HostRegion r({1, 4, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor});
+  auto k = keys(2);
+  for (const auto& st : {svc_->save(r.access(), ns_, k, std::vector<int64_t>{0}),
+                         svc_->load(r.access(), ns_, k, std::vector<int64_t>{0})}) {
+    ASSERT_EQ(st.size(), 2u);
+    for (const Status& s : st) {
+      EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(s.message().find("2 keys but 1 block ids"), std::string::npos) << s.message();
+    }
+  }
+  EXPECT_EQ(index_->stats().entries, 0u);
+}
+
 TEST_F(OffloadTest, SavingTwiceIsANoOpAndKeepsTheFirstCopy) {
   HostRegion r({1, 4, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor});
   fill(r, 2);

@@ -67,6 +67,13 @@ void push_block_runs(std::vector<CopyRun>* runs, const KvCacheSpec& spec, int64_
   }
 }
 
+// Every block of a request whose key and block-id lists differ in length gets the same error.
+std::vector<Status> mismatched_lists(const char* op, size_t keys, size_t ids) {
+  return std::vector<Status>(
+      keys, Status(ErrorCode::kInvalidArgument,
+                   std::string(op) + ": " + std::to_string(keys) + " keys but " + std::to_string(ids) + " block ids"));
+}
+
 }  // namespace
 
 std::string format_family(const EntryFormat& f) { return f.is_mla() ? std::string("mla") : f.name(); }
@@ -116,8 +123,8 @@ struct OffloadService::Impl {
   // Copies `runs` from src to dst (whole-region extents for validation). Device copies go through
   // the copier's DMA on the service's stream and are complete when this returns.
   Status copy(const RegionAccess& region, bool to_pool, std::span<const CopyRun> runs) {
-    uint8_t* pool = index_pool_base();
-    const int64_t pool_bytes = static_cast<int64_t>(index_pool_capacity());
+    uint8_t* pool = pool_base;
+    const int64_t pool_bytes = static_cast<int64_t>(pool_capacity);
     const int64_t region_bytes = region.spec.region_bytes();
     if (!region.device) {
       return to_pool ? kernels::copy_blocks_cpu(region.base, region_bytes, pool, pool_bytes, runs, {opts.cpu_threads})
@@ -154,8 +161,6 @@ struct OffloadService::Impl {
   int64_t staging_bytes = 0;
 #endif
 
-  uint8_t* index_pool_base() const { return pool_base; }
-  uint64_t index_pool_capacity() const { return pool_capacity; }
   uint8_t* pool_base = nullptr;
   uint64_t pool_capacity = 0;
 };
@@ -182,12 +187,7 @@ std::vector<Status> OffloadService::save(const RegionAccess& region, NamespaceId
                                          std::span<const int64_t> block_ids) {
   const auto t0 = Clock::now();
   std::vector<Status> res(keys.size());
-  if (keys.size() != block_ids.size()) {
-    for (auto& r : res)
-      r = {ErrorCode::kInvalidArgument,
-           "save: " + std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids"};
-    return res;
-  }
+  if (keys.size() != block_ids.size()) return mismatched_lists("save", keys.size(), block_ids.size());
   const BlockShape shape{region.spec.layers, region.spec.block_size, region.spec.format};
   std::vector<size_t> which;  // indices with a reservation
   std::vector<SaveReservation> resv;
@@ -231,12 +231,7 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
                                          std::span<const int64_t> block_ids) {
   const auto t0 = Clock::now();
   std::vector<Status> res(keys.size());
-  if (keys.size() != block_ids.size()) {
-    for (auto& r : res)
-      r = {ErrorCode::kInvalidArgument,
-           "load: " + std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids"};
-    return res;
-  }
+  if (keys.size() != block_ids.size()) return mismatched_lists("load", keys.size(), block_ids.size());
   const BlockShape target{region.spec.layers, region.spec.block_size, region.spec.format};
   std::vector<size_t> which;
   std::vector<Hold> holds;
