@@ -8,14 +8,6 @@
 
 namespace kvferry {
 
-bool built_with_cuda() {
-#if defined(KVFERRY_WITH_CUDA)
-  return true;
-#else
-  return false;
-#endif
-}
-
 int cuda_device_count() {
 #if defined(KVFERRY_WITH_CUDA)
   int n = 0;

@@ -13,11 +13,6 @@ NamespaceId BlockIndex::intern_namespace(const std::string& name) {
   return it->second;
 }
 
-std::string BlockIndex::namespace_name(NamespaceId ns) const {
-  std::lock_guard lk(mu_);
-  return ns < ns_names_.size() ? ns_names_[ns] : std::string("?");
-}
-
 void BlockIndex::erase_locked(std::unordered_map<NsKey, Entry, NsKeyHash>::iterator it) {
   if (it->second.state == State::kReady) lru_.erase(it->second.lru);
   pool_.release(it->second.slot);

@@ -7,9 +7,6 @@
 
 namespace kvferry {
 
-/// True when kvferry was built with CUDA.
-bool built_with_cuda();
-
 /// Number of usable CUDA devices; 0 without a build with CUDA, without a driver or without a GPU
 /// (any CUDA error counts as "no GPU": without one cudaGetDeviceCount returns error 35).
 int cuda_device_count();

@@ -54,13 +54,6 @@ struct TensorView {
     return v;
   }
 
-  /// Shifts the view by `bytes` (e.g. to the V plane or the rope part of an entry).
-  KVFERRY_HOST_DEVICE TensorView shifted(int64_t bytes) const {
-    TensorView v = *this;
-    v.offset += bytes;
-    return v;
-  }
-
 #if !defined(__CUDA_ARCH__)
   /// "(4,64,576):(147456,576,1)" plus "+offset" when the offset is not zero.
   std::string to_string() const {

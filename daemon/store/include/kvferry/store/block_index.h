@@ -93,7 +93,6 @@ class BlockIndex {
 
   /// Id of namespace `name` (model + format fingerprint + tenant), created on first use.
   NamespaceId intern_namespace(const std::string& name);
-  std::string namespace_name(NamespaceId ns) const;
 
   /// Reserves a slot for a new block. kAlreadyExists when the key is stored or being written
   /// (the caller treats that as done); kResourceExhausted when nothing can be evicted.
