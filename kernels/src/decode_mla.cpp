@@ -181,13 +181,13 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   if (p.batch <= 0 || sm_count <= 0) return 1;
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
-  // CTAs that fit on one SM: ~240 registers per thread (64 threads per 16 heads) and the shared
+  // CTAs that fit on one SM: 128 registers per thread (128 threads per 16 heads) and the shared
   // memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange; 228 KiB per SM).
   const int row = (kMlaDim + 8) * 2, tile = 32 * row;
   const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
   const int raw = static_cast<int>(p.format.bytes_per_token());
-  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb * 40 * 4;
-  const int per_sm = std::max(1, std::min(65536 / (hb * 4 * 240), 228 * 1024 / (smem + 1024)));
+  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * 8192;
+  const int per_sm = std::max(1, std::min(65536 / (hb * 8 * 128), 228 * 1024 / (smem + 1024)));
   const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
   const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
   // Each split should keep at least 4 tiles of 32 tokens, or the merge costs more than it gains.
