@@ -79,6 +79,8 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
     return bad("k_scale = " + std::to_string(p.k_scale) + " but only mla_fp8 has a per-tensor scale (must be 1)");
   if (p.block_table_stride < 0) return bad("block_table_stride is negative");
   if (p.loader < 0 || p.loader > 2) return bad("loader = " + std::to_string(p.loader) + " is not 0, 1 or 2");
+  if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4)
+    return bad("group_warps = " + std::to_string(p.group_warps) + " is not 0, 2 or 4");
   if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
     return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
                std::to_string(kDecodeMlaMaxSplits) + "]");
@@ -176,18 +178,30 @@ int32_t decode_mla_resolved_loader(const DecodeMlaParams& p) {
   return p.format.kind == FormatKind::kMlaBf16 && p.heads <= 32 ? 1 : 2;
 }
 
+int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
+  if (p.group_warps == 2 || p.group_warps == 4) return p.group_warps;
+  // Measured on an H200 (batch 64, 4096 tokens): four warps per 16 heads took fp8 caches at 16
+  // heads from 151 to 126 us (mla_fp8_ds 181 to 141), but bf16 at 16 heads and every format at 128
+  // heads were slower than with two (e.g. bf16 h128 505 vs 431 us).
+  const bool fp8 = p.format.kind == FormatKind::kMlaFp8 || p.format.kind == FormatKind::kMlaFp8Ds;
+  return fp8 && p.heads <= 32 ? 4 : 2;
+}
+
 int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   if (p.num_splits > 0) return p.num_splits;
   if (p.batch <= 0 || sm_count <= 0) return 1;
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
-  // CTAs that fit on one SM: 128 registers per thread (128 threads per 16 heads) and the shared
-  // memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange; 228 KiB per SM).
+  // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with two,
+  // and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange of
+  // NW * 2 KiB per 16 heads; 228 KiB per SM).
+  const int nw = decode_mla_resolved_group_warps(p);
   const int row = (kMlaDim + 8) * 2, tile = 32 * row;
   const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
   const int raw = static_cast<int>(p.format.bytes_per_token());
-  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * 8192;
-  const int per_sm = std::max(1, std::min(65536 / (hb * 8 * 128), 228 * 1024 / (smem + 1024)));
+  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * nw * 2048;
+  const int regs = hb / 16 * nw * 32 * (nw == 4 ? 128 : 240);
+  const int per_sm = std::max(1, std::min(65536 / regs, 228 * 1024 / (smem + 1024)));
   const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
   const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
   // Each split should keep at least 4 tiles of 32 tokens, or the merge costs more than it gains.

@@ -20,14 +20,16 @@
 namespace kvferry {
 namespace {
 
-constexpr int kTileN = 32;                               // tokens per K tile
-constexpr int kRowPad = kMlaDim + 8;                     // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
-constexpr int kRowBytes = kRowPad * 2;                   // bytes per shared row
-constexpr int kTileBytes = kTileN * kRowBytes;           // one bf16 K tile
-constexpr int kGroupWarps = 4;                           // warps per 16-head group
-constexpr int kWarpCols = kMlaRank / kGroupWarps;        // output columns per warp (128)
-constexpr int kWarpDepth = kMlaDim / kGroupWarps;        // QK depth per warp (144 = 9 k16 steps)
-constexpr int kGroupSBytes = kGroupWarps * 4 * 32 * 16;  // one group's exchanged S partials (8 KiB)
+constexpr int kTileN = 32;                      // tokens per K tile
+constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
+constexpr int kRowBytes = kRowPad * 2;          // bytes per shared row
+constexpr int kTileBytes = kTileN * kRowBytes;  // one bf16 K tile
+// NW = warps per 16-head group (2 or 4): each owns kMlaRank / NW output columns and kMlaDim / NW of
+// the QK depth; a group exchanges NW partial S tiles of 16 heads x 32 tokens (NW * 2 KiB).
+template <int NW>
+constexpr int group_s_bytes() {
+  return NW * 4 * 32 * 16;
+}
 
 enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
 
@@ -108,12 +110,13 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Barrier of the four warps (128 threads) that share a head group.
 // Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
+template <int NW>
 __device__ __forceinline__ void group_barrier(int group) {
   switch (group) {
-    case 0: asm volatile("bar.sync 1, 128;\n" ::: "memory"); break;
-    case 1: asm volatile("bar.sync 2, 128;\n" ::: "memory"); break;
-    case 2: asm volatile("bar.sync 3, 128;\n" ::: "memory"); break;
-    default: asm volatile("bar.sync 4, 128;\n" ::: "memory"); break;
+    case 0: asm volatile("bar.sync 1, %0;\n" ::"n"(NW * 32) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;\n" ::"n"(NW * 32) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;\n" ::"n"(NW * 32) : "memory"); break;
   }
 }
 
@@ -168,21 +171,29 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) 
   dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-template <int FMT, int HB>
+template <int FMT, int HB, int NW>
 constexpr int smem_bytes() {
   return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
-         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB / 16 * kGroupSBytes;
+         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB / 16 * group_s_bytes<NW>();
 }
 
-// Threads of a CTA of HB heads; at most 128 registers each so that 512 threads fit on an SM.
-template <int HB>
+// Threads of a CTA of HB heads with NW warps per 16 heads.
+template <int HB, int NW>
 __host__ __device__ constexpr int threads() {
-  return HB / 16 * kGroupWarps * 32;
+  return HB / 16 * NW * 32;
+}
+// CTAs per SM the kernel is compiled for: with four warps per group at most 128 registers per
+// thread (a 64-head CTA runs 16 warps); with two, no cap (~240 registers, 128 accumulators).
+template <int HB, int NW>
+__host__ __device__ constexpr int min_ctas() {
+  return NW == 4 ? 65536 / (threads<HB, NW>() * 128) : 1;
 }
 
-template <int FMT, int HB, bool SPLIT, bool BULK>
-__global__ void __launch_bounds__(threads<HB>(), 65536 / (threads<HB>() * 128)) decode_mla_kernel(const KParams p) {
-  constexpr int NT = threads<HB>();
+template <int FMT, int HB, int NW, bool SPLIT, bool BULK>
+__global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_mla_kernel(const KParams p) {
+  constexpr int NT = threads<HB, NW>();
+  constexpr int kWarpCols = kMlaRank / NW;  // output columns per warp (256 or 128)
+  constexpr int kWarpDepth = kMlaDim / NW;  // QK depth per warp (288 or 144: 18 or 9 k16 steps)
   constexpr int RAW = Fmt<FMT>::kRaw;
   constexpr int CH = RAW / 16;                                // 16-byte chunks per cache entry
   constexpr int kDstRow = FMT == kFmtBf16 ? kRowBytes : RAW;  // row pitch of the tile the loader fills
@@ -298,15 +309,15 @@ __global__ void __launch_bounds__(threads<HB>(), 65536 / (threads<HB>() * 128)) 
 
   // Warp ch of head group hgl: QK over depth [144 ch, +144) for all 32 tokens of the tile, P V for
   // output columns [128 ch, +128).
-  const int hgl = warp / kGroupWarps, ch = warp % kGroupWarps;
+  const int hgl = warp / NW, ch = warp % NW;
   const int g = lane >> 2, tq = lane & 3;
   const uint32_t q_addr = smem_u32(sQ) + (hgl * 16 + (lane & 15)) * kRowBytes + (lane >> 4) * 16 + ch * kWarpDepth * 2;
   // ldmatrix x4 of a 16-token x 16-deep K block: (tokens 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
   const uint32_t k_lane =
       ((lane & 7) + ((lane >> 4) & 1) * 8) * kRowBytes + ((lane >> 3) & 1) * 16 + ch * kWarpDepth * 2;
   const uint32_t v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes + (ch * kWarpCols + (lane >> 4) * 8) * 2;
-  float4* s_mine = sS + (hgl * kGroupWarps + ch) * 4 * 32 + lane;
-  const float4* s_group = sS + hgl * kGroupWarps * 4 * 32 + lane;
+  float4* s_mine = sS + (hgl * NW + ch) * 4 * 32 + lane;
+  const float4* s_group = sS + hgl * NW * 4 * 32 + lane;
 
   constexpr int kAccN = kWarpCols / 8;  // n8 tiles of this warp's output columns
   float acc[kAccN][4];
@@ -384,12 +395,12 @@ __global__ void __launch_bounds__(threads<HB>(), 65536 / (threads<HB>() * 128)) 
       }
 #pragma unroll
       for (int n = 0; n < 4; ++n) s_mine[n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-      group_barrier(hgl);
+      group_barrier<NW>(hgl);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         float4 t = s_group[n * 32];
 #pragma unroll
-        for (int w = 1; w < kGroupWarps; ++w) {
+        for (int w = 1; w < NW; ++w) {
           const float4 u = s_group[(w * 4 + n) * 32];
           t.x += u.x;
           t.y += u.y;
@@ -530,34 +541,41 @@ __global__ void __launch_bounds__(128) decode_mla_merge(const KParams p) {
   if (threadIdx.x == 0) p.lse[bh] = mx + logf(w_sum);
 }
 
-template <int FMT, int HB, bool SPLIT, bool BULK>
+template <int FMT, int HB, int NW, bool SPLIT, bool BULK>
 cudaError_t launch_split(const KParams& k, int batch, cudaStream_t stream) {
-  constexpr int NT = threads<HB>();
-  constexpr int smem = smem_bytes<FMT, HB>();
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, SPLIT, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  constexpr int NT = threads<HB, NW>();
+  constexpr int smem = smem_bytes<FMT, HB, NW>();
+  static const cudaError_t attr = cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, NW, SPLIT, BULK>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(k.heads / HB, k.splits, batch);
-  decode_mla_kernel<FMT, HB, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
+  decode_mla_kernel<FMT, HB, NW, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
-template <int FMT, bool SPLIT, bool BULK>
+template <int FMT, int NW, bool SPLIT, bool BULK>
 cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
   switch (k.heads) {
-    case 16: return launch_split<FMT, 16, SPLIT, BULK>(k, batch, stream);
-    case 32: return launch_split<FMT, 32, SPLIT, BULK>(k, batch, stream);
+    case 16: return launch_split<FMT, 16, NW, SPLIT, BULK>(k, batch, stream);
+    case 32: return launch_split<FMT, 32, NW, SPLIT, BULK>(k, batch, stream);
     case 64:
-    case 128: return launch_split<FMT, 64, SPLIT, BULK>(k, batch, stream);
+    case 128: return launch_split<FMT, 64, NW, SPLIT, BULK>(k, batch, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-template <int FMT>
-cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
+template <int FMT, int NW>
+cudaError_t launch_nw(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
   if (bulk)
-    return k.splits > 1 ? launch_hb<FMT, true, true>(k, batch, stream) : launch_hb<FMT, false, true>(k, batch, stream);
-  return k.splits > 1 ? launch_hb<FMT, true, false>(k, batch, stream) : launch_hb<FMT, false, false>(k, batch, stream);
+    return k.splits > 1 ? launch_hb<FMT, NW, true, true>(k, batch, stream)
+                        : launch_hb<FMT, NW, false, true>(k, batch, stream);
+  return k.splits > 1 ? launch_hb<FMT, NW, true, false>(k, batch, stream)
+                      : launch_hb<FMT, NW, false, false>(k, batch, stream);
+}
+
+template <int FMT>
+cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, int nw, cudaStream_t stream) {
+  return nw == 4 ? launch_nw<FMT, 4>(k, batch, bulk, stream) : launch_nw<FMT, 2>(k, batch, bulk, stream);
 }
 
 }  // namespace
@@ -604,11 +622,13 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   }
   if (p.loader < 0 || p.loader > 2) return cudaErrorInvalidValue;
   const bool bulk = decode_mla_resolved_loader(p) == 1;
+  if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4) return cudaErrorInvalidValue;
+  const int nw = decode_mla_resolved_group_warps(p);
   cudaError_t err;
   switch (p.format.kind) {
-    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, stream); break;
-    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, stream); break;
-    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, stream); break;
+    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, nw, stream); break;
+    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, nw, stream); break;
+    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, nw, stream); break;
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess || splits == 1) return err;
