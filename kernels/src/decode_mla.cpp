@@ -173,16 +173,19 @@ size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_spli
 int32_t decode_mla_resolved_loader(const DecodeMlaParams& p) {
   if (p.loader == 1 || p.loader == 2) return p.loader;
   // Measured on an H200 (batch 64, 4096 tokens): bulk copies win where the kernel waits on memory
-  // (bf16 cache, 16 heads: 97 vs 111 us); where it is compute-bound (fp8 caches, whose tiles are
-  // converted in shared memory, and 128 heads) cp.async was faster (430 vs 502 us at 128 heads).
+  // (bf16 cache, 16 heads: 95 vs 106 us); where it is compute-bound (fp8 caches, whose tiles are
+  // converted in shared memory, and 128 heads) cp.async was faster (bf16 at 128 heads 407 vs 486
+  // us, mla_fp8 at 16 heads 126 vs 144 us).
   return p.format.kind == FormatKind::kMlaBf16 && p.heads <= 32 ? 1 : 2;
 }
 
 int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
   if (p.group_warps == 2 || p.group_warps == 4) return p.group_warps;
-  // Measured on an H200 (batch 64, 4096 tokens): four warps per 16 heads took fp8 caches at 16
-  // heads from 151 to 126 us (mla_fp8_ds 181 to 141), but bf16 at 16 heads and every format at 128
-  // heads were slower than with two (e.g. bf16 h128 505 vs 431 us).
+  // Measured on an H200 (batch 64, 4096 tokens, page 64), four vs two warps per 16 heads: fp8
+  // caches at 16 heads 126 vs 151 us (mla_fp8_ds 143 vs 183), where 2x the threads share the
+  // shared-memory conversion; bf16 at 16 heads 105 vs 95 us and every format at 128 heads slower
+  // (bf16 507 vs 407, mla_fp8 551 vs 473, mla_fp8_ds 577 vs 508), where the 16 warps of a 64-head
+  // CTA run in lockstep and the shorter mma chains expose more latency.
   const bool fp8 = p.format.kind == FormatKind::kMlaFp8 || p.format.kind == FormatKind::kMlaFp8Ds;
   return fp8 && p.heads <= 32 ? 4 : 2;
 }

@@ -31,7 +31,8 @@
 // the QK depth (partial S tiles added in a fixed order) and the output columns; Q K^T and P V run
 // on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a
 // second kernel merges the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
-// second read of a tile is an L2 hit) share each tile. The CPU twin computes in float64.
+// second read of a tile is an L2 hit) share each tile: one CTA cannot hold the fp32 accumulators
+// of 128 heads x 512 columns (256 KiB, an SM's whole register file). The CPU twin computes in float64.
 #include <cstddef>
 #include <cstdint>
 
