@@ -79,6 +79,8 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
     return bad("k_scale = " + std::to_string(p.k_scale) + " but only mla_fp8 has a per-tensor scale (must be 1)");
   if (p.block_table_stride < 0) return bad("block_table_stride is negative");
   if (p.loader < 0 || p.loader > 2) return bad("loader = " + std::to_string(p.loader) + " is not 0, 1 or 2");
+  if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4)
+    return bad("group_warps = " + std::to_string(p.group_warps) + " is not 0, 2 or 4");
   if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
     return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
                std::to_string(kDecodeMlaMaxSplits) + "]");
@@ -171,9 +173,21 @@ size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_spli
 int32_t decode_mla_resolved_loader(const DecodeMlaParams& p) {
   if (p.loader == 1 || p.loader == 2) return p.loader;
   // Measured on an H200 (batch 64, 4096 tokens): bulk copies win where the kernel waits on memory
-  // (bf16 cache, 16 heads: 97 vs 111 us); where it is compute-bound (fp8 caches, whose tiles are
-  // converted in shared memory, and 128 heads) cp.async was faster (430 vs 502 us at 128 heads).
+  // (bf16 cache, 16 heads: 95 vs 106 us); where it is compute-bound (fp8 caches, whose tiles are
+  // converted in shared memory, and 128 heads) cp.async was faster (bf16 at 128 heads 407 vs 486
+  // us, mla_fp8 at 16 heads 126 vs 144 us).
   return p.format.kind == FormatKind::kMlaBf16 && p.heads <= 32 ? 1 : 2;
+}
+
+int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
+  if (p.group_warps == 2 || p.group_warps == 4) return p.group_warps;
+  // Measured on an H200 (batch 64, 4096 tokens, page 64), four vs two warps per 16 heads: fp8
+  // caches at 16 heads 126 vs 151 us (mla_fp8_ds 143 vs 183), where 2x the threads share the
+  // shared-memory conversion; bf16 at 16 heads 105 vs 95 us and every format at 128 heads slower
+  // (bf16 507 vs 407, mla_fp8 551 vs 473, mla_fp8_ds 577 vs 508), where the 16 warps of a 64-head
+  // CTA run in lockstep and the shorter mma chains expose more latency.
+  const bool fp8 = p.format.kind == FormatKind::kMlaFp8 || p.format.kind == FormatKind::kMlaFp8Ds;
+  return fp8 && p.heads <= 32 ? 4 : 2;
 }
 
 int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
@@ -181,13 +195,16 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   if (p.batch <= 0 || sm_count <= 0) return 1;
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
-  // CTAs that fit on one SM: ~240 registers per thread (64 threads per 16 heads) and the shared
-  // memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange; 228 KiB per SM).
+  // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with two,
+  // and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange of
+  // NW * 2 KiB per 16 heads; 228 KiB per SM).
+  const int nw = decode_mla_resolved_group_warps(p);
   const int row = (kMlaDim + 8) * 2, tile = 32 * row;
   const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
   const int raw = static_cast<int>(p.format.bytes_per_token());
-  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb * 40 * 4;
-  const int per_sm = std::max(1, std::min(65536 / (hb * 4 * 240), 228 * 1024 / (smem + 1024)));
+  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * nw * 2048;
+  const int regs = hb / 16 * nw * 32 * (nw == 4 ? 128 : 240);
+  const int per_sm = std::max(1, std::min(65536 / regs, 228 * 1024 / (smem + 1024)));
   const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
   const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
   // Each split should keep at least 4 tiles of 32 tokens, or the merge costs more than it gains.

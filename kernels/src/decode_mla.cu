@@ -2,10 +2,12 @@
 //
 // One CTA per (group of HB <= 64 heads, split, request). Every 32-token K tile is brought into
 // shared memory once (cp.async, double-buffered; fp8 tiles are converted to bf16 in shared memory)
-// and used by all HB heads: warp w owns heads [16*(w/2), +16) and output columns [256*(w%2), +256);
-// QK^T (576 deep) and P.V (V = the first 512 of the same tile) run on mma.sync m16n8k16 bf16 with
-// fp32 accumulation and an online softmax in the log2 domain. With more than one split the CTAs
-// write fp32 (o, lse) partials and a small kernel merges them; with one split the CTA writes o, lse.
+// and used by all HB heads: four warps share 16 heads; warp w owns heads [16*(w/4), +16), the QK^T
+// depth [144*(w%4), +144) for all 32 tokens (the four partial S tiles are added through shared
+// memory in one fixed order) and output columns [128*(w%4), +128) of P.V. At most 128 registers
+// per thread, so a 64-head CTA runs 16 warps on an SM. QK^T (576 deep) and P.V (V = the first 512 of the same tile) run
+// on mma.sync m16n8k16 bf16 with fp32 accumulation and an online softmax in the log2 domain. With more than one split
+// the CTAs write fp32 (o, lse) partials and a small kernel merges them; with one split the CTA writes o, lse.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -22,7 +24,12 @@ constexpr int kTileN = 32;                      // tokens per K tile
 constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
 constexpr int kRowBytes = kRowPad * 2;          // bytes per shared row
 constexpr int kTileBytes = kTileN * kRowBytes;  // one bf16 K tile
-constexpr int kSStride = 40;                    // floats per row of the exchanged S tile (2-way conflicts only)
+// NW = warps per 16-head group (2 or 4): each owns kMlaRank / NW output columns and kMlaDim / NW of
+// the QK depth; a group exchanges NW partial S tiles of 16 heads x 32 tokens (NW * 2 KiB).
+template <int NW>
+constexpr int group_s_bytes() {
+  return NW * 4 * 32 * 16;
+}
 
 enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
 
@@ -101,14 +108,15 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 }
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) writes.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// Barrier of the two warps (64 threads) that share a head group.
+// Barrier of the four warps (128 threads) that share a head group.
 // Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
-__device__ __forceinline__ void pair_barrier(int group) {
+template <int NW>
+__device__ __forceinline__ void group_barrier(int group) {
   switch (group) {
-    case 0: asm volatile("bar.sync 1, 64;\n" ::: "memory"); break;
-    case 1: asm volatile("bar.sync 2, 64;\n" ::: "memory"); break;
-    case 2: asm volatile("bar.sync 3, 64;\n" ::: "memory"); break;
-    default: asm volatile("bar.sync 4, 64;\n" ::: "memory"); break;
+    case 0: asm volatile("bar.sync 1, %0;\n" ::"n"(NW * 32) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;\n" ::"n"(NW * 32) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;\n" ::"n"(NW * 32) : "memory"); break;
   }
 }
 
@@ -163,15 +171,29 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) 
   dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-template <int FMT, int HB>
+template <int FMT, int HB, int NW>
 constexpr int smem_bytes() {
   return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
-         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB * kSStride * 4;
+         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB / 16 * group_s_bytes<NW>();
 }
 
-template <int FMT, int HB, bool SPLIT, bool BULK>
-__global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams p) {
-  constexpr int NT = HB / 16 * 64;
+// Threads of a CTA of HB heads with NW warps per 16 heads.
+template <int HB, int NW>
+__host__ __device__ constexpr int threads() {
+  return HB / 16 * NW * 32;
+}
+// CTAs per SM the kernel is compiled for: with four warps per group at most 128 registers per
+// thread (a 64-head CTA runs 16 warps); with two, no cap (~240 registers, 128 accumulators).
+template <int HB, int NW>
+__host__ __device__ constexpr int min_ctas() {
+  return NW == 4 ? 65536 / (threads<HB, NW>() * 128) : 1;
+}
+
+template <int FMT, int HB, int NW, bool SPLIT, bool BULK>
+__global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_mla_kernel(const KParams p) {
+  constexpr int NT = threads<HB, NW>();
+  constexpr int kWarpCols = kMlaRank / NW;  // output columns per warp (256 or 128)
+  constexpr int kWarpDepth = kMlaDim / NW;  // QK depth per warp (288 or 144: 18 or 9 k16 steps)
   constexpr int RAW = Fmt<FMT>::kRaw;
   constexpr int CH = RAW / 16;                                // 16-byte chunks per cache entry
   constexpr int kDstRow = FMT == kFmtBf16 ? kRowBytes : RAW;  // row pitch of the tile the loader fills
@@ -179,7 +201,8 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   uint8_t* sQ = smem + 16;                                      // smem[0, 16): the two stages' mbarriers
   uint8_t* sK = sQ + HB * kRowBytes;                            // 2 stages (bf16) or 1 (fp8)
   uint8_t* sRaw = sK + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes;  // fp8 only: 2 raw stages
-  float* sS = reinterpret_cast<float*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));  // [HB][kSStride]
+  // S partials: [group][warp][n-tile][lane] float4, each lane's own fragment (conflict-free).
+  float4* sS = reinterpret_cast<float4*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));
   const uint32_t bar0 = smem_u32(smem);
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -226,7 +249,13 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   // Warp 0 starts the bulk copies of tile t: one per valid token, all completing on the stage's
   // mbarrier. Rows past the end are zeroed instead (their bytes may be anything, even NaN, and V
   // is multiplied by p = 0, which would keep a NaN).
-  auto load_tile_bulk = [&](int t, int stage) {
+  // Block ids are read one tile ahead of their copies (lane i: the block of token i of the tile), so
+  // the table load's latency is not paid in front of every tile's copies.
+  auto fetch_blk = [&](int t) -> int32_t {
+    const int tok = start + t * kTileN + lane;
+    return t < ntiles && tok < end ? table[tok / p.page] : 0;
+  };
+  auto load_tile_bulk = [&](int t, int stage, int32_t lane_blk) {
     if (warp != 0) return;
     const int tok0 = start + t * kTileN;
     const int nvalid = min(kTileN, end - tok0);
@@ -240,16 +269,16 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     __syncwarp();
     if (lane < nvalid) {
       const int tok = tok0 + lane;
-      const int64_t blk = table[tok / p.page];
+      const int64_t blk = lane_blk;
       const uint8_t* src = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
       bulk_g2s(smem_u32(dst0 + lane * kDstRow), src, RAW, bar);
     }
   };
-  auto load_tile = [&](int t, int stage) {
+  auto load_tile = [&](int t, int stage, int32_t lane_blk) {
     const int tok = start + t * kTileN + lane;
     const uint8_t* rb = nullptr;  // this lane's row (token) base; null past the split's end
     if (tok < end) {
-      const int64_t blk = table[tok / p.page];
+      const int64_t blk = lane_blk;
       rb = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
     }
     const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
@@ -271,30 +300,40 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
 
   if (BULK) {
     cp_async_commit();  // Q
-    load_tile_bulk(0, 0);
+    load_tile_bulk(0, 0, fetch_blk(0));
   } else {
-    load_tile(0, 0);
+    load_tile(0, 0, fetch_blk(0));
     cp_async_commit();
   }
+  int32_t next_blk = fetch_blk(1);
 
-  const int hgl = warp >> 1, ch = warp & 1;
+  // Warp ch of head group hgl: QK over depth [144 ch, +144) for all 32 tokens of the tile, P V for
+  // output columns [128 ch, +128).
+  const int hgl = warp / NW, ch = warp % NW;
   const int g = lane >> 2, tq = lane & 3;
-  const uint32_t q_addr = smem_u32(sQ) + (hgl * 16 + (lane & 15)) * kRowBytes + (lane >> 4) * 16;
-  const uint32_t k_lane = (lane & 7) * kRowBytes + (lane >> 3) * 16;
-  const uint32_t v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes + (ch * 256 + (lane >> 4) * 8) * 2;
+  const uint32_t q_addr = smem_u32(sQ) + (hgl * 16 + (lane & 15)) * kRowBytes + (lane >> 4) * 16 + ch * kWarpDepth * 2;
+  // ldmatrix x4 of a 16-token x 16-deep K block: (tokens 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15).
+  const uint32_t k_lane =
+      ((lane & 7) + ((lane >> 4) & 1) * 8) * kRowBytes + ((lane >> 3) & 1) * 16 + ch * kWarpDepth * 2;
+  const uint32_t v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowBytes + (ch * kWarpCols + (lane >> 4) * 8) * 2;
+  float4* s_mine = sS + (hgl * NW + ch) * 4 * 32 + lane;
+  const float4* s_group = sS + hgl * NW * 4 * 32 + lane;
 
-  float acc[32][4];
+  constexpr int kAccN = kWarpCols / 8;  // n8 tiles of this warp's output columns
+  float acc[kAccN][4];
 #pragma unroll
-  for (int n = 0; n < 32; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+  for (int n = 0; n < kAccN; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
 
   for (int t = 0; t < ntiles; ++t) {
     if (BULK) {
-      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1);
+      if (t + 1 < ntiles) load_tile_bulk(t + 1, (t + 1) & 1, next_blk);
+      next_blk = fetch_blk(t + 2);
       if (t == 0) cp_async_wait<0>();  // Q
       mbar_wait(bar0 + (t & 1) * 8, (t >> 1) & 1);
     } else if (t + 1 < ntiles) {
-      load_tile(t + 1, (t + 1) & 1);
+      load_tile(t + 1, (t + 1) & 1, next_blk);
+      next_blk = fetch_blk(t + 2);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -332,48 +371,46 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
     const uint32_t tile_u32 = smem_u32(tile);
 
-    // S = Q K^T for this warp's 16 heads and its half of the tile's tokens (the pair splits the
-    // 32 tokens, 16 each; even and odd k-steps accumulate apart for more independent mma chains),
-    // exchanged through shared memory so that both warps of the pair hold all 32.
+    // S = Q K^T for this warp's 16 heads and all 32 tokens over its quarter of the depth; the four
+    // partial sums are exchanged through shared memory and added in one fixed order (w = 0..3), so
+    // every warp of the group holds the same S.
     float s[4][4];
     {
-      float sa[2][4], sb[2][4];
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sa[n][e] = sb[n][e] = 0.0f;
-      const uint32_t k_base = tile_u32 + ch * 16 * kRowBytes + k_lane;
+        for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+      const uint32_t k_base = tile_u32 + k_lane;
 #pragma unroll
-      for (int kk = 0; kk < kMlaDim / 32; ++kk) {
-        uint32_t a0[4], a1[4];
-        ldsm_x4(a0, q_addr + kk * 64);
-        ldsm_x4(a1, q_addr + kk * 64 + 32);
+      for (int kk = 0; kk < kWarpDepth / 16; ++kk) {
+        uint32_t a[4];
+        ldsm_x4(a, q_addr + kk * 32);
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
+        for (int j = 0; j < 2; ++j) {
           uint32_t bb[4];
-          ldsm_x4(bb, k_base + n * 8 * kRowBytes + kk * 64);
-          mma_bf16(sa[n], a0, bb[0], bb[1]);
-          mma_bf16(sb[n], a1, bb[2], bb[3]);
+          ldsm_x4(bb, k_base + j * 16 * kRowBytes + kk * 32);
+          mma_bf16(s[2 * j], a, bb[0], bb[1]);
+          mma_bf16(s[2 * j + 1], a, bb[2], bb[3]);
         }
       }
-      float* srow = sS + hgl * 16 * kSStride;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const int col = ch * 16 + n * 8 + tq * 2;
-        *reinterpret_cast<float2*>(srow + g * kSStride + col) = make_float2(sa[n][0] + sb[n][0], sa[n][1] + sb[n][1]);
-        *reinterpret_cast<float2*>(srow + (g + 8) * kSStride + col) =
-            make_float2(sa[n][2] + sb[n][2], sa[n][3] + sb[n][3]);
-      }
-      pair_barrier(hgl);
+      for (int n = 0; n < 4; ++n) s_mine[n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+      group_barrier<NW>(hgl);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const int col = n * 8 + tq * 2;
-        const float2 x = *reinterpret_cast<const float2*>(srow + g * kSStride + col);
-        const float2 y = *reinterpret_cast<const float2*>(srow + (g + 8) * kSStride + col);
-        s[n][0] = x.x;
-        s[n][1] = x.y;
-        s[n][2] = y.x;
-        s[n][3] = y.y;
+        float4 t = s_group[n * 32];
+#pragma unroll
+        for (int w = 1; w < NW; ++w) {
+          const float4 u = s_group[(w * 4 + n) * 32];
+          t.x += u.x;
+          t.y += u.y;
+          t.z += u.z;
+          t.w += u.w;
+        }
+        s[n][0] = t.x;
+        s[n][1] = t.y;
+        s[n][2] = t.z;
+        s[n][3] = t.w;
       }
     }
 
@@ -411,27 +448,27 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     l0 = l0 * al0 + rs0;
     l1 = l1 * al1 + rs1;
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
+    for (int n = 0; n < kAccN; ++n) {
       acc[n][0] *= al0;
       acc[n][1] *= al0;
       acc[n][2] *= al1;
       acc[n][3] *= al1;
     }
 
-    // O += P V for this warp's 256 columns.
+    // O += P V for this warp's 128 columns.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const uint32_t a[4] = {pack_bf16(s[2 * i][0], s[2 * i][1]), pack_bf16(s[2 * i][2], s[2 * i][3]),
                              pack_bf16(s[2 * i + 1][0], s[2 * i + 1][1]), pack_bf16(s[2 * i + 1][2], s[2 * i + 1][3])};
 #pragma unroll
-      for (int np = 0; np < 16; ++np) {
+      for (int np = 0; np < kAccN / 2; ++np) {
         uint32_t bb[4];
         ldsm_x4_t(bb, tile_u32 + i * 16 * kRowBytes + v_lane + np * 32);
         mma_bf16(acc[2 * np], a, bb[0], bb[1]);
         mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
       }
     }
-    __syncthreads();  // the next iteration's load overwrites this stage
+    __syncthreads();  // the next iteration's load overwrites this stage (and the S partials)
   }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -445,10 +482,10 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
   if constexpr (SPLIT) {
     const int64_t r0 = (static_cast<int64_t>(b) * p.splits + split) * p.heads + h0;
     const int64_t r1 = r0 + 8;
-    float* o0 = p.part_o + r0 * kMlaRank + ch * 256 + tq * 2;
-    float* o1 = p.part_o + r1 * kMlaRank + ch * 256 + tq * 2;
+    float* o0 = p.part_o + r0 * kMlaRank + ch * kWarpCols + tq * 2;
+    float* o1 = p.part_o + r1 * kMlaRank + ch * kWarpCols + tq * 2;
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
+    for (int n = 0; n < kAccN; ++n) {
       *reinterpret_cast<float2*>(o0 + n * 8) = make_float2(acc[n][0] * inv0, acc[n][1] * inv0);
       *reinterpret_cast<float2*>(o1 + n * 8) = make_float2(acc[n][2] * inv1, acc[n][3] * inv1);
     }
@@ -458,10 +495,10 @@ __global__ void __launch_bounds__(HB / 16 * 64) decode_mla_kernel(const KParams 
     }
   } else {
     const int64_t r0 = static_cast<int64_t>(b) * p.heads + h0, r1 = r0 + 8;
-    uint16_t* o0 = p.o + r0 * kMlaRank + ch * 256 + tq * 2;
-    uint16_t* o1 = p.o + r1 * kMlaRank + ch * 256 + tq * 2;
+    uint16_t* o0 = p.o + r0 * kMlaRank + ch * kWarpCols + tq * 2;
+    uint16_t* o1 = p.o + r1 * kMlaRank + ch * kWarpCols + tq * 2;
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
+    for (int n = 0; n < kAccN; ++n) {
       *reinterpret_cast<uint32_t*>(o0 + n * 8) = pack_bf16(acc[n][0] * inv0, acc[n][1] * inv0);
       *reinterpret_cast<uint32_t*>(o1 + n * 8) = pack_bf16(acc[n][2] * inv1, acc[n][3] * inv1);
     }
@@ -504,34 +541,41 @@ __global__ void __launch_bounds__(128) decode_mla_merge(const KParams p) {
   if (threadIdx.x == 0) p.lse[bh] = mx + logf(w_sum);
 }
 
-template <int FMT, int HB, bool SPLIT, bool BULK>
+template <int FMT, int HB, int NW, bool SPLIT, bool BULK>
 cudaError_t launch_split(const KParams& k, int batch, cudaStream_t stream) {
-  constexpr int NT = HB / 16 * 64;
-  constexpr int smem = smem_bytes<FMT, HB>();
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, SPLIT, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  constexpr int NT = threads<HB, NW>();
+  constexpr int smem = smem_bytes<FMT, HB, NW>();
+  static const cudaError_t attr = cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, NW, SPLIT, BULK>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(k.heads / HB, k.splits, batch);
-  decode_mla_kernel<FMT, HB, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
+  decode_mla_kernel<FMT, HB, NW, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
-template <int FMT, bool SPLIT, bool BULK>
+template <int FMT, int NW, bool SPLIT, bool BULK>
 cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
   switch (k.heads) {
-    case 16: return launch_split<FMT, 16, SPLIT, BULK>(k, batch, stream);
-    case 32: return launch_split<FMT, 32, SPLIT, BULK>(k, batch, stream);
+    case 16: return launch_split<FMT, 16, NW, SPLIT, BULK>(k, batch, stream);
+    case 32: return launch_split<FMT, 32, NW, SPLIT, BULK>(k, batch, stream);
     case 64:
-    case 128: return launch_split<FMT, 64, SPLIT, BULK>(k, batch, stream);
+    case 128: return launch_split<FMT, 64, NW, SPLIT, BULK>(k, batch, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-template <int FMT>
-cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
+template <int FMT, int NW>
+cudaError_t launch_nw(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
   if (bulk)
-    return k.splits > 1 ? launch_hb<FMT, true, true>(k, batch, stream) : launch_hb<FMT, false, true>(k, batch, stream);
-  return k.splits > 1 ? launch_hb<FMT, true, false>(k, batch, stream) : launch_hb<FMT, false, false>(k, batch, stream);
+    return k.splits > 1 ? launch_hb<FMT, NW, true, true>(k, batch, stream)
+                        : launch_hb<FMT, NW, false, true>(k, batch, stream);
+  return k.splits > 1 ? launch_hb<FMT, NW, true, false>(k, batch, stream)
+                      : launch_hb<FMT, NW, false, false>(k, batch, stream);
+}
+
+template <int FMT>
+cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, int nw, cudaStream_t stream) {
+  return nw == 4 ? launch_nw<FMT, 4>(k, batch, bulk, stream) : launch_nw<FMT, 2>(k, batch, bulk, stream);
 }
 
 }  // namespace
@@ -578,11 +622,13 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   }
   if (p.loader < 0 || p.loader > 2) return cudaErrorInvalidValue;
   const bool bulk = decode_mla_resolved_loader(p) == 1;
+  if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4) return cudaErrorInvalidValue;
+  const int nw = decode_mla_resolved_group_warps(p);
   cudaError_t err;
   switch (p.format.kind) {
-    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, stream); break;
-    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, stream); break;
-    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, stream); break;
+    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, nw, stream); break;
+    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, nw, stream); break;
+    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, nw, stream); break;
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess || splits == 1) return err;

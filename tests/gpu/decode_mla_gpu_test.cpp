@@ -45,10 +45,10 @@ struct Out {
   std::vector<float> lse;
 };
 
-// Runs the GPU kernel on the case with `splits` (0 = auto) and K-tile `loader` (0 auto, 1 bulk
-// copies, 2 cp.async); poisons o and lse first and fails the test when anything was left unwritten (a NaN
-// remains).
-void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0) {
+// Runs the GPU kernel on the case with `splits` (0 = auto), K-tile `loader` (0 auto, 1 bulk
+// copies, 2 cp.async) and `group_warps` (0 auto, 2, 4); poisons o and lse first and fails the test when anything was
+// left unwritten (a NaN remains).
+void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_warps = 0) {
   const size_t no = static_cast<size_t>(c.batch()) * c.heads * kMlaRank, nl = static_cast<size_t>(c.batch()) * c.heads;
   DevBuf region(c.region.size()), q(c.q.size() * 2), table(c.table.size() * 4), lens(c.lens.size() * 4), o(no * 2),
       lse(nl * 4);
@@ -66,6 +66,7 @@ void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0) {
   p.seq_lens = static_cast<const int32_t*>(lens.p);
   p.num_splits = splits;
   p.loader = loader;
+  p.group_warps = group_warps;
   const Status v = validate_decode_mla(p);
   ASSERT_TRUE(v.ok()) << v.to_string();
   const size_t ws = decode_mla_workspace_bytes(p.batch, p.heads, decode_mla_splits(p));
@@ -117,11 +118,13 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
   c.build();
   Out ref;
   run_cpu(c, &ref);
-  for (int run = 0; run < 9; ++run) {
-    const int splits = run % 3 == 0 ? 1 : run % 3 == 1 ? 0 : 7, loader = run / 3;
-    SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader));
+  for (int run = 0; run < 18; ++run) {
+    // Every (splits, loader) pair with both warp layouts.
+    const int splits = run % 3 == 0 ? 1 : run % 3 == 1 ? 0 : 7, loader = run / 3 % 3, warps = run < 9 ? 2 : 4;
+    SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader) + " group_warps " +
+                 std::to_string(warps));
     Out got;
-    run_gpu(c, splits, &got, loader);
+    run_gpu(c, splits, &got, loader, warps);
     if (HasFatalFailure()) return;
     for (int b = 0; b < c.batch(); ++b) {
       double num = 0, den = 0;
@@ -158,32 +161,35 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (int fmt : {0, 1, 2}) {
     for (int heads : {16, 128}) {
-      MlaCase flat;
-      flat.format = format_of(fmt);
-      flat.heads = heads;
-      flat.page = 16;
-      flat.lens = {200, 77, 1, 0, 130};
-      flat.seed = seed + fmt;
-      flat.build();
-      Out a, a1;
-      run_gpu(flat, 0, &a, 1);
-      run_gpu(flat, 0, &a1, 2);
-      if (HasFatalFailure()) return;
-      // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
-      expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
-      for (int layers : {3, 61}) {
-        for (int layer : {0, layers / 2, layers - 1}) {
-          MlaCase v = flat;
-          v.layers = layers;
-          v.layer = layer;
-          v.build();
-          ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
-          Out b;
-          run_gpu(v, 0, &b, layers == 61 ? 2 : 1);
-          if (HasFatalFailure()) return;
-          const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
-                                   std::to_string(layer) + " of " + std::to_string(layers);
-          expect_bit_identical(a, b, what.c_str());
+      for (int warps : {2, 4}) {
+        MlaCase flat;
+        flat.format = format_of(fmt);
+        flat.heads = heads;
+        flat.page = 16;
+        flat.lens = {200, 77, 1, 0, 130};
+        flat.seed = seed + fmt;
+        flat.build();
+        Out a, a1;
+        run_gpu(flat, 0, &a, 1, warps);
+        run_gpu(flat, 0, &a1, 2, warps);
+        if (HasFatalFailure()) return;
+        // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
+        expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
+        for (int layers : {3, 61}) {
+          for (int layer : {0, layers / 2, layers - 1}) {
+            MlaCase v = flat;
+            v.layers = layers;
+            v.layer = layer;
+            v.build();
+            ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
+            Out b;
+            run_gpu(v, 0, &b, layers == 61 ? 2 : 1, warps);
+            if (HasFatalFailure()) return;
+            const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
+                                     std::to_string(layer) + " of " + std::to_string(layers) + " group_warps " +
+                                     std::to_string(warps);
+            expect_bit_identical(a, b, what.c_str());
+          }
         }
       }
     }

@@ -247,6 +247,11 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   }
   {
     DecodeMlaParams x = p;
+    x.group_warps = 3;
+    expect_error(x, "group_warps");
+  }
+  {
+    DecodeMlaParams x = p;
     x.cache.strides[1] = kMlaDim + 4;  // rows 1160 B apart: not 16-byte aligned
     x.cache.sizes[0] = 1;
     expect_error(x, "16-byte");

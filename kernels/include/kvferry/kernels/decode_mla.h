@@ -27,10 +27,12 @@
 //
 // The GPU splits every request's tokens into num_splits chunks (split-KV), one CTA per (request,
 // split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
-// copies, one per entry, double-buffered) for all its heads; Q K^T and P V run on bf16 tensor
-// cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a second kernel merges
-// the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
-// second read of a tile is an L2 hit) share each tile. The CPU twin computes in float64.
+// copies or cp.async, double-buffered) for all its heads; 2 or 4 warps share 16 heads, splitting
+// the QK depth (partial S tiles added in a fixed order) and the output columns; Q K^T and P V run
+// on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a
+// second kernel merges the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
+// second read of a tile is an L2 hit) share each tile: one CTA cannot hold the fp32 accumulators
+// of 128 heads x 512 columns (256 KiB, an SM's whole register file). The CPU twin computes in float64.
 #include <cstddef>
 #include <cstdint>
 
@@ -71,6 +73,12 @@ struct DecodeMlaParams {
   /// (16 B per thread), 0 = auto: bulk copies for a bf16 cache at <= 32 heads (memory-bound, where
   /// they measured faster on an H200), cp.async otherwise. Both give bit-identical results.
   int32_t loader = 0;
+  /// Warps per 16 heads: 2 (each owns 256 output columns and half the QK depth; ~240 registers),
+  /// 4 (128 columns and a quarter of the depth; 128 registers, twice the warps per SM), 0 = auto:
+  /// 4 for fp8 caches at <= 32 heads (where the shared-memory conversion is the bottleneck and
+  /// more threads share it), 2 otherwise. Both give results within the same bounds; a call's
+  /// choice is deterministic (bit-identical reruns, layer views and fp8 vs fp8_ds).
+  int32_t group_warps = 0;
 };
 
 constexpr int kDecodeMlaMaxSplits = 64;
@@ -93,6 +101,9 @@ size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_spli
 
 /// The loader (1 bulk copies, 2 cp.async) a launch with `p` uses.
 int32_t decode_mla_resolved_loader(const DecodeMlaParams& p);
+
+/// The warps per 16 heads (2 or 4) a launch with `p` uses.
+int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p);
 
 /// The number of splits an auto (num_splits == 0) launch uses on a device with `sm_count` SMs,
 /// given the longest possible request (block_table_stride * page tokens).
