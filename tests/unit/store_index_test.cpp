@@ -147,6 +147,21 @@ TEST_F(IndexTest, WatermarksEvictDownToTheLowMark) {
   EXPECT_EQ(index_->stats().evictions, 3u);
 }
 
+TEST_F(IndexTest, ReloadedWatermarksEvictAtOnceAndKeepPins) {
+  for (uint64_t k = 0; k < 6; ++k) ASSERT_TRUE(save(k, static_cast<uint8_t>(k + 1)).ok());
+  ASSERT_TRUE(index_->pin(NsKey{ns_, {0, 0}}, 1).ok());  // the least recently used one
+  auto bad = index_->set_watermarks(0.3, 0.5);
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(index_->watermarks().high_watermark, 1.0) << "a rejected pair changes nothing";
+  auto n = index_->set_watermarks(0.5, 0.25);  // 6 of 8 slots used: above 0.5, down to 2 slots
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 4u);
+  const BlockKey all[] = {{0, 0}, {0, 1}, {0, 2}, {0, 3}, {0, 4}, {0, 5}};
+  EXPECT_EQ(index_->lookup(ns_, all).present, (std::vector<uint8_t>{1, 0, 0, 0, 0, 1}));
+  EXPECT_EQ(index_->watermarks().low_watermark, 0.25);
+  EXPECT_EQ(*index_->set_watermarks(0.9, 0.8), 0u) << "below the high mark nothing goes";
+}
+
 TEST_F(IndexTest, CorruptionKnobFlipsAStoredByte) {
   ASSERT_TRUE(save(1, 3).ok());
   ASSERT_TRUE(index_->corrupt_for_test(NsKey{ns_, {0, 1}}, 10).ok());
