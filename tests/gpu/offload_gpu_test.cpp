@@ -90,12 +90,12 @@ TEST(OffloadGpu, RoundTripThroughThePinnedPool) {
   EXPECT_EQ(st->pool_pinned, 1u) << "the pool is page-locked with a CUDA device";
 }
 
-// Layer-major blocks of 576 KiB, 256 of them: several 32 MiB sub-batches per op (more than the
-// copiers of one stream), four ops in flight (both workers, each on its own stream), and a
-// damaged block in the middle of a load that must never reach the GPU.
+// Layer-major blocks of 576 KiB, 512 of them in two ops of 144 MiB: five 32 MiB sub-batches per
+// op (more than the copiers of one stream), both ops in flight (both workers, each on its own
+// stream), and a damaged block in the middle of a load that must never reach the GPU.
 TEST(OffloadGpu, PipelinedBatchesInFlightStopADamagedBlock) {
   if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
-  testing::DaemonProcess d("tiers:\n  host:\n    capacity: 512MiB\n", {}, "cuda",
+  testing::DaemonProcess d("tiers:\n  host:\n    capacity: 1GiB\n", {}, "cuda",
                            {"--metrics-listen", "", "--enable-test-faults"});
   ASSERT_TRUE(d.ready()) << d.log();
   Client::Options o;
@@ -103,15 +103,20 @@ TEST(OffloadGpu, PipelinedBatchesInFlightStopADamagedBlock) {
   o.model = "gpu-pipe";
   auto c = Client::connect(o);
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  const KvCacheSpec spec{8, 512, 64, EntryFormat::mla_bf16(), Layout::kLayerMajor};
+  const KvCacheSpec spec{8, 1024, 64, EntryFormat::mla_bf16(), Layout::kLayerMajor};
   auto rid = (*c)->create_region("gpu-pipe", spec);
   ASSERT_TRUE(rid.ok()) << rid.status().to_string() << d.log();
   auto base = (*c)->map_region(*rid);
   ASSERT_TRUE(base.ok());
   const size_t bytes = static_cast<size_t>(spec.region_bytes());
-  auto host = seeded(bytes, 23);
+  std::vector<uint8_t> host(bytes);
+  uint64_t x = 0x2545f4914f6cdd1dull;
+  for (size_t i = 0; i + 8 <= bytes; i += 8) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    std::memcpy(host.data() + i, &x, 8);
+  }
   ASSERT_TRUE(cuda_vmm::copy_to_device(*base, host.data(), bytes, 0).ok());
-  const int64_t n = 256, per_op = 64;
+  const int64_t n = 512, per_op = 256;
   std::vector<ops::Key> keys;
   std::vector<int64_t> src(n), dst(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -139,11 +144,15 @@ TEST(OffloadGpu, PipelinedBatchesInFlightStopADamagedBlock) {
   auto saved = run(false);
   ASSERT_EQ(saved.size(), static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(saved[i], ErrorCode::kOk) << "save of block " << i << "\n" << d.log();
-  const int64_t damaged = 150;  // the third op's middle
+  const int64_t damaged = 380;  // the second op's fourth sub-batch
   auto cr = (*c)->corrupt_for_test(*rid, keys[damaged], 4321);
   ASSERT_TRUE(cr.ok() && cr->status == ErrorCode::kOk);
-  std::vector<uint8_t> wipe(bytes / 2, 0x3c);  // the destination half
-  ASSERT_TRUE(cuda_vmm::copy_to_device(static_cast<uint8_t*>(*base) + bytes / 2, wipe.data(), wipe.size(), 0).ok());
+  // Wipe the destination blocks (in each layer, blocks n..2n-1 are contiguous).
+  std::vector<uint8_t> wipe(static_cast<size_t>(n * spec.page_bytes()), 0x3c);
+  for (int64_t l = 0; l < spec.layers; ++l)
+    ASSERT_TRUE(
+        cuda_vmm::copy_to_device(static_cast<uint8_t*>(*base) + spec.page_offset(l, n), wipe.data(), wipe.size(), 0)
+            .ok());
   auto loaded = run(true);
   ASSERT_EQ(loaded.size(), static_cast<size_t>(n));
   std::vector<uint8_t> back(bytes);

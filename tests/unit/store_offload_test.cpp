@@ -267,7 +267,7 @@ TEST_F(OffloadTest, LossyDowngradeIsReported) {
 // Sub-batches of one block each: the verify/copy pipeline still stops exactly the damaged block.
 TEST_F(OffloadTest, PipelinedSubBatchesRoundTripAndStopADamagedBlock) {
   OffloadService::Options so;
-  so.pipeline_bytes = 1;  // one block per sub-batch
+  so.pipeline_bytes = 1;  // sub-batches of one block per hashing thread: 4 blocks
   so.hash_threads = 3;
   make(64 << 20, 1 << 20, so);
   HostRegion r({2, 32, 64, EntryFormat::mla_fp8(), Layout::kLayerMajor});
@@ -313,6 +313,7 @@ TEST_F(OffloadTest, ASaveQueuedPastItsDeadlineStoresNothing) {
 TEST_F(OffloadTest, ADeadlineMidSaveCommitsTheFinishedSubBatchesOnly) {
   OffloadService::Options so;
   so.pipeline_bytes = 1;
+  so.hash_threads = 0;                            // one block per sub-batch
   so.test_delay = std::chrono::milliseconds(50);  // before each sub-batch
   make(64 << 20, 1 << 20, so);
   HostRegion r({2, 8, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor});

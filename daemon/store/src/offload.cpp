@@ -246,6 +246,12 @@ struct OffloadService::Impl {
     if (opts.test_delay.count() > 0) std::this_thread::sleep_for(opts.test_delay);
   }
   int64_t pool_bytes() const { return static_cast<int64_t>(pool_capacity); }
+  /// Bytes per sub-batch for blocks of `bb`: pipeline_bytes, but at least one block per hashing
+  /// thread (hashing is per block; fewer blocks would leave threads idle while the DMA waits).
+  int64_t sub_batch_bytes(uint64_t bb) const {
+    if (opts.pipeline_bytes <= 0) return 0;
+    return std::max<int64_t>(opts.pipeline_bytes, static_cast<int64_t>(bb) * (opts.hash_threads + 1));
+  }
 
   static Status timed_out(const char* op) {
     return op[0] == 's' ? Status(ErrorCode::kTimeout,
@@ -398,7 +404,7 @@ std::vector<Status> OffloadService::save(const RegionAccess& region, NamespaceId
   }
   // Sub-batches; on the device a sub-batch's runs merge across its blocks, on the host each block
   // keeps its own runs (it is copied and hashed by one thread while it is in cache).
-  const auto subs = split(resv.size(), bb, d.opts.pipeline_bytes);
+  const auto subs = split(resv.size(), bb, d.sub_batch_bytes(bb));
   std::vector<CopyRun> runs;
   std::vector<size_t> run_at(resv.size() + 1, 0), sub_run_at(subs.size() + 1, 0);
   for (size_t k = 0; k < subs.size(); ++k) {
@@ -563,7 +569,7 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
   for (size_t j = 0; j < holds.size(); ++j)
     (holds[j].meta.shape.format == target.format ? direct : convert).push_back(j);
   const uint64_t bb = static_cast<uint64_t>(target.bytes());
-  const auto subs = split(direct.size(), bb, d.opts.pipeline_bytes);
+  const auto subs = split(direct.size(), bb, d.sub_batch_bytes(bb));
   std::vector<Status> bst(holds.size());
   double t_enqueue = 0, t_wait = 0, t_hash = 0;
   const double t_prepare = seconds_since(t0);

@@ -48,7 +48,8 @@ class OffloadService {
     bool verify_on_load = true;  ///< verify them on load
     int cpu_threads = 0;         ///< threads for hashing and host conversion (0 = hardware, max 16)
     bool use_cuda = false;       ///< regions may be device memory (creates a stream and a copier)
-    /// Sub-batch size of the copy/hash pipeline (at least one block; 0 = the whole batch).
+    /// Sub-batch size of the copy/hash pipeline (at least one block per hashing thread; 0 = the
+    /// whole batch).
     int64_t pipeline_bytes = int64_t{32} << 20;
     /// Persistent hashing threads besides the caller (-1 = cpu_threads - 1).
     int hash_threads = -1;
