@@ -90,9 +90,10 @@ TEST(OffloadGpu, RoundTripThroughThePinnedPool) {
   EXPECT_EQ(st->pool_pinned, 1u) << "the pool is page-locked with a CUDA device";
 }
 
-// Layer-major blocks of 576 KiB, 512 of them in two ops of 144 MiB: five 32 MiB sub-batches per
-// op (more than the copiers of one stream), both ops in flight (both workers, each on its own
-// stream), and a damaged block in the middle of a load that must never reach the GPU.
+// Layer-major blocks of 576 KiB, 512 of them in two ops of 144 MiB: several sub-batches per op
+// (with 32 MiB sub-batches, five: more than the copiers of one stream), both ops in flight (both
+// workers, each on its own stream), and a damaged block in the middle of a load that must never
+// reach the GPU.
 TEST(OffloadGpu, PipelinedBatchesInFlightStopADamagedBlock) {
   if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
   testing::DaemonProcess d("tiers:\n  host:\n    capacity: 1GiB\n", {}, "cuda",
@@ -144,7 +145,7 @@ TEST(OffloadGpu, PipelinedBatchesInFlightStopADamagedBlock) {
   auto saved = run(false);
   ASSERT_EQ(saved.size(), static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(saved[i], ErrorCode::kOk) << "save of block " << i << "\n" << d.log();
-  const int64_t damaged = 380;  // the second op's fourth sub-batch
+  const int64_t damaged = 380;  // in the middle of the second op
   auto cr = (*c)->corrupt_for_test(*rid, keys[damaged], 4321);
   ASSERT_TRUE(cr.ok() && cr->status == ErrorCode::kOk);
   // Wipe the destination blocks (in each layer, blocks n..2n-1 are contiguous).

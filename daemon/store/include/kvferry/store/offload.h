@@ -49,8 +49,9 @@ class OffloadService {
     int cpu_threads = 0;         ///< threads for hashing and host conversion (0 = hardware, max 16)
     bool use_cuda = false;       ///< regions may be device memory (creates a stream and a copier)
     /// Sub-batch size of the copy/hash pipeline (at least one block per hashing thread; 0 = the
-    /// whole batch).
-    int64_t pipeline_bytes = int64_t{32} << 20;
+    /// whole batch). 128 MiB: on the H200 host, 2 GiB of 4 MiB blocks saved/loaded at 0.98/0.95
+    /// of the bare copy with it, 0.91/0.84 (4 GiB) with 32 MiB; 1 MiB blocks >= 1.0 with either.
+    int64_t pipeline_bytes = int64_t{128} << 20;
     /// Persistent hashing threads besides the caller (-1 = cpu_threads - 1).
     int hash_threads = -1;
     /// Tests only: sleep this long before each sub-batch (makes deadlines reachable).
