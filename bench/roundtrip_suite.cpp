@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <thread>
@@ -18,6 +19,7 @@
 #include "kvferry/connector/client.h"
 #include "kvferry/daemon/daemon.h"
 #include "kvferry/kernels/device.h"
+#include "kvferry/store/block_key.h"
 
 #if defined(KVFERRY_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -145,13 +147,78 @@ std::pair<Pct, Pct> lookup_latency(const std::string& socket, uint32_t region, c
   return {percentiles(all_lk), percentiles(all_pg)};
 }
 
-int run_roundtrip(const Options& opts) {
-  spdlog::set_level(spdlog::level::warn);
+/// One daemon configuration of the data path (the sweep compares several in one run).
+struct Variant {
+  std::string name;
+  int workers = 0;              ///< 0 = the daemon's default
+  int hash_threads = -1;        ///< -1 = default
+  int64_t pipeline_bytes = -1;  ///< -1 = default, 0 = whole batches
+};
+
+/// "w4:h7:p8" -> 4 workers, 7 hashing threads, 8 MiB sub-batches (each part optional).
+Variant parse_variant(const std::string& s) {
+  Variant v;
+  v.name = s;
+  size_t i = 0;
+  while (i < s.size()) {
+    const size_t j = std::min(s.find(':', i), s.size());
+    const std::string part = s.substr(i, j - i);
+    if (part.size() > 1) {
+      const long long x = std::atoll(part.c_str() + 1);
+      if (part[0] == 'w') v.workers = static_cast<int>(x);
+      if (part[0] == 'h') v.hash_threads = static_cast<int>(x);
+      if (part[0] == 'p') v.pipeline_bytes = static_cast<int64_t>(x) << 20;
+    }
+    i = j + 1;
+  }
+  return v;
+}
+
+/// Sum of the samples of one metric line prefix (`name{labels}`) in Prometheus text.
+double metric(const std::string& text, const std::string& series) {
+  const size_t at = text.find(series + " ");
+  if (at == std::string::npos) return 0;
+  return std::atof(text.c_str() + at + series.size() + 1);
+}
+
+struct Phases {
+  double prepare = 0, enqueue = 0, dma_wait = 0, hash = 0, total = 0;  // microseconds
+};
+Phases phases(const std::string& text, const char* op) {
+  auto m = [&](const char* ph) {
+    return metric(text,
+                  std::string("kvferry_transfer_phase_microseconds_total{op=\"") + op + "\",phase=\"" + ph + "\"}");
+  };
+  return {m("prepare"), m("enqueue"), m("dma_wait"), m("hash"), m("total")};
+}
+Phases operator-(const Phases& a, const Phases& b) {
+  return {a.prepare - b.prepare, a.enqueue - b.enqueue, a.dma_wait - b.dma_wait, a.hash - b.hash, a.total - b.total};
+}
+std::string describe(const Phases& p, double wall_s) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "worker time %.1f ms over %.1f ms wall: dma_wait %.1f, hash %.1f, enqueue %.1f, prepare %.1f ms",
+                p.total / 1e3, wall_s * 1e3, p.dma_wait / 1e3, p.hash / 1e3, p.enqueue / 1e3, p.prepare / 1e3);
+  return buf;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+struct SizeResult {
+  int64_t block = 0, n = 0;
+  double save_gbs = 0, load_gbs = 0, bare_save_gbs = 0, bare_load_gbs = 0;
+  Phases save_ph, load_ph;
+  double save_wall = 0, load_wall = 0;
+};
+
+/// Runs a daemon of `v` in this process and measures save/load of every size in `sizes` (median
+/// of `reps` rounds, the bare copy likewise). With `lookups`, also the lookup latency rows.
+int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& sizes, int64_t max_total,
+            int64_t max_blocks, int reps, bool lookups, Report& rep, std::vector<SizeResult>* out) {
   const bool cuda = cuda_device_count() > 0;
-  const int64_t max_total = opts.quick ? (int64_t{256} << 20) : (int64_t{4} << 30);  // bytes per size
-  const int64_t max_blocks = opts.quick ? 256 : 4096;
-  const std::vector<int64_t> sizes = opts.quick ? std::vector<int64_t>{64 << 10, 1 << 20}
-                                                : std::vector<int64_t>{64 << 10, 256 << 10, 1 << 20, 4 << 20};
   config::Config cfg;
   cfg.daemon.socket = "/tmp/kvferry-bench-rt-" + std::to_string(::getpid()) + ".sock";
   cfg.daemon.metrics_listen = "";
@@ -160,16 +227,16 @@ int run_roundtrip(const Options& opts) {
   cfg.host.capacity = static_cast<uint64_t>(max_total) + (uint64_t{256} << 20);
   cfg.host.high_watermark = 0.99;
   cfg.host.low_watermark = 0.9;
-  auto d = daemon::Daemon::create(cfg);
+  daemon::Daemon::Options dopts;
+  dopts.data_workers = v.workers;
+  dopts.hash_threads = v.hash_threads;
+  dopts.pipeline_bytes = v.pipeline_bytes;
+  auto d = daemon::Daemon::create(cfg, dopts);
   if (!d.ok()) {
     std::fprintf(stderr, "roundtrip: %s\n", d.status().to_string().c_str());
     return 1;
   }
   std::thread runner([&] { (void)(*d)->run(); });
-  Report rep("roundtrip");
-  rep.note(std::string("backend ") + (cuda ? "cuda (GPU region, page-locked host pool)" : "cpu (memfd region)") + "; " +
-           std::to_string(std::thread::hardware_concurrency()) +
-           " cores; checksums on (XXH3 on save, verified on load)");
   int rc = 0;
   {
     Client::Options o;
@@ -202,7 +269,7 @@ int run_roundtrip(const Options& opts) {
         rc = 1;
         break;
       }
-      auto rid = c->create_region("bench-" + human_bytes(bb), spec);
+      auto rid = c->create_region("bench-" + v.name + "-" + human_bytes(bb), spec);
       if (!rid.ok()) {
         std::fprintf(stderr, "roundtrip: %s\n", rid.status().to_string().c_str());
         rc = 1;
@@ -235,60 +302,75 @@ int run_roundtrip(const Options& opts) {
         dst[i] = n + i;
       }
       const size_t batch = static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(256, (256 << 20) / bb)));
-      auto sv = transfer(*c, false, *rid, keys, src, batch);
-      auto ld = sv.ok() ? transfer(*c, true, *rid, keys, dst, batch) : Result<double>(sv.status());
-      if (!sv.ok() || !ld.ok()) {
-        std::fprintf(stderr, "roundtrip %s: %s\n", human_bytes(bb).c_str(),
-                     (!sv.ok() ? sv.status() : ld.status()).to_string().c_str());
-        rc = 1;
-        break;
+      std::vector<double> sv, ld;
+      std::vector<Phases> sph, lph;  // the breakdown of each round
+      SizeResult sr;
+      sr.block = bb;
+      sr.n = n;
+      for (int r = 0; r < reps && rc == 0; ++r) {
+        const std::string m0 = (*d)->metrics_text();
+        auto s = transfer(*c, false, *rid, keys, src, batch);
+        const std::string m1 = (*d)->metrics_text();
+        auto l = s.ok() ? transfer(*c, true, *rid, keys, dst, batch) : Result<double>(s.status());
+        const std::string m2 = (*d)->metrics_text();
+        if (!s.ok() || !l.ok()) {
+          std::fprintf(stderr, "roundtrip %s: %s\n", human_bytes(bb).c_str(),
+                       (!s.ok() ? s.status() : l.status()).to_string().c_str());
+          rc = 1;
+          break;
+        }
+        sv.push_back(*s);
+        ld.push_back(*l);
+        sph.push_back(phases(m1, "save") - phases(m0, "save"));
+        lph.push_back(phases(m2, "load") - phases(m1, "load"));
+        if (r + 1 < reps) (void)c->evict(*rid, {}, ops::kEvictAll);
       }
+      if (rc) break;
       std::vector<uint8_t> host_buf;
       void* pinned = nullptr;
       if (!device) host_buf.resize(static_cast<size_t>(n * bb));
 #if defined(KVFERRY_WITH_CUDA)
       if (device && cudaMallocHost(&pinned, static_cast<size_t>(n * bb)) != cudaSuccess) pinned = nullptr;
 #endif
-      Bare bare = bare_copy(region, device, bb, n, &host_buf, pinned);
+      std::vector<double> bs, bl;
+      for (int r = 0; r < reps; ++r) {
+        Bare bare = bare_copy(region, device, bb, n, &host_buf, pinned);
+        bs.push_back(bare.save_s);
+        bl.push_back(bare.load_s);
+      }
 #if defined(KVFERRY_WITH_CUDA)
       if (pinned) cudaFreeHost(pinned);
 #endif
+      auto median_round = [](const std::vector<double>& t) {  // index of the median time
+        std::vector<size_t> ix(t.size());
+        std::iota(ix.begin(), ix.end(), size_t{0});
+        std::sort(ix.begin(), ix.end(), [&](size_t a, size_t b) { return t[a] < t[b]; });
+        return ix[ix.size() / 2];
+      };
+      sr.save_ph = sph[median_round(sv)];
+      sr.save_wall = sv[median_round(sv)];
+      sr.load_ph = lph[median_round(ld)];
+      sr.load_wall = ld[median_round(ld)];
       const double bytes = static_cast<double>(n * bb);
+      sr.save_gbs = bytes / median(sv) / 1e9;
+      sr.load_gbs = bytes / median(ld) / 1e9;
+      sr.bare_save_gbs = bytes / median(bs) / 1e9;
+      sr.bare_load_gbs = bytes / median(bl) / 1e9;
       const std::string tag = human_bytes(bb) + " x " + std::to_string(n);
       const std::string lim = device ? "cudaMemcpyAsync of the same runs, pinned" : "memcpy of the same runs";
-      rep.add({"save " + tag, bytes / *sv / 1e9, "GB/s", bytes / bare.save_s / 1e9, lim, true,
-               bb >= (1 << 20) ? 0.9 : 0, ""});
-      rep.add({"load " + tag, bytes / *ld / 1e9, "GB/s", bytes / bare.load_s / 1e9, lim, true,
-               bb >= (1 << 20) ? 0.9 : 0, ""});
+      const std::string pre = v.name.empty() ? "" : "[" + v.name + "] ";
+      const double target = v.name.empty() && bb >= (1 << 20) ? 0.9 : 0;
+      rep.add({pre + "save " + tag, sr.save_gbs, "GB/s", sr.bare_save_gbs, lim, true, target, ""});
+      rep.add({pre + "load " + tag, sr.load_gbs, "GB/s", sr.bare_load_gbs, lim, true, target, ""});
+      rep.note(pre + "save " + tag + ": " + describe(sr.save_ph, sr.save_wall));
+      rep.note(pre + "load " + tag + ": " + describe(sr.load_ph, sr.load_wall));
+      if (out) out->push_back(sr);
       (void)c->evict(*rid, {}, ops::kEvictAll);
       last_region = *rid;
       last_keys = keys;
     }
-#if defined(KVFERRY_WITH_CUDA)
-    if (cuda && rc == 0) {  // a pinned 1 GiB copy each way: the ceiling of the link
-      const size_t g = opts.quick ? (size_t{256} << 20) : (size_t{1} << 30);
-      void *h = nullptr, *dv = nullptr;
-      if (cudaMallocHost(&h, g) == cudaSuccess && cudaMalloc(&dv, g) == cudaSuccess) {
-        cudaMemcpy(dv, h, g, cudaMemcpyHostToDevice);
-        auto t0 = Clock::now();
-        cudaMemcpy(h, dv, g, cudaMemcpyDeviceToHost);
-        const double d2h = g / secs(t0) / 1e9;
-        t0 = Clock::now();
-        cudaMemcpy(dv, h, g, cudaMemcpyHostToDevice);
-        const double h2d = g / secs(t0) / 1e9;
-        rep.note("pinned " + human_bytes(static_cast<int64_t>(g)) + " cudaMemcpy: D2H " + std::to_string(d2h) +
-                 " GB/s, H2D " + std::to_string(h2d) + " GB/s");
-        for (const auto& r : std::vector<Row>(rep.rows()))
-          if (r.unit == "GB/s")
-            rep.add({r.name + " vs pinned 1GiB", r.value, "GB/s", r.name.rfind("save", 0) == 0 ? d2h : h2d,
-                     "pinned " + human_bytes(static_cast<int64_t>(g)) + " cudaMemcpy", true, 0, ""});
-      }
-      if (dv) cudaFree(dv);
-      if (h) cudaFreeHost(h);
-    }
-#endif
     // Lookup latency with 8 clients (blocks of the last size stay stored for hits).
-    if (c && rc == 0 && last_region) {
+    if (lookups && c && rc == 0 && last_region) {
       std::vector<int64_t> src16(std::min<size_t>(last_keys.size(), 16));
       std::iota(src16.begin(), src16.end(), 0);
       std::vector<ops::Key> k16(last_keys.begin(), last_keys.begin() + static_cast<long>(src16.size()));
@@ -301,6 +383,79 @@ int run_roundtrip(const Options& opts) {
   }
   (*d)->stop();
   runner.join();
+  return rc;
+}
+
+int run_roundtrip(const Options& opts) {
+  spdlog::set_level(spdlog::level::warn);
+  const bool cuda = cuda_device_count() > 0;
+  const int64_t max_total = opts.quick ? (int64_t{256} << 20) : (int64_t{4} << 30);  // bytes per size
+  const int64_t max_blocks = opts.quick ? 256 : 4096;
+  const int reps = opts.quick ? 1 : 3;
+  const std::vector<int64_t> sizes = opts.quick ? std::vector<int64_t>{64 << 10, 1 << 20}
+                                                : std::vector<int64_t>{64 << 10, 256 << 10, 1 << 20, 4 << 20};
+  Report rep("roundtrip");
+  rep.note(std::string("backend ") + (cuda ? "cuda (GPU region, page-locked host pool)" : "cpu (memfd region)") + "; " +
+           std::to_string(std::thread::hardware_concurrency()) +
+           " cores; checksums on (XXH3 on save, verified on load); each figure and its limit are the median of " +
+           std::to_string(reps) + " rounds");
+  {  // the checksum's own speed: one thread, 4 MiB blocks of a 256 MiB buffer (out of cache)
+    const size_t total = size_t{256} << 20, blk = size_t{4} << 20;
+    std::vector<uint8_t> buf(total);
+    for (size_t i = 0; i < total; i += 4096) buf[i] = static_cast<uint8_t>(i >> 12);
+    uint64_t acc = 0;
+    const auto t0 = Clock::now();
+    for (size_t o = 0; o < total; o += blk) acc ^= store::block_checksum(buf.data() + o, blk);
+    const double fast = static_cast<double>(total) / secs(t0) / 1e9;
+    const auto t1 = Clock::now();
+    for (size_t o = 0; o < total; o += blk) acc ^= store::block_checksum_baseline(buf.data() + o, blk);
+    const double base = static_cast<double>(total) / secs(t1) / 1e9;
+    char line[160];
+    std::snprintf(line, sizeof line,
+                  "block checksum (XXH3-64, %s build): %.1f GB/s on one thread; baseline build %.1f GB/s%s",
+                  store::block_checksum_impl(), fast, base, acc == 42 ? " " : "");
+    rep.note(line);
+  }
+  int rc = measure(opts, Variant{}, sizes, max_total, max_blocks, reps, true, rep, nullptr);
+#if defined(KVFERRY_WITH_CUDA)
+  if (cuda && rc == 0) {  // a pinned 1 GiB copy each way: the ceiling of the link
+    const size_t g = opts.quick ? (size_t{256} << 20) : (size_t{1} << 30);
+    void *h = nullptr, *dv = nullptr;
+    if (cudaMallocHost(&h, g) == cudaSuccess && cudaMalloc(&dv, g) == cudaSuccess) {
+      cudaMemcpy(dv, h, g, cudaMemcpyHostToDevice);
+      auto t0 = Clock::now();
+      cudaMemcpy(h, dv, g, cudaMemcpyDeviceToHost);
+      const double d2h = g / secs(t0) / 1e9;
+      t0 = Clock::now();
+      cudaMemcpy(dv, h, g, cudaMemcpyHostToDevice);
+      const double h2d = g / secs(t0) / 1e9;
+      rep.note("pinned " + human_bytes(static_cast<int64_t>(g)) + " cudaMemcpy: D2H " + std::to_string(d2h) +
+               " GB/s, H2D " + std::to_string(h2d) + " GB/s");
+      for (const auto& r : std::vector<Row>(rep.rows()))
+        if (r.unit == "GB/s")
+          rep.add({r.name + " vs pinned 1GiB", r.value, "GB/s", r.name.rfind("save", 0) == 0 ? d2h : h2d,
+                   "pinned " + human_bytes(static_cast<int64_t>(g)) + " cudaMemcpy", true, 0, ""});
+    }
+    if (dv) cudaFree(dv);
+    if (h) cudaFreeHost(h);
+  }
+#endif
+  // Optional sweep of data-path variants (KVFERRY_RT_SWEEP="w2:p32,w4:p8,..." or the suite's
+  // extra arguments): 1 MiB and 4 MiB blocks, 2 GiB each, rows named by the variant.
+  std::vector<std::string> sweep = opts.args;
+  if (const char* env = std::getenv("KVFERRY_RT_SWEEP"); env && *env) {
+    std::string e = env;
+    for (size_t i = 0; i <= e.size();) {
+      const size_t j = std::min(e.find(',', i), e.size());
+      if (j > i) sweep.push_back(e.substr(i, j - i));
+      i = j + 1;
+    }
+  }
+  for (const std::string& s : sweep) {
+    if (rc) break;
+    rc = measure(opts, parse_variant(s), {1 << 20, 4 << 20}, opts.quick ? max_total : (int64_t{2} << 30), 4096, reps,
+                 false, rep, nullptr);
+  }
   const int f = rep.finish(opts);
   return rc ? rc : f;
 }

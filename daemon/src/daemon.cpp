@@ -539,6 +539,22 @@ void Daemon::Impl::do_reload(const config::Config& next) {
     spdlog::warn("reload: '{}' changed but needs a restart; keeping the running value", k);
   for (const std::string& k : config::reloadable_changes(cfg, next)) spdlog::info("reload: applying '{}'", k);
   cfg.daemon.log_level = next.daemon.log_level;
+  cfg.limits.max_clients = next.limits.max_clients;
+  if (data) {
+    config::Config applied = cfg;  // the data path's keys; a rejected value keeps the running one
+    applied.host.high_watermark = next.host.high_watermark;
+    applied.host.low_watermark = next.host.low_watermark;
+    applied.integrity.verify_on_load = next.integrity.verify_on_load;
+    applied.limits.request_timeout = next.limits.request_timeout;
+    if (Status st = data->reload(applied); st.ok()) {
+      cfg.host.high_watermark = applied.host.high_watermark;
+      cfg.host.low_watermark = applied.host.low_watermark;
+      cfg.integrity.verify_on_load = applied.integrity.verify_on_load;
+      cfg.limits.request_timeout = applied.limits.request_timeout;
+    } else {
+      spdlog::error("reload: {}; keeping the running values", st.to_string());
+    }
+  }
   cfg.daemon.allowed_uids = next.daemon.allowed_uids;
   cfg.daemon.allowed_gids = next.daemon.allowed_gids;
   if (cfg.daemon.socket_mode != next.daemon.socket_mode) {
@@ -588,6 +604,10 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
     DataOps::Options o;
     o.cuda = impl->backend == RegionBackend::kCuda;
     o.test_faults = opts.test_faults;
+    o.test_copy_delay = opts.test_copy_delay;
+    if (opts.data_workers > 0) o.workers = opts.data_workers;
+    o.hash_threads = opts.hash_threads;
+    o.pipeline_bytes = opts.pipeline_bytes;
     o.find_region = [d](uint32_t id) -> std::shared_ptr<Region> {
       std::lock_guard<std::mutex> g(d->mu);
       auto it = d->regions.find(id);
@@ -683,6 +703,7 @@ void Daemon::handle_signals(std::function<Result<config::Config>()> on_hup) {
 
 proto::StatusReply Daemon::status() const { return impl_->snapshot(); }
 const std::string& Daemon::socket_path() const { return impl_->cfg.daemon.socket; }
+std::string Daemon::metrics_text() const { return impl_->data ? impl_->data->render_metrics() : std::string(); }
 uint16_t Daemon::metrics_port() const { return impl_->http ? impl_->http->port() : 0; }
 
 }  // namespace kvferry::daemon

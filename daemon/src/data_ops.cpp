@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -93,6 +94,7 @@ struct DataOps::Impl {
   std::unique_ptr<store::OffloadService> svc;
   std::unique_ptr<WorkerPool> workers;
   RingService* rings = nullptr;
+  std::atomic<int64_t> request_timeout_ms{30000};
 
   store::Counter* lookups_hit = nullptr;
   store::Counter* lookups_miss = nullptr;
@@ -169,24 +171,27 @@ struct DataOps::Impl {
     std::memcpy(ids.data(), c.ch.arena + req.arena_offset + req.count * sizeof(ops::Key), req.count * sizeof(int64_t));
     const store::NamespaceId ns = ns_for(c, region->desc().spec.format);
     const bool load = req.op == static_cast<uint16_t>(proto::Op::kLoad);
-    workers->post([this, cp, req, out, region, keys = std::move(keys), ids = std::move(ids), ns, load, t0]() mutable {
-      store::RegionAccess acc{region->base(), region->desc().spec, region->on_device()};
-      std::vector<Status> res = load ? svc->load(acc, ns, keys, ids) : svc->save(acc, ns, keys, ids);
-      std::vector<ErrorCode> codes(res.size());
-      ErrorCode first = ErrorCode::kOk;
-      for (size_t i = 0; i < res.size(); ++i) {
-        codes[i] = res[i].code();
-        if (first == ErrorCode::kOk && codes[i] != ErrorCode::kOk) {
-          first = codes[i];
-          spdlog::debug("client {}: {} of block {} ({}): {}", cp->client_id, load ? "load" : "save", ids[i],
-                        keys[i].hex(), res[i].to_string());
-        }
-      }
-      write_statuses(*cp, req, codes, out);
-      set_status(out, first);
-      observe(req.op, t0);
-      rings->post(cp, out);
-    });
+    const auto deadline = t0 + std::chrono::milliseconds(request_timeout_ms.load());
+    workers->post(
+        [this, cp, req, out, region, keys = std::move(keys), ids = std::move(ids), ns, load, t0, deadline]() mutable {
+          store::RegionAccess acc{region->base(), region->desc().spec, region->on_device()};
+          std::vector<Status> res =
+              load ? svc->load(acc, ns, keys, ids, deadline) : svc->save(acc, ns, keys, ids, deadline);
+          std::vector<ErrorCode> codes(res.size());
+          ErrorCode first = ErrorCode::kOk;
+          for (size_t i = 0; i < res.size(); ++i) {
+            codes[i] = res[i].code();
+            if (first == ErrorCode::kOk && codes[i] != ErrorCode::kOk) {
+              first = codes[i];
+              spdlog::debug("client {}: {} of block {} ({}): {}", cp->client_id, load ? "load" : "save", ids[i],
+                            keys[i].hex(), res[i].to_string());
+            }
+          }
+          write_statuses(*cp, req, codes, out);
+          set_status(out, first);
+          observe(req.op, t0);
+          rings->post(cp, out);
+        });
     return false;
   }
 
@@ -393,6 +398,10 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   so.checksum = cfg.integrity.checksum == config::Checksum::kXxh3;
   so.verify_on_load = cfg.integrity.verify_on_load;
   so.use_cuda = impl->opts.cuda;
+  if (impl->opts.hash_threads >= 0) so.hash_threads = impl->opts.hash_threads;
+  if (impl->opts.pipeline_bytes >= 0) so.pipeline_bytes = impl->opts.pipeline_bytes;
+  so.test_delay = impl->opts.test_copy_delay;
+  impl->request_timeout_ms = cfg.limits.request_timeout.count();
   auto svc = store::OffloadService::create(*impl->index, impl->metrics, so);
   if (!svc.ok()) return svc.status().with_context("the offload service");
   impl->svc = std::move(*svc);
@@ -449,6 +458,20 @@ void DataOps::install(RingService& rings) {
   rings.set_handler(static_cast<uint16_t>(proto::Op::kStats), bind(&Impl::stats));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kLs), bind(&Impl::ls));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kCorruptForTest), bind(&Impl::corrupt));
+}
+
+Status DataOps::reload(const config::Config& cfg) {
+  Impl& d = *impl_;
+  const auto before = d.index->watermarks();
+  if (before.high_watermark != cfg.host.high_watermark || before.low_watermark != cfg.host.low_watermark) {
+    auto n = d.index->set_watermarks(cfg.host.high_watermark, cfg.host.low_watermark);
+    if (!n.ok()) return n.status().with_context("tiers.host watermarks");
+    spdlog::info("reload: host pool watermarks now {} / {} (high / low){}", cfg.host.high_watermark,
+                 cfg.host.low_watermark, *n ? "; evicted " + std::to_string(*n) + " blocks" : std::string());
+  }
+  d.svc->set_verify_on_load(cfg.integrity.verify_on_load);
+  d.request_timeout_ms = cfg.limits.request_timeout.count();
+  return Status::Ok();
 }
 
 void DataOps::client_gone(uint32_t client_id) { impl_->index->release_client(client_id); }

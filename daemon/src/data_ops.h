@@ -6,6 +6,9 @@
 // Threads: lookups, pins, evictions, stats and ls run on the ring thread (they take the index's
 // metadata lock only, never wait behind a copy); saves and loads go to a small worker pool and
 // complete through RingService::post, so one client's transfer never stalls another's lookups.
+// A save or load gets limits.request_timeout from the moment its request left the ring: the
+// blocks not done by then fail with kTimeout (never half-visible).
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -21,9 +24,12 @@ namespace kvferry::daemon {
 class DataOps {
  public:
   struct Options {
-    bool cuda = false;         ///< regions may be device memory; pin the pool
-    bool test_faults = false;  ///< serve kCorruptForTest
-    int workers = 2;           ///< save/load threads
+    bool cuda = false;                             ///< regions may be device memory; pin the pool
+    bool test_faults = false;                      ///< serve kCorruptForTest
+    int workers = 2;                               ///< save/load threads (each with its own CUDA stream)
+    int hash_threads = -1;                         ///< persistent hashing threads (-1 = the service's default)
+    int64_t pipeline_bytes = -1;                   ///< copy/hash sub-batch bytes (-1 = the service's default)
+    std::chrono::milliseconds test_copy_delay{0};  ///< tests only: a sleep before each sub-batch
     /// Resolves a region id (nullptr when there is none).
     std::function<std::shared_ptr<Region>(uint32_t)> find_region;
     /// Connected clients (for the metrics).
@@ -39,6 +45,9 @@ class DataOps {
   void install(RingService& rings);
   /// A client went away: drop its pins (its saves in flight complete or abort on their own).
   void client_gone(uint32_t client_id);
+  /// Applies the reloadable keys it uses (tiers.host watermarks, integrity.verify_on_load,
+  /// limits.request_timeout) to the running index and service.
+  Status reload(const config::Config& cfg);
   /// Finishes the saves and loads already queued, then stops the workers. Idempotent.
   void stop();
 

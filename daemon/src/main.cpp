@@ -26,6 +26,10 @@ int main(int argc, char** argv) {
   bool test_faults = false;
   app.add_flag("--enable-test-faults", test_faults,
                "serve the fault knob op that corrupts a stored block (integration tests only)");
+  int test_copy_delay_ms = 0;
+  app.add_option("--test-copy-delay-ms", test_copy_delay_ms,
+                 "sleep this long before each copy sub-batch of a save or load (integration tests only)")
+      ->check(CLI::Range(0, 60000));
   app.set_version_flag("--version", std::string("kvferryd ") + daemon::version());
   CLI11_PARSE(app, argc, argv);
 
@@ -58,7 +62,12 @@ int main(int argc, char** argv) {
     return 1;
   }
   daemon::apply_log_level(cfg->daemon.log_level);
-  auto d = daemon::Daemon::create(*cfg, daemon::Daemon::Options{test_faults});
+  daemon::Daemon::Options dopts;
+  dopts.test_faults = test_faults;
+  dopts.test_copy_delay = std::chrono::milliseconds(test_copy_delay_ms);
+  if (test_copy_delay_ms > 0)
+    spdlog::warn("--test-copy-delay-ms {}: copies are slowed down on purpose", test_copy_delay_ms);
+  auto d = daemon::Daemon::create(*cfg, dopts);
   if (!d.ok()) {
     spdlog::critical("{}", d.status().to_string());
     return 1;

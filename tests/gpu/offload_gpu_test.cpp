@@ -3,6 +3,7 @@
 // other block ids, and after a load into a region of another MLA format. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -87,6 +88,122 @@ TEST(OffloadGpu, RoundTripThroughThePinnedPool) {
   auto st = (*c)->stats();
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->pool_pinned, 1u) << "the pool is page-locked with a CUDA device";
+}
+
+// Layer-major blocks of 576 KiB, 512 of them in two ops of 144 MiB: several sub-batches per op
+// (with 32 MiB sub-batches, five: more than the copiers of one stream), both ops in flight (both
+// workers, each on its own stream), and a damaged block in the middle of a load that must never
+// reach the GPU.
+TEST(OffloadGpu, PipelinedBatchesInFlightStopADamagedBlock) {
+  if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
+  testing::DaemonProcess d("tiers:\n  host:\n    capacity: 1GiB\n", {}, "cuda",
+                           {"--metrics-listen", "", "--enable-test-faults"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  Client::Options o;
+  o.socket = d.socket();
+  o.model = "gpu-pipe";
+  auto c = Client::connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const KvCacheSpec spec{8, 1024, 64, EntryFormat::mla_bf16(), Layout::kLayerMajor};
+  auto rid = (*c)->create_region("gpu-pipe", spec);
+  ASSERT_TRUE(rid.ok()) << rid.status().to_string() << d.log();
+  auto base = (*c)->map_region(*rid);
+  ASSERT_TRUE(base.ok());
+  const size_t bytes = static_cast<size_t>(spec.region_bytes());
+  std::vector<uint8_t> host(bytes);
+  uint64_t x = 0x2545f4914f6cdd1dull;
+  for (size_t i = 0; i + 8 <= bytes; i += 8) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    std::memcpy(host.data() + i, &x, 8);
+  }
+  ASSERT_TRUE(cuda_vmm::copy_to_device(*base, host.data(), bytes, 0).ok());
+  const int64_t n = 512, per_op = 256;
+  std::vector<ops::Key> keys;
+  std::vector<int64_t> src(n), dst(n);
+  for (int64_t i = 0; i < n; ++i) {
+    keys.push_back({9, static_cast<uint64_t>(i)});
+    src[i] = i;
+    dst[i] = n + i;
+  }
+  auto run = [&](bool load) {
+    std::vector<uint64_t> ids;
+    for (int64_t b = 0; b < n; b += per_op) {
+      std::span<const ops::Key> k(keys.data() + b, per_op);
+      std::span<const int64_t> blk((load ? dst : src).data() + b, per_op);
+      auto id = load ? (*c)->submit_load(*rid, k, blk) : (*c)->submit_save(*rid, k, blk);
+      EXPECT_TRUE(id.ok()) << id.status().to_string();
+      if (id.ok()) ids.push_back(*id);
+    }
+    std::vector<ErrorCode> codes;
+    for (uint64_t id : ids) {
+      auto r = (*c)->wait_op(id, 60'000'000);
+      EXPECT_TRUE(r.ok()) << r.status().to_string();
+      if (r.ok()) codes.insert(codes.end(), r->blocks.begin(), r->blocks.end());
+    }
+    return codes;
+  };
+  auto saved = run(false);
+  ASSERT_EQ(saved.size(), static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(saved[i], ErrorCode::kOk) << "save of block " << i << "\n" << d.log();
+  const int64_t damaged = 380;  // in the middle of the second op
+  auto cr = (*c)->corrupt_for_test(*rid, keys[damaged], 4321);
+  ASSERT_TRUE(cr.ok() && cr->status == ErrorCode::kOk);
+  // Wipe the destination blocks (in each layer, blocks n..2n-1 are contiguous).
+  std::vector<uint8_t> wipe(static_cast<size_t>(n * spec.page_bytes()), 0x3c);
+  for (int64_t l = 0; l < spec.layers; ++l)
+    ASSERT_TRUE(
+        cuda_vmm::copy_to_device(static_cast<uint8_t*>(*base) + spec.page_offset(l, n), wipe.data(), wipe.size(), 0)
+            .ok());
+  auto loaded = run(true);
+  ASSERT_EQ(loaded.size(), static_cast<size_t>(n));
+  std::vector<uint8_t> back(bytes);
+  ASSERT_TRUE(cuda_vmm::copy_to_host(back.data(), *base, bytes, 0).ok());
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t l = 0; l < spec.layers; ++l) {
+      const uint8_t* got = back.data() + spec.page_offset(l, dst[i]);
+      if (i == damaged) {
+        EXPECT_EQ(loaded[i], ErrorCode::kChecksumMismatch);
+        EXPECT_TRUE(std::all_of(got, got + spec.page_bytes(), [](uint8_t b) { return b == 0x3c; }))
+            << "damaged bytes reached the GPU (layer " << l << ")";
+      } else {
+        ASSERT_EQ(loaded[i], ErrorCode::kOk) << "load of block " << i;
+        EXPECT_EQ(std::memcmp(got, host.data() + spec.page_offset(l, src[i]), static_cast<size_t>(spec.page_bytes())),
+                  0)
+            << "block " << i << " layer " << l;
+      }
+    }
+  }
+}
+
+// limits.request_timeout on the CUDA path: a save that outlives it stores nothing, a later one
+// with time to spare succeeds.
+TEST(OffloadGpu, RequestTimeoutLeavesNothingVisible) {
+  if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
+  testing::DaemonProcess d("tiers:\n  host:\n    capacity: 64MiB\nlimits:\n  request_timeout: 150ms\n", {}, "cuda",
+                           {"--metrics-listen", "", "--test-copy-delay-ms", "400"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  Client::Options o;
+  o.socket = d.socket();
+  o.model = "gpu-timeout";
+  auto c = Client::connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  const KvCacheSpec spec{2, 16, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor};
+  auto rid = (*c)->create_region("gpu-to", spec);
+  ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+  const std::vector<ops::Key> keys = {{3, 1}, {3, 2}, {3, 3}};
+  const std::vector<int64_t> ids = {0, 1, 2};
+  auto sv = (*c)->save(*rid, keys, ids);
+  ASSERT_TRUE(sv.ok()) << sv.status().to_string();
+  EXPECT_EQ(sv->status, ErrorCode::kTimeout);
+  EXPECT_EQ(sv->done, 0u);
+  for (auto code : sv->blocks) EXPECT_EQ(code, ErrorCode::kTimeout);
+  auto lk = (*c)->lookup(*rid, keys);
+  ASSERT_TRUE(lk.ok());
+  EXPECT_EQ(lk->done, 0u) << "nothing of a timed-out save is visible";
+  auto st = (*c)->stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->entries, 0u);
+  EXPECT_EQ(st->writing, 0u);
 }
 
 }  // namespace

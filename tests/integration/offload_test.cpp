@@ -508,6 +508,92 @@ double metric(const std::string& body, const std::string& line_prefix) {
   return std::stod(body.substr(p + line_prefix.size() + 2));
 }
 
+// limits.request_timeout on data ops: a save slower than it stores nothing and says why, a load
+// slower than it writes nothing; SIGHUP raises the limit and the same save then succeeds.
+TEST(OffloadTimeout, SlowOpsFailWithATimeoutAndLeaveNothingHalfVisible) {
+  const std::string base = "tiers:\n  host:\n    capacity: 64MiB\nlimits:\n  request_timeout: ";
+  DaemonProcess d(base + "150ms\n", {}, "cpu", {"--metrics-listen", "", "--test-copy-delay-ms", "400"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region r = create(*c, "to", spec_of(EntryFormat::mla_bf16()));
+  fill_bytes(r, 77);
+  const auto ref = snapshot(r);
+  const auto keys = keys_for(4, 77);
+  const std::vector<int64_t> src = {0, 1, 2, 3}, dst = {8, 9, 10, 11};
+  auto sv = c->save(r.id, keys, src);
+  ASSERT_TRUE(sv.ok()) << sv.status().to_string();
+  EXPECT_EQ(sv->status, ErrorCode::kTimeout);
+  EXPECT_EQ(sv->done, 0u);
+  for (auto code : sv->blocks) EXPECT_EQ(code, ErrorCode::kTimeout);
+  EXPECT_EQ(c->lookup(r.id, keys)->done, 0u) << "nothing of a timed-out save is visible";
+  auto st = c->stats();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->entries, 0u);
+  EXPECT_EQ(st->writing, 0u) << "no reservation is left behind";
+  // A longer limit through SIGHUP: the save goes through, then a load times out again once the
+  // limit is short, leaving its target blocks as they were.
+  d.write_config(base + "5s\n");
+  ::kill(d.pid(), SIGHUP);
+  ASSERT_TRUE(wait_until([&] { return d.log().find("applying 'limits.request_timeout'") != std::string::npos; }, 5s))
+      << d.log();
+  sv = c->save(r.id, keys, src);
+  ASSERT_TRUE(sv.ok());
+  EXPECT_EQ(sv->done, 4u) << d.log();
+  d.write_config(base + "150ms\n");
+  ::kill(d.pid(), SIGHUP);
+  ASSERT_TRUE(wait_until(
+      [&] {
+        const std::string log = d.log();
+        return log.find("applying 'limits.request_timeout'") != log.rfind("applying 'limits.request_timeout'");
+      },
+      5s))
+      << d.log();
+  auto ld = c->load(r.id, keys, dst);
+  ASSERT_TRUE(ld.ok());
+  EXPECT_EQ(ld->status, ErrorCode::kTimeout);
+  EXPECT_EQ(ld->done, 0u);
+  EXPECT_EQ(snapshot(r), ref) << "a timed-out load wrote nothing";
+  EXPECT_EQ(c->lookup(r.id, keys)->done, 4u) << "the stored blocks stay";
+}
+
+// The reloadable watermarks reach the running index: lowering them evicts at once (pinned blocks
+// stay), and saves afterwards keep the pool under the new high mark.
+TEST(OffloadReload, SighupReappliesTheWatermarks) {
+  const std::string pool = "tiers:\n  host:\n    capacity: 64MiB\n";
+  DaemonProcess d(pool, {}, "cpu", {"--metrics-listen", ""});
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region r = create(*c, "wm", spec_of(EntryFormat::mla_bf16(), 2, 64, 64));  // 144 KiB blocks
+  fill_bytes(r, 5);
+  std::vector<int64_t> ids(64);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (uint64_t k = 0; k < 3; ++k) ASSERT_EQ(c->save(r.id, keys_for(64, k), ids)->done, 64u);  // 27 MiB
+  const auto pinned = keys_for(2, 0);                                                          // the oldest blocks
+  ASSERT_EQ(c->pin(r.id, pinned)->done, 2u);
+  auto before = c->stats();
+  ASSERT_TRUE(before.ok());
+  const double cap = static_cast<double>(before->capacity_bytes);
+  ASSERT_GT(static_cast<double>(before->used_bytes), 0.3 * cap);
+  d.write_config(pool + "    high_watermark: 0.3\n    low_watermark: 0.2\n");
+  ::kill(d.pid(), SIGHUP);
+  ASSERT_TRUE(wait_until([&] { return d.log().find("watermarks now 0.3 / 0.2") != std::string::npos; }, 5s)) << d.log();
+  auto after = c->stats();
+  ASSERT_TRUE(after.ok());
+  EXPECT_LE(static_cast<double>(after->used_bytes), 0.2 * cap) << "evicted down to the new low mark at once";
+  EXPECT_GT(after->evictions, before->evictions);
+  EXPECT_EQ(c->lookup(r.id, pinned)->done, 2u) << "pinned blocks are never evicted";
+  for (uint64_t k = 3; k < 6; ++k) ASSERT_EQ(c->save(r.id, keys_for(64, k), ids)->done, 64u);
+  auto later = c->stats();
+  ASSERT_TRUE(later.ok());
+  EXPECT_LE(static_cast<double>(later->used_bytes), 0.3 * cap + 64 * 147456.0) << "the new high mark holds";
+  // An invalid pair is refused by the config loader: the running values stay.
+  d.write_config(pool + "    high_watermark: 0.2\n    low_watermark: 0.5\n");
+  ::kill(d.pid(), SIGHUP);
+  ASSERT_TRUE(wait_until([&] { return d.log().find("reload failed") != std::string::npos; }, 5s)) << d.log();
+}
+
 TEST(OffloadMetrics, MetricsAndHealthzOverHttpMove) {
   DaemonProcess d(kSmallPool, {}, "cpu", {"--metrics-listen", "127.0.0.1:0"});
   ASSERT_TRUE(d.ready()) << d.log();

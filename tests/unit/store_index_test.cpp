@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <thread>
+#include <vector>
 
 #include "kvferry/store/block_index.h"
 
@@ -36,6 +37,29 @@ class IndexTest : public ::testing::Test {
   std::unique_ptr<BlockIndex> index_;
   NamespaceId ns_ = 0;
 };
+
+// The vectorised checksum is the same XXH3-64 as the baseline build, for every length class XXH3
+// distinguishes (0, 1-3, 4-8, 9-16, 17-128, 129-240, long inputs with partial stripes) and
+// unaligned starts.
+TEST(BlockChecksum, TheFastBuildEqualsTheBaselineBitForBit) {
+  std::vector<uint8_t> buf((1 << 20) + 4096);
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (auto& b : buf) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    b = static_cast<uint8_t>(x);
+  }
+  std::vector<size_t> sizes = {0,   1,   3,   4,    8,    9,    16,   17,        128,
+                               129, 240, 241, 1023, 1024, 1025, 4096, 65536 + 7, (1 << 20) + 3};
+  for (size_t n = 0; n < 300; ++n) sizes.push_back(n * 13 + 5);
+  for (size_t off : {0, 1, 7, 64}) {
+    for (size_t n : sizes) {
+      if (off + n > buf.size()) continue;
+      ASSERT_EQ(block_checksum(buf.data() + off, n), block_checksum_baseline(buf.data() + off, n))
+          << "offset " << off << " size " << n << " (" << block_checksum_impl() << ")";
+    }
+  }
+  EXPECT_NE(block_checksum(buf.data(), 4096), block_checksum(buf.data() + 1, 4096));
+}
 
 TEST_F(IndexTest, BlockIsInvisibleUntilCommitted) {
   auto r = index_->reserve(NsKey{ns_, {0, 1}}, kShape);
@@ -145,6 +169,21 @@ TEST_F(IndexTest, WatermarksEvictDownToTheLowMark) {
   ASSERT_TRUE(save(6, 1).ok());  // 7/8 > 0.75: evict until (used + new) <= 4/8
   EXPECT_EQ(index_->stats().entries, 4u);
   EXPECT_EQ(index_->stats().evictions, 3u);
+}
+
+TEST_F(IndexTest, ReloadedWatermarksEvictAtOnceAndKeepPins) {
+  for (uint64_t k = 0; k < 6; ++k) ASSERT_TRUE(save(k, static_cast<uint8_t>(k + 1)).ok());
+  ASSERT_TRUE(index_->pin(NsKey{ns_, {0, 0}}, 1).ok());  // the least recently used one
+  auto bad = index_->set_watermarks(0.3, 0.5);
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(index_->watermarks().high_watermark, 1.0) << "a rejected pair changes nothing";
+  auto n = index_->set_watermarks(0.5, 0.25);  // 6 of 8 slots used: above 0.5, down to 2 slots
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 4u);
+  const BlockKey all[] = {{0, 0}, {0, 1}, {0, 2}, {0, 3}, {0, 4}, {0, 5}};
+  EXPECT_EQ(index_->lookup(ns_, all).present, (std::vector<uint8_t>{1, 0, 0, 0, 0, 1}));
+  EXPECT_EQ(index_->watermarks().low_watermark, 0.25);
+  EXPECT_EQ(*index_->set_watermarks(0.9, 0.8), 0u) << "below the high mark nothing goes";
 }
 
 TEST_F(IndexTest, CorruptionKnobFlipsAStoredByte) {

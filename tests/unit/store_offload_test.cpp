@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <chrono>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -58,14 +59,15 @@ void fill(HostRegion& r, uint32_t seed) {
 
 class OffloadTest : public ::testing::Test {
  protected:
-  void make(uint64_t capacity, uint64_t chunk = 1 << 20) {
+  void make(uint64_t capacity, uint64_t chunk = 1 << 20, OffloadService::Options so = {}) {
     HostPool::Options o;
     o.capacity = capacity;
     o.chunk_bytes = chunk;
     o.pin = false;
     pool_ = std::move(HostPool::create(o)).value();
     index_ = std::make_unique<BlockIndex>(*pool_, BlockIndex::Options{});
-    auto s = OffloadService::create(*index_, metrics_, OffloadService::Options{});
+    svc_.reset();
+    auto s = OffloadService::create(*index_, metrics_, so);
     ASSERT_TRUE(s.ok()) << s.status().to_string();
     svc_ = std::move(s).value();
     ns_ = index_->intern_namespace("m|mla|t");
@@ -260,6 +262,109 @@ TEST_F(OffloadTest, LossyDowngradeIsReported) {
   HostRegion f8({1, 2, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor});
   auto st = svc_->load(f8.access(), ns_, k, std::vector<int64_t>{0});
   EXPECT_EQ(st[0].code(), ErrorCode::kDataLoss) << st[0].to_string();
+}
+
+// Sub-batches of one block each: the verify/copy pipeline still stops exactly the damaged block.
+TEST_F(OffloadTest, PipelinedSubBatchesRoundTripAndStopADamagedBlock) {
+  OffloadService::Options so;
+  so.pipeline_bytes = 1;  // sub-batches of one block per hashing thread: 4 blocks
+  so.hash_threads = 3;
+  make(64 << 20, 1 << 20, so);
+  HostRegion r({2, 32, 64, EntryFormat::mla_fp8(), Layout::kLayerMajor});
+  fill(r, 21);
+  auto k = keys(16);
+  std::vector<int64_t> from(16), to(16);
+  std::iota(from.begin(), from.end(), 0);
+  std::iota(to.begin(), to.end(), 16);
+  expect_all_ok(svc_->save(r.access(), ns_, k, from));
+  ASSERT_TRUE(index_->corrupt_for_test(NsKey{ns_, k[9]}, 77).ok());
+  const auto untouched = r.block(25);
+  auto st = svc_->load(r.access(), ns_, k, to);
+  for (int i = 0; i < 16; ++i) {
+    if (i == 9) {
+      EXPECT_EQ(st[i].code(), ErrorCode::kChecksumMismatch);
+      EXPECT_EQ(r.block(to[i]), untouched) << "damaged bytes must never reach the region";
+    } else {
+      ASSERT_TRUE(st[i].ok()) << i << ": " << st[i].to_string();
+      EXPECT_EQ(r.block(to[i]), r.block(from[i])) << "block " << i;
+    }
+  }
+  EXPECT_NE(metrics_.render().find("kvferry_transfer_phase_microseconds_total{op=\"load\",phase=\"total\"}"),
+            std::string::npos);
+}
+
+TEST_F(OffloadTest, ASaveQueuedPastItsDeadlineStoresNothing) {
+  HostRegion r({2, 8, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor});
+  fill(r, 30);
+  auto k = keys(4);
+  auto st = svc_->save(r.access(), ns_, k, std::vector<int64_t>{0, 1, 2, 3},
+                       OffloadService::Clock::now() - std::chrono::milliseconds(1));
+  for (const Status& s : st) {
+    EXPECT_EQ(s.code(), ErrorCode::kTimeout);
+    EXPECT_NE(s.message().find("limits.request_timeout"), std::string::npos) << s.message();
+  }
+  const auto stats = index_->stats();
+  EXPECT_EQ(stats.entries, 0u);
+  EXPECT_EQ(stats.writing, 0u);
+  EXPECT_EQ(stats.used_bytes, 0u);
+  EXPECT_NE(metrics_.render().find("kvferry_transfer_timeouts_total 4"), std::string::npos);
+}
+
+TEST_F(OffloadTest, ADeadlineMidSaveCommitsTheFinishedSubBatchesOnly) {
+  OffloadService::Options so;
+  so.pipeline_bytes = 1;
+  so.hash_threads = 0;                            // one block per sub-batch
+  so.test_delay = std::chrono::milliseconds(50);  // before each sub-batch
+  make(64 << 20, 1 << 20, so);
+  HostRegion r({2, 8, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor});
+  fill(r, 31);
+  auto k = keys(6);
+  auto st = svc_->save(r.access(), ns_, k, std::vector<int64_t>{0, 1, 2, 3, 4, 5},
+                       OffloadService::Clock::now() + std::chrono::milliseconds(120));
+  EXPECT_TRUE(st[0].ok()) << st[0].to_string();
+  EXPECT_EQ(st[5].code(), ErrorCode::kTimeout);
+  const auto present = index_->lookup(ns_, k).present;
+  bool timed_out = false;
+  for (int i = 0; i < 6; ++i) {
+    if (!st[i].ok()) {
+      EXPECT_EQ(st[i].code(), ErrorCode::kTimeout) << i;
+      timed_out = true;
+    } else {
+      EXPECT_FALSE(timed_out) << "block " << i << " ok after a timed-out one";
+    }
+    EXPECT_EQ(present[i], st[i].ok() ? 1 : 0) << "block " << i << ": visible exactly when saved";
+  }
+  EXPECT_EQ(index_->stats().writing, 0u) << "no half-written block is left reserved";
+  // What was saved loads back intact.
+  expect_all_ok(svc_->load(r.access(), ns_, std::span<const BlockKey>(k.data(), 1), std::vector<int64_t>{7}));
+  EXPECT_EQ(r.block(7), r.block(0));
+}
+
+TEST_F(OffloadTest, ALoadPastItsDeadlineWritesNothingAndKeepsTheBlocks) {
+  HostRegion r({2, 8, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor});
+  fill(r, 32);
+  auto k = keys(3);
+  expect_all_ok(svc_->save(r.access(), ns_, k, std::vector<int64_t>{0, 1, 2}));
+  const auto before = r.bytes;
+  auto st = svc_->load(r.access(), ns_, k, std::vector<int64_t>{5, 6, 7},
+                       OffloadService::Clock::now() - std::chrono::milliseconds(1));
+  for (const Status& s : st) EXPECT_EQ(s.code(), ErrorCode::kTimeout) << s.to_string();
+  EXPECT_EQ(r.bytes, before) << "no target block was written";
+  EXPECT_EQ(index_->lookup(ns_, k).prefix, 3u);
+  EXPECT_EQ(index_->evict(ns_, k), 3u) << "the load released its holds";
+}
+
+TEST_F(OffloadTest, VerifyOnLoadCanBeSwitchedAtRunTime) {
+  HostRegion r({1, 4, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor});
+  fill(r, 33);
+  auto k = keys(1);
+  expect_all_ok(svc_->save(r.access(), ns_, k, std::vector<int64_t>{0}));
+  ASSERT_TRUE(index_->corrupt_for_test(NsKey{ns_, k[0]}, 3).ok());
+  svc_->set_verify_on_load(false);
+  expect_all_ok(svc_->load(r.access(), ns_, k, std::vector<int64_t>{1}));
+  EXPECT_NE(r.block(1), r.block(0)) << "unverified: the damaged copy went through";
+  svc_->set_verify_on_load(true);
+  EXPECT_EQ(svc_->load(r.access(), ns_, k, std::vector<int64_t>{2})[0].code(), ErrorCode::kChecksumMismatch);
 }
 
 TEST(FormatFamily, MlaFormatsShareAFamily) {

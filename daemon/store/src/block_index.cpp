@@ -6,6 +6,35 @@ namespace kvferry::store {
 
 BlockIndex::BlockIndex(HostPool& pool, Options opts) : pool_(pool), opts_(opts) {}
 
+Result<uint64_t> BlockIndex::set_watermarks(double high, double low) {
+  if (!(low >= 0.0 && low < high && high <= 1.0))
+    return Result<uint64_t>(ErrorCode::kInvalidArgument, "watermarks need 0 <= low < high <= 1, got low " +
+                                                             std::to_string(low) + " and high " + std::to_string(high));
+  std::lock_guard lk(mu_);
+  opts_.high_watermark = high;
+  opts_.low_watermark = low;
+  const double cap = static_cast<double>(pool_.capacity());
+  uint64_t n = 0;
+  if (static_cast<double>(pool_.used_bytes()) <= high * cap) return n;
+  for (auto it = lru_.end(); it != lru_.begin() && static_cast<double>(pool_.used_bytes()) > low * cap;) {
+    --it;
+    auto e = map_.find(*it);
+    if (e == map_.end() || !evictable(e->second)) continue;
+    auto after = std::next(it);  // erase invalidates it
+    evicted_bytes_ += e->second.slot.bytes;
+    erase_locked(e);
+    ++evictions_;
+    ++n;
+    it = after;
+  }
+  return n;
+}
+
+BlockIndex::Options BlockIndex::watermarks() const {
+  std::lock_guard lk(mu_);
+  return opts_;
+}
+
 NamespaceId BlockIndex::intern_namespace(const std::string& name) {
   std::lock_guard lk(mu_);
   auto [it, fresh] = ns_ids_.try_emplace(name, static_cast<NamespaceId>(ns_names_.size()));

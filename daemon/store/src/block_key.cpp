@@ -14,6 +14,27 @@ std::string BlockKey::hex() const {
   return buf;
 }
 
-uint64_t block_checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+#if defined(__x86_64__)
+uint64_t block_checksum_avx2(const void* data, size_t bytes);  // block_checksum_avx2.cpp (-mavx2)
+#endif
+
+namespace {
+using HashFn = uint64_t (*)(const void*, size_t);
+HashFn pick() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) return &block_checksum_avx2;
+#endif
+  return &block_checksum_baseline;
+}
+HashFn hash_fn() {
+  static const HashFn f = pick();
+  return f;
+}
+}  // namespace
+
+uint64_t block_checksum_baseline(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+uint64_t block_checksum(const void* data, size_t bytes) { return hash_fn()(data, bytes); }
+const char* block_checksum_impl() { return hash_fn() == &block_checksum_baseline ? "baseline" : "avx2"; }
 
 }  // namespace kvferry::store

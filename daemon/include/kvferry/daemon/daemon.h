@@ -32,6 +32,14 @@ class Daemon {
   /// Switches meant for tests, never for production.
   struct Options {
     bool test_faults = false;  ///< serve the fault knob op (proto::Op::kCorruptForTest)
+    /// Tests only: sleep this long before each copy sub-batch of a save or load (makes
+    /// limits.request_timeout reachable on demand).
+    std::chrono::milliseconds test_copy_delay{0};
+    /// Data-path tuning (benchmarks): save/load workers (0 = 2), persistent hashing threads
+    /// (-1 = default) and copy/hash sub-batch bytes (-1 = default, 0 = whole batches).
+    int data_workers = 0;
+    int hash_threads = -1;
+    int64_t pipeline_bytes = -1;
   };
   static Result<std::unique_ptr<Daemon>> create(const config::Config& cfg, const Options& opts);
   ~Daemon();
@@ -43,8 +51,9 @@ class Daemon {
   Status run();
   /// Asks run() to drain and return (thread- and signal-handler-safe via the event loop).
   void stop();
-  /// Applies the reloadable keys of `cfg` (log level, allowed uids/gids, socket mode) and logs
-  /// the changed keys that need a restart. Thread-safe.
+  /// Applies the reloadable keys of `cfg` (log level, allowed uids/gids, socket mode,
+  /// limits.max_clients and request_timeout, the host pool's watermarks, verify_on_load) and
+  /// logs the changed keys that need a restart. Thread-safe.
   void reload(const config::Config& cfg);
   /// Handles SIGTERM/SIGINT (stop) and SIGHUP (calls `on_hup`, which returns the new config or
   /// an error to log) inside the event loop. Call before run().
@@ -53,6 +62,8 @@ class Daemon {
   /// A snapshot of version, uptime, regions and clients (as `kvferry status` shows it).
   proto::StatusReply status() const;
   const std::string& socket_path() const;
+  /// The metrics in the Prometheus text format (what /metrics serves).
+  std::string metrics_text() const;
   /// The bound port of /metrics and /healthz (0 when off).
   uint16_t metrics_port() const;
 

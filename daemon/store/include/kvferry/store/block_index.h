@@ -91,6 +91,12 @@ class BlockIndex {
 
   BlockIndex(HostPool& pool, Options opts);
 
+  /// Replaces the watermarks (a reload); when the pool is now above the high one, evicts LRU
+  /// blocks down to the low one at once. Returns how many blocks went. kInvalidArgument (and no
+  /// change) unless 0 <= low < high <= 1.
+  Result<uint64_t> set_watermarks(double high, double low);
+  Options watermarks() const;
+
   /// Id of namespace `name` (model + format fingerprint + tenant), created on first use.
   NamespaceId intern_namespace(const std::string& name);
 
