@@ -27,6 +27,35 @@ const char* copy_engine_name(CopyEngine e) {
   return "?";
 }
 
+const char* copy_direction_name(CopyDirection d) {
+  switch (d) {
+    case CopyDirection::kDeviceToDevice: return "d2d";
+    case CopyDirection::kDeviceToHost: return "d2h";
+    case CopyDirection::kHostToDevice: return "h2d";
+    case CopyDirection::kHostToHost: return "h2h";
+  }
+  return "?";
+}
+
+int split_copy_runs(std::span<const CopyRun> runs, int parts, std::span<size_t> ends) {
+  if (runs.empty() || parts < 1 || ends.empty()) return 0;
+  if (static_cast<size_t>(parts) > ends.size()) parts = static_cast<int>(ends.size());
+  if (static_cast<size_t>(parts) > runs.size()) parts = static_cast<int>(runs.size());
+  int64_t total = 0;
+  for (const CopyRun& r : runs) total += r.bytes;
+  int n = 0;
+  int64_t acc = 0;
+  for (size_t i = 0; i < runs.size() && n < parts - 1; ++i) {
+    acc += runs[i].bytes;
+    // Close range n once it holds its share (n + 1) / parts of the bytes, leaving at least one
+    // run for each range still to come.
+    const bool share = total > 0 ? acc * parts >= total * (n + 1) : (i + 1) * parts >= runs.size() * (n + 1);
+    if (share && runs.size() - (i + 1) >= static_cast<size_t>(parts - 1 - n)) ends[static_cast<size_t>(n++)] = i + 1;
+  }
+  ends[static_cast<size_t>(n++)] = runs.size();
+  return n;
+}
+
 CopyEngine choose_copy_engine(std::span<const CopyRun> runs, CopyEngine e, int64_t auto_threshold) {
   if (e != CopyEngine::kAuto) return e;
   if (runs.empty()) return CopyEngine::kDma;
