@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <random>
@@ -97,9 +98,9 @@ struct Setting {
   }
 };
 
-const Setting kSettings[] = {{CopyEngine::kKernel, 0, 2}, {CopyEngine::kKernel, 1, 2}, {CopyEngine::kKernel, 7, 2},
+const Setting kSettings[] = {{CopyEngine::kKernel, 0, 4}, {CopyEngine::kKernel, 1, 4}, {CopyEngine::kKernel, 7, 4},
                              {CopyEngine::kDma, 0, 1},    {CopyEngine::kDma, 0, 2},    {CopyEngine::kDma, 0, 4},
-                             {CopyEngine::kAuto, 0, 2}};
+                             {CopyEngine::kStaged, 0, 1}, {CopyEngine::kStaged, 0, 4}, {CopyEngine::kAuto, 0, 4}};
 
 class CopyBlocksGpu : public ::testing::Test {
  protected:
@@ -196,7 +197,7 @@ TEST_F(CopyBlocksGpu, BackToBackCopiesReuseStagingSlots) {
     bufs.back()->fill(60 + static_cast<uint32_t>(i));
   }
   CUDA_OK(cudaDeviceSynchronize());
-  for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma}) {
+  for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma, CopyEngine::kStaged}) {
     for (int i = 0; i < 6; ++i) bufs[static_cast<size_t>(i)]->fill(70 + static_cast<uint32_t>(i));
     CUDA_OK(cudaDeviceSynchronize());
     auto copier = BlockCopier::create(512);
@@ -225,7 +226,7 @@ TEST_F(CopyBlocksGpu, BothDirectionsAtOnce) {
   CUDA_OK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
   auto ca = BlockCopier::create(2048), cb = BlockCopier::create(2048);
   ASSERT_TRUE(ca.ok() && cb.ok());
-  for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma, CopyEngine::kAuto}) {
+  for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma, CopyEngine::kStaged, CopyEngine::kAuto}) {
     dev_out.fill(90);
     pin_in.fill(91);
     pin_out.fill(92);
@@ -257,8 +258,8 @@ TEST_F(CopyBlocksGpu, OffsetsPast4GiB) {
   ASSERT_TRUE(pin.ok() && back.ok());
   // Runs at offsets around 2^31, 2^32 and the end of the region; the source bytes are filled
   // through a host copy of each run's range.
-  const int64_t offs[] = {(int64_t{1} << 31) - 5000, (int64_t{1} << 32) - 70000, (int64_t{1} << 32) + 48,
-                          big - (300 << 10)};
+  const int64_t offs[] = {(int64_t{1} << 31) - 5000, (int64_t{1} << 32) - 70000, (int64_t{1} << 32) + (160 << 10) + 48,
+                          big - (300 << 10)};  // disjoint sources
   std::vector<CopyRun> save, load, d2d;
   int64_t at = 0;
   for (size_t i = 0; i < std::size(offs); ++i) {
@@ -276,7 +277,7 @@ TEST_F(CopyBlocksGpu, OffsetsPast4GiB) {
   d2d.push_back({offs[0], big - (600 << 10), save[0].bytes});
   auto copier = BlockCopier::create(64);
   ASSERT_TRUE(copier.ok());
-  for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma}) {
+  for (CopyEngine e : {CopyEngine::kKernel, CopyEngine::kDma, CopyEngine::kStaged}) {
     std::memset(pin.p, 0, pn);
     ASSERT_TRUE((*copier)->copy(reg, pin.p, save, e, stream_).ok());
     CUDA_OK(cudaStreamSynchronize(stream_));
@@ -297,6 +298,48 @@ TEST_F(CopyBlocksGpu, OffsetsPast4GiB) {
     EXPECT_EQ(std::memcmp(got.data(), pin.host.data() + save[0].dst, got.size()), 0) << copy_engine_name(e) << " d2d";
   }
   (void)cudaFree(reg);
+}
+
+TEST_F(CopyBlocksGpu, StagedMergesConsecutiveHostRangesInRounds) {
+  // Like an offload: small blocks scattered over the region, consecutive in the pool. 80 MiB
+  // take two rounds of the 64 MiB stage; a run bigger than the stage goes by DMA as it is.
+  const int64_t block = 64 << 10, nblocks = 1280, region_blocks = 3000;
+  const size_t big = size_t{65} << 20;
+  Buf reg(Mem::kDevice, static_cast<size_t>(region_blocks * block) + big), reg2(Mem::kDevice, reg.n),
+      pool(Mem::kPinned, static_cast<size_t>(nblocks * block) + big + 4096);
+  ASSERT_TRUE(reg.ok() && reg2.ok() && pool.ok());
+  reg.fill(120);
+  std::vector<int64_t> ids(static_cast<size_t>(region_blocks));
+  for (int64_t i = 0; i < region_blocks; ++i) ids[static_cast<size_t>(i)] = i;
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(121));
+  std::vector<CopyRun> save, load;
+  for (int64_t i = 0; i < nblocks; ++i) {
+    save.push_back({ids[static_cast<size_t>(i)] * block, i * block, block});
+    load.push_back({i * block, ids[static_cast<size_t>(i)] * block, block});
+  }
+  auto copier = BlockCopier::create(4096);
+  ASSERT_TRUE(copier.ok());
+  for (CopyEngine e : {CopyEngine::kAuto, CopyEngine::kStaged}) {
+    check(reg, pool, save, {e, 0, 4}, **copier, 122, "save");
+    EXPECT_EQ((*copier)->last_engine(), CopyEngine::kStaged) << copy_engine_name(e);
+    pool.host = pool.read();
+    check(pool, reg2, load, {e, 0, 4}, **copier, 123, "load");
+    EXPECT_EQ((*copier)->last_engine(), CopyEngine::kStaged) << copy_engine_name(e);
+  }
+  // Scattered on both sides, auto keeps the kernel.
+  std::vector<CopyRun> scattered(load.begin(), load.begin() + 64);
+  for (size_t i = 0; i < scattered.size(); ++i) scattered[i].src = static_cast<int64_t>((i * 7) % 64) * block;
+  check(pool, reg2, scattered, {CopyEngine::kAuto, 0, 4}, **copier, 124, "scattered load");
+  EXPECT_EQ((*copier)->last_engine(), CopyEngine::kKernel);
+  // One run bigger than the stage among small ones, each way.
+  std::vector<CopyRun> mixed(save.begin(), save.begin() + 10);
+  mixed.push_back({region_blocks * block, nblocks * block + 4096, static_cast<int64_t>(big)});
+  mixed.push_back(save[10]);
+  check(reg, pool, mixed, {CopyEngine::kStaged, 0, 2}, **copier, 125, "save with a big run");
+  pool.host = pool.read();
+  std::vector<CopyRun> back;
+  for (const CopyRun& r : mixed) back.push_back({r.dst, r.src, r.bytes});
+  check(pool, reg2, back, {CopyEngine::kStaged, 0, 2}, **copier, 126, "load with a big run");
 }
 
 TEST_F(CopyBlocksGpu, BadInputIsRefusedWithAReason) {

@@ -77,12 +77,32 @@ TEST(CopyBlocksSplit, FewRunsAndEdgeCases) {
   }
 }
 
+TEST(CopyBlocksSplit, SizesSplitLikeRuns) {
+  const std::vector<size_t> sizes{100, 100, 100, 100, 400};
+  size_t ends[4];
+  const int n = split_copy_sizes(sizes, 2, ends);
+  ASSERT_EQ(n, 2);
+  EXPECT_EQ(ends[0], 4u);
+  EXPECT_EQ(ends[1], 5u);
+}
+
+TEST(CopyBlocksSplit, HostCopiesMergeFollowingRanges) {
+  // Host side = destination: 0..100, 100..150 merge; 300 starts a new copy; the empty run is
+  // skipped and does not break the next merge (400 follows 300..400).
+  const std::vector<CopyRun> runs{{9000, 0, 100}, {5, 100, 50}, {77, 300, 100}, {0, 999, 0}, {1, 400, 10}};
+  EXPECT_EQ(count_host_copies(runs, false), 2);
+  // Host side = source: 9000, 5, 77, 1 follow nothing.
+  EXPECT_EQ(count_host_copies(runs, true), 4);
+  EXPECT_EQ(count_host_copies({}, true), 0);
+}
+
 TEST(CopyBlocksSplit, AutoPicksByMeanRun) {
   const std::vector<CopyRun> small(8, CopyRun{0, 0, 64 << 10}), big(8, CopyRun{0, 0, 1 << 20});
   EXPECT_EQ(choose_copy_engine(small, CopyEngine::kAuto), CopyEngine::kKernel);
   EXPECT_EQ(choose_copy_engine(big, CopyEngine::kAuto), CopyEngine::kDma);
   EXPECT_EQ(choose_copy_engine(big, CopyEngine::kKernel), CopyEngine::kKernel);
   EXPECT_STREQ(copy_direction_name(CopyDirection::kHostToDevice), "h2d");
+  EXPECT_STREQ(copy_engine_name(CopyEngine::kStaged), "staged");
 }
 
 }  // namespace

@@ -23,6 +23,7 @@ const char* copy_engine_name(CopyEngine e) {
     case CopyEngine::kAuto: return "auto";
     case CopyEngine::kKernel: return "kernel";
     case CopyEngine::kDma: return "dma";
+    case CopyEngine::kStaged: return "staged";
   }
   return "?";
 }
@@ -37,23 +38,52 @@ const char* copy_direction_name(CopyDirection d) {
   return "?";
 }
 
-int split_copy_runs(std::span<const CopyRun> runs, int parts, std::span<size_t> ends) {
-  if (runs.empty() || parts < 1 || ends.empty()) return 0;
+namespace {
+
+/// Splits items of sizes size(i), i < count, into at most `parts` consecutive ranges of about
+/// equal bytes (see split_copy_runs).
+template <class Size>
+int split_by_bytes(size_t count, Size&& size, int parts, std::span<size_t> ends) {
+  if (count == 0 || parts < 1 || ends.empty()) return 0;
   if (static_cast<size_t>(parts) > ends.size()) parts = static_cast<int>(ends.size());
-  if (static_cast<size_t>(parts) > runs.size()) parts = static_cast<int>(runs.size());
+  if (static_cast<size_t>(parts) > count) parts = static_cast<int>(count);
   int64_t total = 0;
-  for (const CopyRun& r : runs) total += r.bytes;
+  for (size_t i = 0; i < count; ++i) total += size(i);
   int n = 0;
   int64_t acc = 0;
-  for (size_t i = 0; i < runs.size() && n < parts - 1; ++i) {
-    acc += runs[i].bytes;
+  for (size_t i = 0; i < count && n < parts - 1; ++i) {
+    acc += size(i);
     // Close range n once it holds its share (n + 1) / parts of the bytes, leaving at least one
-    // run for each range still to come.
-    const bool share = total > 0 ? acc * parts >= total * (n + 1) : (i + 1) * parts >= runs.size() * (n + 1);
-    if (share && runs.size() - (i + 1) >= static_cast<size_t>(parts - 1 - n)) ends[static_cast<size_t>(n++)] = i + 1;
+    // item for each range still to come.
+    const bool share = total > 0 ? acc * parts >= total * (n + 1) : (i + 1) * parts >= count * (n + 1);
+    if (share && count - (i + 1) >= static_cast<size_t>(parts - 1 - n)) ends[static_cast<size_t>(n++)] = i + 1;
   }
-  ends[static_cast<size_t>(n++)] = runs.size();
+  ends[static_cast<size_t>(n++)] = count;
   return n;
+}
+
+}  // namespace
+
+int split_copy_runs(std::span<const CopyRun> runs, int parts, std::span<size_t> ends) {
+  return split_by_bytes(
+      runs.size(), [&](size_t i) { return runs[i].bytes; }, parts, ends);
+}
+
+int split_copy_sizes(std::span<const size_t> sizes, int parts, std::span<size_t> ends) {
+  return split_by_bytes(
+      sizes.size(), [&](size_t i) { return static_cast<int64_t>(sizes[i]); }, parts, ends);
+}
+
+int64_t count_host_copies(std::span<const CopyRun> runs, bool host_is_src) {
+  int64_t copies = 0;
+  int64_t next = -1;  // where the host side of the previous non-empty run ended
+  for (const CopyRun& r : runs) {
+    if (r.bytes == 0) continue;
+    const int64_t at = host_is_src ? r.src : r.dst;
+    if (at != next) ++copies;
+    next = at + r.bytes;
+  }
+  return copies;
 }
 
 CopyEngine choose_copy_engine(std::span<const CopyRun> runs, CopyEngine e, int64_t auto_threshold) {

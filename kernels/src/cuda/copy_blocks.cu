@@ -112,8 +112,10 @@ cudaError_t launch_copy_chunks(const void* src_base, void* dst_base, const CopyR
   return cudaGetLastError();
 }
 
+// Kernel metadata of one copy: prefix[k + 1] then runs[k] per launch; kStaged launches once per
+// round, each round at least one run, so 40 bytes per run (plus one) cover every case.
 size_t device_bytes(int64_t max_runs) {
-  return static_cast<size_t>(max_runs) * (sizeof(CopyRun) + sizeof(int64_t)) + sizeof(int64_t);
+  return static_cast<size_t>(max_runs) * (sizeof(CopyRun) + 2 * sizeof(int64_t)) + sizeof(int64_t);
 }
 
 size_t staging_bytes(int64_t max_runs) {
@@ -152,6 +154,7 @@ BlockCopier::~BlockCopier() {
     if (s.staging) (void)cudaFreeHost(s.staging);
     if (s.dev) (void)cudaFree(s.dev);
   }
+  if (stage_) (void)cudaFree(stage_);
   for (int i = 0; i < kCopyMaxDmaStreams - 1; ++i) {
     if (aux_[i]) (void)cudaStreamDestroy(aux_[i]);
     if (join_[i]) (void)cudaEventDestroy(join_[i]);
@@ -191,6 +194,109 @@ Result<CopyDirection> BlockCopier::direction(const void* src, const void* dst) c
   return Result<CopyDirection>(static_cast<CopyDirection>((host[0] ? 2 : 0) | (host[1] ? 1 : 0)));
 }
 
+Status BlockCopier::dma(void** dsts, void** srcs, size_t* sizes, size_t count, cudaStream_t stream) {
+  if (count == 0) return Status::Ok();
+  size_t ends[kCopyMaxDmaStreams];
+  const int parts = split_copy_sizes(std::span<const size_t>(sizes, count), dma_streams_, ends);
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_idx = 0;
+  if (parts > 1) {
+    KVFERRY_CUDA_TRY(cudaEventRecord(fork_, stream));
+    for (int p = 1; p < parts; ++p) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(aux_[p - 1], fork_, 0));
+  }
+  size_t begin = 0;
+  for (int p = 0; p < parts; ++p) {
+    const size_t end = ends[p];
+    cudaStream_t st = p == 0 ? stream : aux_[p - 1];
+    KVFERRY_CUDA_TRY(
+        cudaMemcpyBatchAsync(dsts + begin, srcs + begin, sizes + begin, end - begin, &attr, &attr_idx, 1, st));
+    if (p > 0) {
+      KVFERRY_CUDA_TRY(cudaEventRecord(join_[p - 1], st));
+      KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, join_[p - 1], 0));
+    }
+    begin = end;
+  }
+  return Status::Ok();
+}
+
+Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const CopyRun> runs, bool to_host,
+                           Slot& slot, cudaStream_t stream) {
+  if (stage_ == nullptr) KVFERRY_CUDA_TRY(cudaMalloc(&stage_, static_cast<size_t>(kCopyStageBytes)));
+  auto* stage = static_cast<uint8_t*>(stage_);
+  auto* meta = static_cast<int64_t*>(slot.staging);  // packed per round: prefix[k + 1], runs[k]
+  auto* dev_meta = static_cast<int64_t*>(slot.dev);
+  auto** dsts = reinterpret_cast<void**>(static_cast<uint8_t*>(slot.staging) + device_bytes(max_runs_));
+  auto** srcs = dsts + max_runs_;
+  auto* sizes = reinterpret_cast<size_t*>(srcs + max_runs_);
+  auto* src = static_cast<const uint8_t*>(src_base);
+  auto* dst = static_cast<uint8_t*>(dst_base);
+  size_t meta_at = 0, dma_at = 0;  // used entries of the slot's arrays
+  const size_t n = runs.size();
+  for (size_t i = 0; i < n;) {
+    if (runs[i].bytes == 0) {
+      ++i;
+      continue;
+    }
+    if (runs[i].bytes > kCopyStageBytes) {  // too big to stage, and big enough for DMA as it is
+      dsts[dma_at] = dst + runs[i].dst;
+      srcs[dma_at] = const_cast<uint8_t*>(src) + runs[i].src;
+      sizes[dma_at] = static_cast<size_t>(runs[i].bytes);
+      KVFERRY_TRY(dma(dsts + dma_at, srcs + dma_at, sizes + dma_at, 1, stream));
+      ++dma_at;
+      ++i;
+      continue;
+    }
+    // A round: runs [i, j) laid out back to back in the stage; the kernel moves their device side,
+    // DMA their host side, merged where host ranges follow each other.
+    size_t j = i;
+    int64_t bytes = 0;
+    while (j < n && bytes + runs[j].bytes <= kCopyStageBytes) bytes += runs[j++].bytes;
+    const size_t k = j - i;
+    int64_t* prefix = meta + meta_at;
+    auto* kruns = reinterpret_cast<CopyRun*>(prefix + k + 1);
+    prefix[0] = 0;
+    const size_t dma_begin = dma_at;
+    int64_t soff = 0, host_next = -1;
+    for (size_t q = 0; q < k; ++q) {
+      const CopyRun& r = runs[i + q];
+      kruns[q] = to_host ? CopyRun{r.src, soff, r.bytes} : CopyRun{soff, r.dst, r.bytes};
+      prefix[q + 1] = prefix[q] + (r.bytes + kChunk - 1) / kChunk;
+      if (r.bytes > 0) {
+        const int64_t host_at = to_host ? r.dst : r.src;
+        if (host_at == host_next && dma_at > dma_begin) {
+          sizes[dma_at - 1] += static_cast<size_t>(r.bytes);
+        } else {
+          dsts[dma_at] = to_host ? dst + r.dst : stage + soff;
+          srcs[dma_at] = to_host ? stage + soff : const_cast<uint8_t*>(src) + r.src;
+          sizes[dma_at] = static_cast<size_t>(r.bytes);
+          ++dma_at;
+        }
+        host_next = host_at + r.bytes;
+      }
+      soff += r.bytes;
+    }
+    const size_t meta_len = (k + 1) + k * (sizeof(CopyRun) / sizeof(int64_t));
+    KVFERRY_CUDA_TRY(
+        cudaMemcpyAsync(dev_meta + meta_at, prefix, meta_len * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
+    const auto* dev_runs = reinterpret_cast<const CopyRun*>(dev_meta + meta_at + k + 1);
+    const int ctas = 2 * sms_;
+    if (to_host) {
+      KVFERRY_CUDA_TRY(launch_copy_chunks(src, stage, dev_runs, dev_meta + meta_at, static_cast<int64_t>(k), prefix[k],
+                                          ctas, false, stream));
+      KVFERRY_TRY(dma(dsts + dma_begin, srcs + dma_begin, sizes + dma_begin, dma_at - dma_begin, stream));
+    } else {
+      KVFERRY_TRY(dma(dsts + dma_begin, srcs + dma_begin, sizes + dma_begin, dma_at - dma_begin, stream));
+      KVFERRY_CUDA_TRY(launch_copy_chunks(stage, dst, dev_runs, dev_meta + meta_at, static_cast<int64_t>(k), prefix[k],
+                                          ctas, false, stream));
+    }
+    meta_at += meta_len;
+    i = j;
+  }
+  return Status::Ok();
+}
+
 Status BlockCopier::copy(const void* src_base, void* dst_base, std::span<const CopyRun> runs, CopyEngine engine,
                          cudaStream_t stream, int64_t auto_threshold) {
   if (runs.empty()) return Status::Ok();
@@ -201,11 +307,20 @@ Status BlockCopier::copy(const void* src_base, void* dst_base, std::span<const C
     return {ErrorCode::kInvalidArgument, "copy_blocks: needs an explicit stream (not the legacy default stream)"};
   if (src_base == nullptr || dst_base == nullptr)
     return {ErrorCode::kInvalidArgument, "copy_blocks: null base pointer"};
-  const CopyEngine e = choose_copy_engine(runs, engine, auto_threshold);
+  CopyEngine e = choose_copy_engine(runs, engine, auto_threshold);
   CopyDirection dir = CopyDirection::kDeviceToDevice;
-  if (e == CopyEngine::kKernel) {
+  if (e == CopyEngine::kKernel || e == CopyEngine::kStaged) {
     KVFERRY_ASSIGN_OR_RETURN(dir, direction(src_base, dst_base));
   }
+  const bool one_host_side = dir == CopyDirection::kDeviceToHost || dir == CopyDirection::kHostToDevice;
+  if (engine == CopyEngine::kAuto && e == CopyEngine::kKernel && one_host_side) {
+    int64_t total = 0;
+    for (const CopyRun& r : runs) total += r.bytes;
+    const int64_t copies = count_host_copies(runs, dir == CopyDirection::kHostToDevice);
+    if (copies > 0 && total / copies >= auto_threshold) e = CopyEngine::kStaged;
+  }
+  if (e == CopyEngine::kStaged && !one_host_side)
+    e = dir == CopyDirection::kDeviceToDevice ? CopyEngine::kKernel : CopyEngine::kDma;
   Slot& slot = slots_[next_];
   if (slot.pending) {
     KVFERRY_CUDA_TRY(cudaEventSynchronize(slot.done));
@@ -215,12 +330,14 @@ Status BlockCopier::copy(const void* src_base, void* dst_base, std::span<const C
   // Staging slot: the kernel's metadata packed for this copy (prefix[n + 1], then runs[n], one
   // async copy to the device slot), then the DMA pointer arrays at fixed places.
   auto* prefix = static_cast<int64_t*>(slot.staging);
-  auto* staged = reinterpret_cast<CopyRun*>(prefix + n + 1);
+  auto* staged_runs = reinterpret_cast<CopyRun*>(prefix + n + 1);
   auto** dsts = reinterpret_cast<void**>(static_cast<uint8_t*>(slot.staging) + device_bytes(max_runs_));
   auto** srcs = dsts + max_runs_;
   auto* sizes = reinterpret_cast<size_t*>(srcs + max_runs_);
-  if (e == CopyEngine::kKernel) {
-    std::memcpy(staged, runs.data(), n * sizeof(CopyRun));
+  if (e == CopyEngine::kStaged) {
+    KVFERRY_TRY(staged(src_base, dst_base, runs, dir == CopyDirection::kDeviceToHost, slot, stream));
+  } else if (e == CopyEngine::kKernel) {
+    std::memcpy(staged_runs, runs.data(), n * sizeof(CopyRun));
     prefix[0] = 0;
     for (size_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + (runs[i].bytes + kChunk - 1) / kChunk;
     auto* dev_prefix = static_cast<int64_t*>(slot.dev);
@@ -233,39 +350,16 @@ Status BlockCopier::copy(const void* src_base, void* dst_base, std::span<const C
                                           kernel_ctas_for(dir), from_host, stream));
     }
   } else {
-    // Empty runs are left out (a batch entry of 0 bytes is not a copy); `staged` keeps the runs
-    // that stay, for the split over streams.
+    // Empty runs are left out (a batch entry of 0 bytes is not a copy).
     size_t m = 0;
     for (size_t i = 0; i < n; ++i) {
       if (runs[i].bytes == 0) continue;
-      staged[m] = runs[i];
       dsts[m] = static_cast<uint8_t*>(dst_base) + runs[i].dst;
       srcs[m] = const_cast<uint8_t*>(static_cast<const uint8_t*>(src_base)) + runs[i].src;
       sizes[m] = static_cast<size_t>(runs[i].bytes);
       ++m;
     }
-    size_t ends[kCopyMaxDmaStreams];
-    const int parts = split_copy_runs(std::span<const CopyRun>(staged, m), dma_streams_, ends);
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    size_t attr_idx = 0;
-    if (parts > 1) {
-      KVFERRY_CUDA_TRY(cudaEventRecord(fork_, stream));
-      for (int p = 1; p < parts; ++p) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(aux_[p - 1], fork_, 0));
-    }
-    size_t begin = 0;
-    for (int p = 0; p < parts; ++p) {
-      const size_t end = ends[p];
-      cudaStream_t st = p == 0 ? stream : aux_[p - 1];
-      KVFERRY_CUDA_TRY(
-          cudaMemcpyBatchAsync(dsts + begin, srcs + begin, sizes + begin, end - begin, &attr, &attr_idx, 1, st));
-      if (p > 0) {
-        KVFERRY_CUDA_TRY(cudaEventRecord(join_[p - 1], st));
-        KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, join_[p - 1], 0));
-      }
-      begin = end;
-    }
+    KVFERRY_TRY(dma(dsts, srcs, sizes, m, stream));
   }
   KVFERRY_CUDA_TRY(cudaEventRecord(slot.done, stream));
   slot.pending = true;

@@ -6,7 +6,13 @@
 //            mapped pinned memory directly: for engine-driven copies of small blocks;
 //   kDma     cudaMemcpyBatchAsync (copy engines, no SMs), the batch split over a few streams so
 //            several copy engines overlap their per-copy overheads: what the daemon uses;
-//   kAuto    kKernel when the mean run is below `auto_threshold`, else kDma.
+//   kStaged  between device and host only: the runs' device side is gathered into (or scattered
+//            from) a device staging buffer by a short device-to-device kernel, and the host side
+//            moves by DMA in as few copies as its adjacency allows (runs whose host ranges follow
+//            each other become one copy). For small blocks scattered in the region but
+//            consecutive in the pool: copy engines at large-copy speed, SMs busy for ~2 % of it;
+//   kAuto    kDma when the mean run is at least `auto_threshold`; below it, kStaged when the host
+//            side merges into copies of that mean size, else kKernel.
 // The CPU backend copies with memcpy.
 #include <cstdint>
 #include <memory>
@@ -18,7 +24,7 @@
 
 namespace kvferry::kernels {
 
-enum class CopyEngine : uint8_t { kAuto = 0, kKernel = 1, kDma = 2 };
+enum class CopyEngine : uint8_t { kAuto = 0, kKernel = 1, kDma = 2, kStaged = 3 };
 
 const char* copy_engine_name(CopyEngine e);
 
@@ -39,10 +45,14 @@ constexpr int kCopyKernelCtasToHost = 16;
 constexpr int kCopyKernelCtasFromHost = 32;
 
 /// Streams (copy engines) one kDma copy is split over by default.
-constexpr int kCopyDmaStreams = 2;
+constexpr int kCopyDmaStreams = 4;
 constexpr int kCopyMaxDmaStreams = 4;
 
-/// Picks the engine for `runs` under `e` (resolves kAuto).
+/// Device staging buffer of kStaged (allocated on first use): larger copies go in rounds.
+constexpr int64_t kCopyStageBytes = int64_t{64} << 20;
+
+/// Picks the engine for `runs` under `e` by the mean run alone (kKernel or kDma for kAuto; the
+/// copier refines kKernel to kStaged when the host side merges, see count_host_copies).
 CopyEngine choose_copy_engine(std::span<const CopyRun> runs, CopyEngine e, int64_t auto_threshold = kCopyAutoThreshold);
 
 /// Checks every run lies inside [0, src_bytes) and [0, dst_bytes) without overflow.
@@ -52,6 +62,14 @@ Status validate_copy_runs(std::span<const CopyRun> runs, int64_t src_bytes, int6
 /// number of ranges and writes their ends (exclusive run indices) to `ends` (size >= parts).
 /// Empty when `runs` is. The DMA engine issues one batch per range, each on its own stream.
 int split_copy_runs(std::span<const CopyRun> runs, int parts, std::span<size_t> ends);
+
+/// The same split over plain sizes.
+int split_copy_sizes(std::span<const size_t> sizes, int parts, std::span<size_t> ends);
+
+/// Host-side copies of `runs` once runs whose host ranges follow each other (in list order) are
+/// merged: the host side is the source when `host_is_src`, else the destination. Empty runs count
+/// none.
+int64_t count_host_copies(std::span<const CopyRun> runs, bool host_is_src);
 
 /// CPU backend: memcpy of every run (runs may be split over threads).
 Status copy_blocks_cpu(const void* src_base, int64_t src_bytes, void* dst_base, int64_t dst_bytes,
@@ -98,6 +116,9 @@ class BlockCopier {
   };
   BlockCopier() = default;
   Result<CopyDirection> direction(const void* src, const void* dst) const;
+  Status dma(void** dsts, void** srcs, size_t* sizes, size_t count, cudaStream_t stream);
+  Status staged(const void* src_base, void* dst_base, std::span<const CopyRun> runs, bool to_host, Slot& slot,
+                cudaStream_t stream);
   int64_t max_runs_ = 0;
   int ctas_ = 0;
   int sms_ = 1;
@@ -106,6 +127,7 @@ class BlockCopier {
   int next_ = 0;
   cudaStream_t aux_[kCopyMaxDmaStreams - 1] = {};
   cudaEvent_t fork_ = nullptr;
+  void* stage_ = nullptr;  // device, kCopyStageBytes, allocated on first kStaged copy
   cudaEvent_t join_[kCopyMaxDmaStreams - 1] = {};
   CopyEngine last_engine_ = CopyEngine::kAuto;
   CopyDirection last_dir_ = CopyDirection::kDeviceToDevice;
