@@ -311,8 +311,9 @@ int run_interference(Report& rep, const Options& opts, kernels::BlockCopier& cop
       char note[160];
       std::snprintf(note, sizeof note, "slowdown x%.3f (limit 1.03); offload ran at %.1f GB/s", with / alone, gbs);
       const bool dma = e == CopyEngine::kDma;
-      rep.add({std::string("another process's ") + kname[k] + ", offload by " + (dma ? "dma (daemon)" : "copy kernel"),
-               with, "ms", alone, "same kernel alone", false, dma ? 1 / 1.03 : 0, note});
+      const char* by = dma ? "dma (daemon)" : e == CopyEngine::kKernel ? "copy kernel" : "staged";
+      rep.add({std::string("another process's ") + kname[k] + ", offload by " + by, with, "ms", alone,
+               "same kernel alone", false, dma ? 1 / 1.03 : 0, note});
     }
   }
   c.stop();

@@ -1,15 +1,20 @@
 // CPU backend of copy_blocks (memcpy of byte runs) and the engine choice shared with CUDA.
 //
-// Threshold of kAuto (kCopyAutoThreshold = 256 KiB), from `kvferry-bench copy` on two H200s
-// (4096 blocks scattered over a 16384-block region; ratios to a 1 GiB pinned copy, d2h / h2d /
-// both ways at once; the first machine ran an earlier copy kernel with one CTA per run, the second
-// (figures in brackets) the current one, a warp per 64 KiB chunk):
-//   64 KiB:  copy kernel 0.94 / 0.92 / 0.62  [0.94 / 0.88 / 0.72]
-//            DMA batch   0.77 / 0.74 / 0.65  [0.77 / 0.68 / 0.63]
-//   256 KiB: copy kernel 0.95 / 0.93 / 0.62  [0.93 / 0.88 / 0.73]
-//            DMA batch   0.93 / 0.92 / 0.89  [0.91 / 0.87 / 0.89]
-// Below 256 KiB the kernel wins clearly; from 256 KiB DMA is as fast one way, much faster both
-// ways, and leaves the SMs to the engine (DESIGN.md section 4), so kAuto switches there.
+// Engine choice of kAuto, from `kvferry-bench copy` on an H200 (2026-11-22; 4096 blocks scattered
+// over a 16384-block region, pool slots consecutive; ratio to a 1 GiB pinned copy d2h / h2d, and
+// to the both-ways pinned copy for both at once; median of 5 after a warm-up):
+//   block     kernel              staged              dma (4 streams)     auto
+//   16 KiB    0.93 / 0.91 / 0.64  0.94 / 0.95 / 0.95  0.64 / 0.08 / 0.10  0.93 / 0.93 / 0.94 staged
+//   64 KiB    0.95 / 0.92 / 0.66  0.96 / 0.96 / 0.98  0.92 / 0.91 / 0.75  0.95 / 0.96 / 0.96 staged
+//   256 KiB   0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.92  0.98 / 0.98 / 0.88  0.98 / 0.98 / 0.85 dma
+//   1 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.80  1.00 / 1.00 / 1.02  1.00 / 1.00 / 1.02 dma
+//   4 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.98  1.00 / 1.00 / 0.99  1.00 / 1.00 / 1.02 dma
+// From 256 KiB batched DMA is the fastest and leaves the SMs to the engine, so kAuto switches to
+// it there (kCopyAutoThreshold). Below, DMA pays a per-copy overhead (h2d worst), so kAuto stages
+// when the pool side merges into copies of at least the threshold, else uses the SM kernel.
+// The kernel's CTA count (8..64) changed nothing one way; both ways at once the kernel stays
+// near 0.65-0.80 whatever its CTAs (reads and writes of mapped memory share the link badly).
+// Per-block cudaMemcpyAsync: 0.12 / 0.11 at 16 KiB.
 #include <cstring>
 #include <string>
 

@@ -33,14 +33,15 @@ enum class CopyDirection : uint8_t { kDeviceToDevice = 0, kDeviceToHost = 1, kHo
 
 const char* copy_direction_name(CopyDirection d);
 
-/// Mean run size from which kAuto picks DMA. The `copy` benchmark on an H200 (see the note in
-/// kernels/src/cpu/copy_blocks_cpu.cpp) shows the batched DMA matching the mapped-memory kernel
-/// from about 256 KiB.
+/// Mean run size from which kAuto picks DMA (and the mean merged host copy from which it stages
+/// below that). The `copy` benchmark on an H200 (see the note in kernels/src/cpu/copy_blocks_cpu.cpp)
+/// shows batched DMA over 4 streams ahead of the kernel and the staged engine from 256 KiB.
 constexpr int64_t kCopyAutoThreshold = 256 << 10;
 
-/// CTAs of the copy kernel when the copier's count is automatic (0), by direction: reads of
-/// mapped host memory need more loads in flight than writes to it (posted writes). Device to
-/// device uses two CTAs per multiprocessor.
+/// CTAs of the copy kernel when the copier's count is automatic (0), by direction. Since the run
+/// list moved to device memory, 8 to 64 CTAs give the same rate one way on an H200; reads of
+/// mapped host memory get more in case a slower link needs more loads in flight. Device to device
+/// uses two CTAs per multiprocessor.
 constexpr int kCopyKernelCtasToHost = 16;
 constexpr int kCopyKernelCtasFromHost = 32;
 
