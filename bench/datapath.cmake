@@ -3,3 +3,7 @@ target_sources(kvferry_bench PRIVATE
   ${CMAKE_CURRENT_SOURCE_DIR}/copy_suite.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/kernels_suite.cpp
 )
+if(KVFERRY_WITH_CUDA)
+  # Engine-like kernels timed by the copy suite's interference figure.
+  target_sources(kvferry_bench PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/copy_victim.cu)
+endif()

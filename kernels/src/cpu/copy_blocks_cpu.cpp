@@ -1,15 +1,20 @@
 // CPU backend of copy_blocks (memcpy of byte runs) and the engine choice shared with CUDA.
 //
-// Threshold of kAuto (kCopyAutoThreshold = 256 KiB), from `kvferry-bench copy` on two H200s
-// (4096 blocks scattered over a 16384-block region; ratios to a 1 GiB pinned copy, d2h / h2d /
-// both ways at once; the first machine ran an earlier copy kernel with one CTA per run, the second
-// (figures in brackets) the current one, a warp per 64 KiB chunk):
-//   64 KiB:  copy kernel 0.94 / 0.92 / 0.62  [0.94 / 0.88 / 0.72]
-//            DMA batch   0.77 / 0.74 / 0.65  [0.77 / 0.68 / 0.63]
-//   256 KiB: copy kernel 0.95 / 0.93 / 0.62  [0.93 / 0.88 / 0.73]
-//            DMA batch   0.93 / 0.92 / 0.89  [0.91 / 0.87 / 0.89]
-// Below 256 KiB the kernel wins clearly; from 256 KiB DMA is as fast one way, much faster both
-// ways, and leaves the SMs to the engine (DESIGN.md section 4), so kAuto switches there.
+// Engine choice of kAuto, from `kvferry-bench copy` on an H200 (2026-11-22; 4096 blocks scattered
+// over a 16384-block region, pool slots consecutive; ratio to a 1 GiB pinned copy d2h / h2d, and
+// to the both-ways pinned copy for both at once; median of 5 after a warm-up):
+//   block     kernel              staged              dma (4 streams)     auto
+//   16 KiB    0.93 / 0.91 / 0.64  0.94 / 0.95 / 0.95  0.64 / 0.08 / 0.10  0.93 / 0.93 / 0.94 staged
+//   64 KiB    0.95 / 0.92 / 0.66  0.96 / 0.96 / 0.98  0.92 / 0.91 / 0.75  0.95 / 0.96 / 0.96 staged
+//   256 KiB   0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.92  0.98 / 0.98 / 0.88  0.98 / 0.98 / 0.85 dma
+//   1 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.80  1.00 / 1.00 / 1.02  1.00 / 1.00 / 1.02 dma
+//   4 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.98  1.00 / 1.00 / 0.99  1.00 / 1.00 / 1.02 dma
+// From 256 KiB batched DMA is the fastest and leaves the SMs to the engine, so kAuto switches to
+// it there (kCopyAutoThreshold). Below, DMA pays a per-copy overhead (h2d worst), so kAuto stages
+// when the pool side merges into copies of at least the threshold, else uses the SM kernel.
+// The kernel's CTA count (8..64) changed nothing one way; both ways at once the kernel stays
+// near 0.65-0.80 whatever its CTAs (reads and writes of mapped memory share the link badly).
+// Per-block cudaMemcpyAsync: 0.12 / 0.11 at 16 KiB.
 #include <cstring>
 #include <string>
 
@@ -23,8 +28,67 @@ const char* copy_engine_name(CopyEngine e) {
     case CopyEngine::kAuto: return "auto";
     case CopyEngine::kKernel: return "kernel";
     case CopyEngine::kDma: return "dma";
+    case CopyEngine::kStaged: return "staged";
   }
   return "?";
+}
+
+const char* copy_direction_name(CopyDirection d) {
+  switch (d) {
+    case CopyDirection::kDeviceToDevice: return "d2d";
+    case CopyDirection::kDeviceToHost: return "d2h";
+    case CopyDirection::kHostToDevice: return "h2d";
+    case CopyDirection::kHostToHost: return "h2h";
+  }
+  return "?";
+}
+
+namespace {
+
+/// Splits items of sizes size(i), i < count, into at most `parts` consecutive ranges of about
+/// equal bytes (see split_copy_runs).
+template <class Size>
+int split_by_bytes(size_t count, Size&& size, int parts, std::span<size_t> ends) {
+  if (count == 0 || parts < 1 || ends.empty()) return 0;
+  if (static_cast<size_t>(parts) > ends.size()) parts = static_cast<int>(ends.size());
+  if (static_cast<size_t>(parts) > count) parts = static_cast<int>(count);
+  int64_t total = 0;
+  for (size_t i = 0; i < count; ++i) total += size(i);
+  int n = 0;
+  int64_t acc = 0;
+  for (size_t i = 0; i < count && n < parts - 1; ++i) {
+    acc += size(i);
+    // Close range n once it holds its share (n + 1) / parts of the bytes, leaving at least one
+    // item for each range still to come.
+    const bool share = total > 0 ? acc * parts >= total * (n + 1) : (i + 1) * parts >= count * (n + 1);
+    if (share && count - (i + 1) >= static_cast<size_t>(parts - 1 - n)) ends[static_cast<size_t>(n++)] = i + 1;
+  }
+  ends[static_cast<size_t>(n++)] = count;
+  return n;
+}
+
+}  // namespace
+
+int split_copy_runs(std::span<const CopyRun> runs, int parts, std::span<size_t> ends) {
+  return split_by_bytes(
+      runs.size(), [&](size_t i) { return runs[i].bytes; }, parts, ends);
+}
+
+int split_copy_sizes(std::span<const size_t> sizes, int parts, std::span<size_t> ends) {
+  return split_by_bytes(
+      sizes.size(), [&](size_t i) { return static_cast<int64_t>(sizes[i]); }, parts, ends);
+}
+
+int64_t count_host_copies(std::span<const CopyRun> runs, bool host_is_src) {
+  int64_t copies = 0;
+  int64_t next = -1;  // where the host side of the previous non-empty run ended
+  for (const CopyRun& r : runs) {
+    if (r.bytes == 0) continue;
+    const int64_t at = host_is_src ? r.src : r.dst;
+    if (at != next) ++copies;
+    next = at + r.bytes;
+  }
+  return copies;
 }
 
 CopyEngine choose_copy_engine(std::span<const CopyRun> runs, CopyEngine e, int64_t auto_threshold) {
