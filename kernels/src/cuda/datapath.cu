@@ -6,9 +6,12 @@
 // dequantisation multiplies once per value and packs pairs to bf16; inputs outside those fast
 // paths' exact range (NaN, extreme exponents) take the scalar path.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/datapath_math.h"
 #include "kvferry/kernels/convert.h"
@@ -38,11 +41,6 @@ __device__ __forceinline__ H8 unpack(uint4 v) {
   memcpy(r.h, &v, 16);
   return r;
 }
-__device__ __forceinline__ uint2 pack8(const uint8_t* b) {
-  uint2 v;
-  memcpy(&v, b, 8);
-  return v;
-}
 
 /// q = a / b, r = a % b for a >= 0, b > 0: 32-bit division when both fit (64-bit division is a
 /// long software sequence that would dominate these memory-bound kernels).
@@ -62,13 +60,21 @@ __device__ __forceinline__ int64_t global_warp() {
 }
 __device__ __forceinline__ int64_t total_warps() { return (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5; }
 
-/// Blocks for `items` work items handled `per_warp` at a time (capped: the kernels loop).
-unsigned grid_for(int64_t items, int64_t per_warp = 1) {
+/// Blocks for `items` work items handled `per_warp` at a time: at most one full wave of the
+/// kernel's resident blocks (occupancy query, cached per kernel), which then loop grid-stride, so
+/// no partial last wave leaves SMs idle while the others drain.
+template <auto kKernel>
+unsigned grid_for(int64_t items, int64_t per_warp) {
+  static const int per_sm = [] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
+    return b;
+  }();
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t warps = (items + per_warp - 1) / per_warp;
   const int64_t want = (warps + kWarps - 1) / kWarps;
-  const int64_t cap = static_cast<int64_t>(sms) * 16;
+  const int64_t cap = static_cast<int64_t>(sms) * per_sm;
   return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
@@ -87,6 +93,13 @@ __device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
   return u;
 }
 
+/// The scalar path of quant4 (NaN, extreme exponents), out of line so it costs the fast path no
+/// registers.
+__device__ __noinline__ uint32_t quant4_slow(float a, float b, float c, float d, float s) {
+  return static_cast<uint32_t>(quant_e4m3(a, s)) | (static_cast<uint32_t>(quant_e4m3(b, s)) << 8) |
+         (static_cast<uint32_t>(quant_e4m3(c, s)) << 16) | (static_cast<uint32_t>(quant_e4m3(d, s)) << 24);
+}
+
 /// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], r.s).
 __device__ __forceinline__ uint32_t quant4(const float* x, const Recip& r) {
   bool fast = true;
@@ -95,10 +108,7 @@ __device__ __forceinline__ uint32_t quant4(const float* x, const Recip& r) {
   if (fast)
     return cvt_e4m3x2(div_recip(x[0], r), div_recip(x[1], r)) |
            (cvt_e4m3x2(div_recip(x[2], r), div_recip(x[3], r)) << 16);
-  uint32_t w = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) w |= static_cast<uint32_t>(quant_e4m3(x[k], r.s)) << (8 * k);
-  return w;
+  return quant4_slow(x[0], x[1], x[2], x[3], r.s);
 }
 
 __device__ __forceinline__ uint2 quant8(const float* x, const Recip& r) {
@@ -112,21 +122,26 @@ __device__ __forceinline__ void to_floats(uint4 v, bool bf16, float* x) {
   for (int k = 0; k < 8; ++k) x[k] = half_to_float(h.h[k], bf16);
 }
 
+/// The scalar path of dequant4 (NaN bytes, large scales), out of line.
+__device__ __noinline__ uint2 dequant4_slow(uint32_t w, float s, bool unscaled) {
+  uint16_t h[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t b = static_cast<uint8_t>(w >> (8 * k));
+    h[k] = unscaled ? e4m3_to_bf16(b) : dequant_bf16(b, s);
+  }
+  uint2 v;
+  memcpy(&v, h, 8);
+  return v;
+}
+
 /// 4 e4m3 bytes -> 4 bf16 (uint2): dequant_bf16(b, d.s), or e4m3_to_bf16(b) when kUnscaled (d.s = 1).
 template <bool kUnscaled = false>
 __device__ __forceinline__ uint2 dequant4(uint32_t w, const DqScale& d) {
   if (d.fast && !has_e4m3_nan(w))
     return make_uint2(cvt_bf16x2(dq_fast(w & 0xffu, d), dq_fast((w >> 8) & 0xffu, d)),
                       cvt_bf16x2(dq_fast((w >> 16) & 0xffu, d), dq_fast(w >> 24, d)));
-  uint16_t h[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint8_t b = static_cast<uint8_t>(w >> (8 * k));
-    h[k] = kUnscaled ? e4m3_to_bf16(b) : dequant_bf16(b, d.s);
-  }
-  uint2 v;
-  memcpy(&v, h, 8);
-  return v;
+  return dequant4_slow(w, d.s, kUnscaled);
 }
 
 template <bool kUnscaled = false>
@@ -167,16 +182,15 @@ __device__ __forceinline__ void store_bf16_as_ds(const Bf16In& in, uint8_t* dst,
   if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, in.rope);
 }
 
-/// One 656 B entry as loaded for the conversions out of it.
+/// One 656 B entry as loaded for the conversion to bf16.
 struct DsIn {
-  uint4 q = {}, scales = {}, rope = {};
+  uint4 q = {}, rope = {};
   float sc = 0.0f;
 };
-__device__ __forceinline__ DsIn load_ds(const uint8_t* src, int lane, bool all_scales) {
+__device__ __forceinline__ DsIn load_ds(const uint8_t* src, int lane) {
   DsIn in;
   in.q = ld_v16(src + 16 * lane);
   in.sc = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 4 * (lane >> 3));
-  if (all_scales && lane == 0) in.scales = ld_v16(src + kMlaDsScaleOffset);
   if (lane < 8) in.rope = ld_v16(src + kMlaDsRopeOffset + 16 * lane);
   return in;
 }
@@ -187,21 +201,44 @@ __device__ __forceinline__ void store_ds_as_bf16(const DsIn& in, uint8_t* dst, i
   st_v16(dst + 32 * lane + 16, dequant8(make_uint2(in.q.z, in.q.w), d));
   if (lane < 8) st_v16(dst + kMlaRank * 2 + 16 * lane, in.rope);
 }
+
+/// One 656 B entry as loaded for the conversion to 576 B: every lane 16 nope bytes and 2 rope
+/// values, lanes 0-3 one tile scale each.
+struct Ds8In {
+  uint4 q = {};
+  uint32_t scale = kOneF32Bits, rope = 0;
+};
+__device__ __forceinline__ Ds8In load_ds8(const uint8_t* src, int lane) {
+  Ds8In in;
+  in.q = ld_v16(src + 16 * lane);
+  in.rope = *reinterpret_cast<const uint32_t*>(src + kMlaDsRopeOffset + 4 * lane);
+  if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(src + kMlaDsScaleOffset + 4 * lane);
+  return in;
+}
+/// Both bf16 of `w` as e4m3 (low byte from the low half) and whether both are exact: the scalar
+/// bf16_to_e4m3_exact for NaN/inf halves; otherwise the packed cvt, and exactness as "the e4m3
+/// value read back (exactly, through f16) has the bits of the input float", which is what the
+/// scalar round trip e4m3 -> bf16 == h means for finite input (e4m3 values are bf16-exact).
+__device__ __forceinline__ uint32_t bf16x2_to_e4m3x2_exact(uint32_t w, bool& ok) {
+  if ((w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u) {
+    uint8_t a, b;
+    ok &= bf16_to_e4m3_exact(static_cast<uint16_t>(w), &a);
+    ok &= bf16_to_e4m3_exact(static_cast<uint16_t>(w >> 16), &b);
+    return a | (static_cast<uint32_t>(b) << 8);
+  }
+  const float lo = bits_float(w << 16), hi = bits_float(w & 0xffff0000u);
+  const uint32_t q = cvt_e4m3x2(lo, hi);
+  const __half2_raw back = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(q), __NV_E4M3);
+  ok &= float_bits(__half2float(__ushort_as_half(back.x))) == float_bits(lo) &&
+        float_bits(__half2float(__ushort_as_half(back.y))) == float_bits(hi);
+  return q;
+}
 /// -> 576 B; returns (to every lane) whether the entry was lossless.
-__device__ __forceinline__ bool store_ds_as_fp8(const DsIn& in, uint8_t* dst, int lane) {
+__device__ __forceinline__ bool store_ds_as_fp8(const Ds8In& in, uint8_t* dst, int lane) {
   st_v16(dst + 16 * lane, in.q);
-  bool ok = true;
-  if (lane == 0) {
-    const uint4 s = in.scales;
-    ok = s.x == kOneF32Bits && s.y == kOneF32Bits && s.z == kOneF32Bits && s.w == kOneF32Bits;
-  }
-  if (lane < 8) {
-    const H8 h = unpack(in.rope);
-    uint8_t q[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ok &= bf16_to_e4m3_exact(h.h[k], &q[k]);
-    st_v8(dst + kMlaRank + 8 * lane, pack8(q));
-  }
+  bool ok = in.scale == kOneF32Bits;
+  const uint32_t q = bf16x2_to_e4m3x2_exact(in.rope, ok);
+  *reinterpret_cast<uint16_t*>(dst + kMlaRank + 2 * lane) = static_cast<uint16_t>(q);
   return __all_sync(kFull, ok);
 }
 
@@ -223,32 +260,40 @@ __device__ __forceinline__ void store_fp8_as_ds(const Fp8In& in, uint8_t* dst, i
   if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, dequant8<true>(in.rope, one));
 }
 
-/// Entries (tokens, rows, slots) per warp and loop trip: their loads are all issued first.
-constexpr int kU = 2;
+// ---- the loop shape every kernel below shares: a warp takes a few entries per trip (grid-stride
+// over one resident wave); it issues all their data loads, then the index loads of its next trip
+// (slots, block tables: their latency overlaps this trip's data), then converts and stores. Source
+// rows indexed by token never wait for the slot: the slot only picks where the result goes. ----
+
+__device__ __forceinline__ bool slot_ok(int64_t s, int64_t limit) { return s >= 0 && s < limit; }
+
+/// s[u] = slots[n0 + u], -1 past `count`.
+template <int kN, class T>
+__device__ __forceinline__ void load_slots(const T* slots, int64_t n0, int64_t count, int64_t (&s)[kN]) {
+#pragma unroll
+  for (int u = 0; u < kN; ++u) s[u] = n0 + u < count ? static_cast<int64_t>(slots[n0 + u]) : -1;
+}
 
 // ---- write_mla ----
 
 template <int kMode>
-__global__ void __launch_bounds__(kThreads) write_mla_kernel(const WriteMlaParams p) {
+__global__ void __launch_bounds__(kThreads, 4) write_mla_kernel(const WriteMlaParams p) {
+  constexpr int kU = 2;  // tokens per warp and trip
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
   const Recip rc = make_recip(p.scale);
-  for (int64_t n0 = global_warp() * kU; n0 < p.tokens; n0 += total_warps() * kU) {
-    int64_t s[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) s[u] = n0 + u < p.tokens ? p.slots[n0 + u] : -1;
-    uint8_t* dst[kU];
+  const int64_t step = total_warps() * kU;
+  int64_t n0 = global_warp() * kU;
+  int64_t s[kU];
+  load_slots(p.slots, n0, p.tokens, s);
+  for (; n0 < p.tokens; n0 += step) {
     uint4 v[kU][3] = {};
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      dst[u] = nullptr;
-      if (s[u] < 0 || s[u] >= limit) continue;
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      dst[u] = p.cache.entry(blk, off);
       const int64_t n = n0 + u;
+      if (n >= p.tokens) continue;
       const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
       const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
       if constexpr (kMode == 2) {
@@ -264,37 +309,44 @@ __global__ void __launch_bounds__(kThreads) write_mla_kernel(const WriteMlaParam
         }
       }
     }
+    int64_t next[kU];
+    load_slots(p.slots, n0 + step, p.tokens, next);
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      if (!dst[u]) continue;
+      if (!slot_ok(s[u], limit)) continue;  // uniform over the warp
+      int64_t blk, off;
+      divmod(s[u], bs, blk, off);
+      uint8_t* dst = p.cache.entry(blk, off);
       if constexpr (kMode == 2) {
         Bf16In in;
         in.a = v[u][0];
         in.b = v[u][1];
         in.rope = v[u][2];
-        store_bf16_as_ds(in, dst[u], lane);
+        store_bf16_as_ds(in, dst, lane);
       } else {
 #pragma unroll
         for (int i = 0; i < 3; ++i) {
           const int g = lane + 32 * i;
           if (g >= 72) continue;
           if constexpr (kMode == 0) {
-            st_v16(dst[u] + 16 * g, v[u][i]);
+            st_v16(dst + 16 * g, v[u][i]);
           } else {
             float x[8];
             to_floats(v[u][i], bf16, x);
-            st_v8(dst[u] + 8 * g, quant8(x, rc));
+            st_v8(dst + 8 * g, quant8(x, rc));
           }
         }
       }
     }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) s[u] = next[u];
   }
 }
 
 // ---- write_mha: one warp per token, K and V planes together ----
 
 template <bool kFp8>
-__global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParams p) {
+__global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaParams p) {
   constexpr int kG = 4;  // 16-byte groups per lane and plane in flight
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
@@ -305,13 +357,11 @@ __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParam
   const bool bf16 = p.input_dtype == DType::kBF16;
   const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
   const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
-  for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
-    const int64_t s = p.slots[n];
-    if (s < 0 || s >= limit) continue;
-    int64_t blk, off;
-    divmod(s, bs, blk, off);
-    uint8_t* ek = p.k_cache.entry(blk, off);
-    uint8_t* ev = p.v_cache.entry(blk, off);
+  const int64_t step = total_warps();
+  int64_t n = global_warp();
+  int64_t s = n < p.tokens ? p.slots[n] : -1;
+  for (; n < p.tokens; n += step) {
+    const int64_t next = n + step < p.tokens ? p.slots[n + step] : -1;
     const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
     const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
     for (int64_t g0 = 0; g0 < groups; g0 += 32 * kG) {
@@ -324,6 +374,11 @@ __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParam
           b[i] = ld_v16(sv + 16 * g);
         }
       }
+      if (!slot_ok(s, limit)) continue;
+      int64_t blk, off;
+      divmod(s, bs, blk, off);
+      uint8_t* ek = p.k_cache.entry(blk, off);
+      uint8_t* ev = p.v_cache.entry(blk, off);
 #pragma unroll
       for (int i = 0; i < kG; ++i) {
         const int64_t g = g0 + lane + 32 * i;
@@ -344,47 +399,77 @@ __global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParam
         }
       }
     }
+    s = next;
   }
 }
 
-// ---- indexer ----
+// ---- indexer: kVec-byte loads, 256 / kVec lanes per 128-value row (16 lanes and two rows per
+// warp access with 16-byte loads), 8 rows per warp and trip ----
 
-__global__ void __launch_bounds__(kThreads) indexer_write_kernel(const IndexerWriteParams p) {
-  constexpr int kI = 4;  // tokens per warp and trip
-  const int lane = threadIdx.x & 31;
+template <int kVec>
+__global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const IndexerWriteParams p) {
+  constexpr int kLanes = 2 * kIndexerHeadDim / kVec;  // lanes per row
+  constexpr int kPer = 32 / kLanes;                   // rows per warp-wide access
+  constexpr int kE = kVec / 2;                        // values per lane
+  constexpr int kRows = 8;                            // rows per warp and trip
+  constexpr int kOps = kRows / kPer;                  // accesses per lane and trip
+  using Vec = std::conditional_t<kVec == 16, uint4, uint2>;
+  const int lane = threadIdx.x & 31, hl = lane % kLanes, sub = lane / kLanes;
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
-  for (int64_t n0 = global_warp() * kI; n0 < p.tokens; n0 += total_warps() * kI) {
-    int64_t s[kI];
+  const uint8_t* const k = static_cast<const uint8_t*>(p.k);
+  const int64_t row_bytes = p.k_stride * 2;
+  const int64_t step = total_warps() * kRows;
+  auto slots_of = [&](int64_t n0, int64_t(&o)[kOps]) {
 #pragma unroll
-    for (int u = 0; u < kI; ++u) s[u] = n0 + u < p.tokens ? p.slots[n0 + u] : -1;
-    uint2 raw[kI] = {};
+    for (int i = 0; i < kOps; ++i) {
+      const int64_t n = n0 + i * kPer + sub;
+      o[i] = n < p.tokens ? p.slots[n] : -1;
+    }
+  };
+  int64_t n0 = global_warp() * kRows;
+  int64_t s[kOps];
+  slots_of(n0, s);
+  for (; n0 < p.tokens; n0 += step) {
+    Vec raw[kOps];
 #pragma unroll
-    for (int u = 0; u < kI; ++u)
-      if (s[u] >= 0 && s[u] < limit)
-        raw[u] = ld_v8(static_cast<const uint8_t*>(p.k) + (n0 + u) * p.k_stride * 2 + 8 * lane);
+    for (int i = 0; i < kOps; ++i) {
+      const int64_t n = n0 + i * kPer + sub;
+      raw[i] = Vec{};
+      if (n < p.tokens) raw[i] = *reinterpret_cast<const Vec*>(k + n * row_bytes + kVec * hl);
+    }
+    int64_t next[kOps];
+    slots_of(n0 + step, next);
 #pragma unroll
-    for (int u = 0; u < kI; ++u) {
-      if (s[u] < 0 || s[u] >= limit) continue;
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      uint8_t* block = p.cache.entry(blk, 0);
-      uint16_t hv[4];
-      memcpy(hv, &raw[u], 8);
-      float x[4];
+    for (int i = 0; i < kOps; ++i) {
+      uint16_t hv[kE];
+      memcpy(hv, &raw[i], kVec);
+      float x[kE];
       float amax = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        x[k] = half_to_float(hv[k], bf16);
-        amax = fmax_f(amax, abs_f(x[k]));
+      for (int e = 0; e < kE; ++e) {
+        x[e] = half_to_float(hv[e], bf16);
+        amax = fmax_f(amax, abs_f(x[e]));
       }
 #pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
-      const float sc = indexer_scale(amax, p.ue8m0);
-      *reinterpret_cast<uint32_t*>(block + off * kIndexerHeadDim + 4 * lane) = quant4(x, make_recip(sc));
-      if (lane == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+      for (int m = kLanes / 2; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+      if (slot_ok(s[i], limit)) {
+        const float sc = indexer_scale(amax, p.ue8m0);
+        const Recip r = make_recip(sc);
+        int64_t blk, off;
+        divmod(s[i], bs, blk, off);
+        uint8_t* block = p.cache.entry(blk, 0);
+        uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
+        if constexpr (kE == 8)
+          st_v8(vals, quant8(x, r));
+        else
+          *reinterpret_cast<uint32_t*>(vals) = quant4(x, r);
+        if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+      }
     }
+#pragma unroll
+    for (int i = 0; i < kOps; ++i) s[i] = next[i];
   }
 }
 
@@ -402,9 +487,10 @@ __device__ __forceinline__ int64_t find_request(const int32_t* cu, int64_t batch
   return lo;
 }
 
-/// kU consecutive rows per warp: one binary search, then all block-table loads, then all data loads.
+/// kR consecutive rows per warp and trip: one binary search, then all block-table loads (for the
+/// next trip, while this trip's data loads are in flight), then all data loads.
 template <int kMode, int kVec>
-__global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) {
+__global__ void __launch_bounds__(kThreads, kMode == 1 ? 3 : 2) gather_kernel(const GatherParams p) {
   constexpr int kR = 4;  // rows per warp and trip
   const int lane = threadIdx.x & 31;
   const TensorView& v = p.cache.view;
@@ -412,29 +498,38 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
   const int64_t eb = dtype_size(v.dtype);
   const int64_t dst_eb = kMode == 0 ? eb : 2;
   const DqScale dq = make_dq_scale(p.scale);
-  for (int64_t j0 = global_warp() * kR; j0 < p.total_rows; j0 += total_warps() * kR) {
-    const int rows = p.total_rows - j0 < kR ? static_cast<int>(p.total_rows - j0) : kR;
-    int64_t tok[kR], col[kR], req[kR];
+  const int64_t step = total_warps() * kR;
+  // Entry addresses of the kR rows from j0 (null past the end).
+  auto locate = [&](int64_t j0, const uint8_t*(&src)[kR]) {
+#pragma unroll
+    for (int u = 0; u < kR; ++u) src[u] = nullptr;
+    if (j0 >= p.total_rows) return;
     int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
+    int64_t tok[kR], col[kR], req[kR];
 #pragma unroll
     for (int u = 0; u < kR; ++u) {
       tok[u] = col[u] = 0;
       req[u] = r;
-      if (u >= rows) continue;
       const int64_t j = j0 + u;
+      if (j >= p.total_rows) continue;
       while (p.cu_seq_lens[r + 1] <= j) ++r;
       req[u] = r;
       const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
       divmod(pos, bs, col[u], tok[u]);
     }
-    const uint8_t* src[kR];
 #pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      src[u] = nullptr;
-      if (u < rows) src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
-    }
+    for (int u = 0; u < kR; ++u)
+      if (j0 + u < p.total_rows) src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
+  };
+  int64_t j0 = global_warp() * kR;
+  const uint8_t* src[kR];
+  locate(j0, src);
+  for (; j0 < p.total_rows; j0 += step) {
+    const int rows = p.total_rows - j0 < kR ? static_cast<int>(p.total_rows - j0) : kR;
     uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * p.dst_stride * dst_eb;
     const int64_t dst_row = p.dst_stride * dst_eb;
+    const uint8_t* nsrc[kR];
+    bool located = false;
     if constexpr (kMode == 0 && kVec == 16) {
       const int64_t n = e * eb / 16;
       for (int64_t k0 = 0; k0 < n; k0 += 96) {
@@ -446,6 +541,10 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
             const int64_t k = k0 + lane + 32 * i;
             if (u < rows && k < n) x[u][i] = ld_v16(src[u] + 16 * k);
           }
+        if (!located) {
+          locate(j0 + step, nsrc);
+          located = true;
+        }
 #pragma unroll
         for (int u = 0; u < kR; ++u)
 #pragma unroll
@@ -479,6 +578,10 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
             const int64_t k = k0 + lane + 32 * i;
             if (u < rows && k < n) x[u][i] = ld_v8(src[u] + 8 * k);
           }
+        if (!located) {
+          locate(j0 + step, nsrc);
+          located = true;
+        }
 #pragma unroll
         for (int u = 0; u < kR; ++u)
 #pragma unroll
@@ -491,54 +594,68 @@ __global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) 
       DsIn in[kR];
 #pragma unroll
       for (int u = 0; u < kR; ++u)
-        if (u < rows) in[u] = load_ds(src[u], lane, false);
+        if (u < rows) in[u] = load_ds(src[u], lane);
+      locate(j0 + step, nsrc);
+      located = true;
 #pragma unroll
       for (int u = 0; u < kR; ++u)
         if (u < rows) store_ds_as_bf16(in[u], out + u * dst_row, lane);
     }
+    if (!located) locate(j0 + step, nsrc);
+#pragma unroll
+    for (int u = 0; u < kR; ++u) src[u] = nsrc[u];
   }
 }
 
-__global__ void __launch_bounds__(kThreads) dequant_paged_kernel(const DequantPagedParams p) {
+__global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const DequantPagedParams p) {
   constexpr int kR = 4;
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
-  for (int64_t i0 = global_warp() * kR; i0 < p.count; i0 += total_warps() * kR) {
-    int64_t s[kR];
-#pragma unroll
-    for (int u = 0; u < kR; ++u) s[u] = i0 + u < p.count ? p.slots[i0 + u] : -1;
+  const int64_t step = total_warps() * kR;
+  int64_t i0 = global_warp() * kR;
+  int64_t s[kR];
+  load_slots(p.slots, i0, p.count, s);
+  for (; i0 < p.count; i0 += step) {
     DsIn in[kR];
 #pragma unroll
     for (int u = 0; u < kR; ++u) {
-      if (s[u] < 0 || s[u] >= limit) continue;
+      if (!slot_ok(s[u], limit)) continue;
       int64_t blk, off;
       divmod(s[u], bs, blk, off);
-      in[u] = load_ds(p.cache.entry(blk, off), lane, false);
+      in[u] = load_ds(p.cache.entry(blk, off), lane);
     }
+    int64_t next[kR];
+    load_slots(p.slots, i0 + step, p.count, next);
 #pragma unroll
     for (int u = 0; u < kR; ++u)
-      if (s[u] >= 0 && s[u] < limit)
+      if (slot_ok(s[u], limit))
         store_ds_as_bf16(in[u], static_cast<uint8_t*>(p.dst) + (i0 + u) * p.dst_stride * 2, lane);
+#pragma unroll
+    for (int u = 0; u < kR; ++u) s[u] = next[u];
   }
 }
 
 // ---- conversions ----
 
 template <int kKind>
-__global__ void __launch_bounds__(kThreads) convert_kernel(const ConvertParams p) {
+__global__ void __launch_bounds__(kThreads, kKind == 0 || kKind == 2 ? 3 : 2) convert_kernel(const ConvertParams p) {
+  constexpr int kU = kKind == 2 ? 2 : 4;  // entries per warp and trip
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
   const int64_t items = p.layers * p.count * bs;
   const DqScale one = make_dq_scale(1.0f);
-  for (int64_t w0 = global_warp() * kU; w0 < items; w0 += total_warps() * kU) {
+  const int64_t step = total_warps() * kU;
+  struct Where {
     const uint8_t* src[kU];
     uint8_t* dst[kU];
     int64_t blk[kU];
+  };
+  auto locate = [&](int64_t w0, Where& a) {
 #pragma unroll
     for (int u = 0; u < kU; ++u) {
-      src[u] = nullptr;
-      dst[u] = nullptr;
-      blk[u] = 0;
+      a.src[u] = nullptr;
+      a.dst[u] = nullptr;
+      a.blk[u] = 0;
       const int64_t w = w0 + u;
       if (w >= items) continue;
       int64_t q, t, l, i;
@@ -546,42 +663,57 @@ __global__ void __launch_bounds__(kThreads) convert_kernel(const ConvertParams p
       divmod(q, p.count, l, i);
       const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
       const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
-      src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
-      dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
-      blk[u] = i;
+      a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
+      a.dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
+      a.blk[u] = i;
     }
+  };
+  int64_t w0 = global_warp() * kU;
+  Where at;
+  locate(w0, at);
+  for (; w0 < items; w0 += step) {
+    Where nx;
     if constexpr (kKind == 0) {
       Fp8In in[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (src[u]) in[u] = load_fp8(src[u], lane);
+        if (at.src[u]) in[u] = load_fp8(at.src[u], lane);
+      locate(w0 + step, nx);
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (src[u]) store_fp8_as_ds(in[u], dst[u], lane, one);
+        if (at.src[u]) store_fp8_as_ds(in[u], at.dst[u], lane, one);
     } else if constexpr (kKind == 2) {
       Bf16In in[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (src[u]) in[u] = load_bf16(src[u], src[u] + kMlaRank * 2, lane);
+        if (at.src[u]) in[u] = load_bf16(at.src[u], at.src[u] + kMlaRank * 2, lane);
+      locate(w0 + step, nx);
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (src[u]) store_bf16_as_ds(in[u], dst[u], lane);
+        if (at.src[u]) store_bf16_as_ds(in[u], at.dst[u], lane);
+    } else if constexpr (kKind == 1) {
+      Ds8In in[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (at.src[u]) in[u] = load_ds8(at.src[u], lane);
+      locate(w0 + step, nx);
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        if (!at.src[u]) continue;
+        const bool ok = store_ds_as_fp8(in[u], at.dst[u], lane);
+        if (!ok && lane == 0 && p.not_lossless) p.not_lossless[at.blk[u]] = 1;
+      }
     } else {
       DsIn in[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u)
-        if (src[u]) in[u] = load_ds(src[u], lane, kKind == 1);
+        if (at.src[u]) in[u] = load_ds(at.src[u], lane);
+      locate(w0 + step, nx);
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (!src[u]) continue;
-        if constexpr (kKind == 1) {
-          const bool ok = store_ds_as_fp8(in[u], dst[u], lane);
-          if (!ok && lane == 0 && p.not_lossless) p.not_lossless[blk[u]] = 1;
-        } else {
-          store_ds_as_bf16(in[u], dst[u], lane);
-        }
-      }
+      for (int u = 0; u < kU; ++u)
+        if (at.src[u]) store_ds_as_bf16(in[u], at.dst[u], lane);
     }
+    at = nx;
   }
 }
 
@@ -591,11 +723,16 @@ bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) %
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.tokens, kU);
   switch (p.mode) {
-    case MlaWriteMode::kCopy: write_mla_kernel<0><<<grid, kThreads, 0, stream>>>(p); break;
-    case MlaWriteMode::kFp8: write_mla_kernel<1><<<grid, kThreads, 0, stream>>>(p); break;
-    case MlaWriteMode::kFp8Ds: write_mla_kernel<2><<<grid, kThreads, 0, stream>>>(p); break;
+    case MlaWriteMode::kCopy:
+      write_mla_kernel<0><<<grid_for<write_mla_kernel<0>>(p.tokens, 2), kThreads, 0, stream>>>(p);
+      break;
+    case MlaWriteMode::kFp8:
+      write_mla_kernel<1><<<grid_for<write_mla_kernel<1>>(p.tokens, 2), kThreads, 0, stream>>>(p);
+      break;
+    case MlaWriteMode::kFp8Ds:
+      write_mla_kernel<2><<<grid_for<write_mla_kernel<2>>(p.tokens, 2), kThreads, 0, stream>>>(p);
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -603,23 +740,25 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
 
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.tokens);
   if (p.k_cache.view.dtype == DType::kFP8E4M3)
-    write_mha_kernel<true><<<grid, kThreads, 0, stream>>>(p);
+    write_mha_kernel<true><<<grid_for<write_mha_kernel<true>>(p.tokens, 1), kThreads, 0, stream>>>(p);
   else
-    write_mha_kernel<false><<<grid, kThreads, 0, stream>>>(p);
+    write_mha_kernel<false><<<grid_for<write_mha_kernel<false>>(p.tokens, 1), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  indexer_write_kernel<<<grid_for(p.tokens, 4), kThreads, 0, stream>>>(p);
+  if (aligned(p.k, 16) && (p.k_stride * 2) % 16 == 0)
+    indexer_write_kernel<16><<<grid_for<indexer_write_kernel<16>>(p.tokens, 8), kThreads, 0, stream>>>(p);
+  else
+    indexer_write_kernel<8><<<grid_for<indexer_write_kernel<8>>(p.tokens, 8), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
   if (p.total_rows == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.total_rows, 4);
+  const int64_t n = p.total_rows;
   switch (p.mode) {
     case GatherMode::kCopy: {
       const TensorView& v = p.cache.view;
@@ -631,17 +770,21 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
                aligned(p.dst, a) && (p.dst_stride * eb) % a == 0;
       };
       if (fits(16))
-        gather_kernel<0, 16><<<grid, kThreads, 0, stream>>>(p);
+        gather_kernel<0, 16><<<grid_for<gather_kernel<0, 16>>(n, 4), kThreads, 0, stream>>>(p);
       else if (fits(4))
-        gather_kernel<0, 4><<<grid, kThreads, 0, stream>>>(p);
+        gather_kernel<0, 4><<<grid_for<gather_kernel<0, 4>>(n, 4), kThreads, 0, stream>>>(p);
       else if (fits(2))
-        gather_kernel<0, 2><<<grid, kThreads, 0, stream>>>(p);
+        gather_kernel<0, 2><<<grid_for<gather_kernel<0, 2>>(n, 4), kThreads, 0, stream>>>(p);
       else
-        gather_kernel<0, 1><<<grid, kThreads, 0, stream>>>(p);
+        gather_kernel<0, 1><<<grid_for<gather_kernel<0, 1>>(n, 4), kThreads, 0, stream>>>(p);
       break;
     }
-    case GatherMode::kDequantFp8: gather_kernel<1, 8><<<grid, kThreads, 0, stream>>>(p); break;
-    case GatherMode::kDequantDs: gather_kernel<2, 16><<<grid, kThreads, 0, stream>>>(p); break;
+    case GatherMode::kDequantFp8:
+      gather_kernel<1, 8><<<grid_for<gather_kernel<1, 8>>(n, 4), kThreads, 0, stream>>>(p);
+      break;
+    case GatherMode::kDequantDs:
+      gather_kernel<2, 16><<<grid_for<gather_kernel<2, 16>>(n, 4), kThreads, 0, stream>>>(p);
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -649,19 +792,26 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  dequant_paged_kernel<<<grid_for(p.count, 4), kThreads, 0, stream>>>(p);
+  dequant_paged_kernel<<<grid_for<dequant_paged_kernel>(p.count, 4), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t items = p.layers * p.count * p.src.view.sizes[1];
   if (items == 0) return cudaSuccess;
-  const unsigned grid = grid_for(items, kU);
   switch (p.kind) {
-    case ConvertKind::kFp8ToDs: convert_kernel<0><<<grid, kThreads, 0, stream>>>(p); break;
-    case ConvertKind::kDsToFp8: convert_kernel<1><<<grid, kThreads, 0, stream>>>(p); break;
-    case ConvertKind::kBf16ToDs: convert_kernel<2><<<grid, kThreads, 0, stream>>>(p); break;
-    case ConvertKind::kDsToBf16: convert_kernel<3><<<grid, kThreads, 0, stream>>>(p); break;
+    case ConvertKind::kFp8ToDs:
+      convert_kernel<0><<<grid_for<convert_kernel<0>>(items, 4), kThreads, 0, stream>>>(p);
+      break;
+    case ConvertKind::kDsToFp8:
+      convert_kernel<1><<<grid_for<convert_kernel<1>>(items, 4), kThreads, 0, stream>>>(p);
+      break;
+    case ConvertKind::kBf16ToDs:
+      convert_kernel<2><<<grid_for<convert_kernel<2>>(items, 2), kThreads, 0, stream>>>(p);
+      break;
+    case ConvertKind::kDsToBf16:
+      convert_kernel<3><<<grid_for<convert_kernel<3>>(items, 4), kThreads, 0, stream>>>(p);
+      break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
