@@ -260,159 +260,200 @@ __device__ __forceinline__ void store_fp8_as_ds(const Fp8In& in, uint8_t* dst, i
   if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, dequant8<true>(in.rope, one));
 }
 
-// ---- the loop shape every kernel below shares: a warp takes a few entries per trip (grid-stride
-// over one resident wave); it issues all their data loads, then the index loads of its next trip
-// (slots, block tables: their latency overlaps this trip's data), then converts and stores. Source
-// rows indexed by token never wait for the slot: the slot only picks where the result goes. ----
+// ---- the loop shape every kernel below shares (pipeline): a warp takes one work item (a few
+// entries) per trip, grid-stride over one resident wave. Index loads (slots, block tables, block
+// lists) run two trips ahead and data loads one trip ahead, so while a warp converts and stores
+// one item, the next item's bytes are already in flight: a warp that spends most of its time on
+// arithmetic still keeps memory busy. Source rows indexed by token never wait for the slot. ----
 
 __device__ __forceinline__ bool slot_ok(int64_t s, int64_t limit) { return s >= 0 && s < limit; }
 
+/// index(i) issues item i's index loads (an empty result past the end), load(i, idx) its data
+/// loads, store(i, idx, data) converts and writes it.
+template <class Index, class Load, class Store>
+__device__ __forceinline__ void pipeline(int64_t items, Index index, Load load, Store store) {
+  const int64_t step = total_warps();
+  int64_t i = global_warp();
+  if (i >= items) return;
+  auto ic = index(i);
+  auto in1 = index(i + step);
+  auto dc = load(i, ic);
+  for (; i < items; i += step) {
+    auto dn = load(i + step, in1);
+    auto in2 = index(i + 2 * step);
+    store(i, ic, dc);
+    ic = in1;
+    in1 = in2;
+    dc = dn;
+  }
+}
+
 /// s[u] = slots[n0 + u], -1 past `count`.
 template <int kN, class T>
-__device__ __forceinline__ void load_slots(const T* slots, int64_t n0, int64_t count, int64_t (&s)[kN]) {
+struct Slots {
+  int64_t s[kN];
+};
+template <int kN, class T>
+__device__ __forceinline__ Slots<kN, T> load_slots(const T* slots, int64_t n0, int64_t count) {
+  Slots<kN, T> r;
 #pragma unroll
-  for (int u = 0; u < kN; ++u) s[u] = n0 + u < count ? static_cast<int64_t>(slots[n0 + u]) : -1;
+  for (int u = 0; u < kN; ++u) r.s[u] = n0 + u < count ? static_cast<int64_t>(slots[n0 + u]) : -1;
+  return r;
 }
 
 // ---- write_mla ----
 
 template <int kMode>
-__global__ void __launch_bounds__(kThreads, 4) write_mla_kernel(const WriteMlaParams p) {
-  constexpr int kU = 2;  // tokens per warp and trip
+__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel(const WriteMlaParams p) {
+  constexpr int kU = kMode == 0 ? 2 : 1;  // tokens per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
   const Recip rc = make_recip(p.scale);
-  const int64_t step = total_warps() * kU;
-  int64_t n0 = global_warp() * kU;
-  int64_t s[kU];
-  load_slots(p.slots, n0, p.tokens, s);
-  for (; n0 < p.tokens; n0 += step) {
-    uint4 v[kU][3] = {};
+  const int64_t items = (p.tokens + kU - 1) / kU;
+  struct In {
+    uint4 v[kU][3];
+  };
+  pipeline(
+      items, [&](int64_t i) { return load_slots<kU>(p.slots, i * kU, p.tokens); },
+      [&](int64_t i, const Slots<kU, int64_t>&) {
+        In in;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t n = n0 + u;
-      if (n >= p.tokens) continue;
-      const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
-      const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
-      if constexpr (kMode == 2) {
-        const Bf16In in = load_bf16(nope, rope, lane);
-        v[u][0] = in.a;
-        v[u][1] = in.b;
-        v[u][2] = in.rope;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const int g = lane + 32 * i;
-          if (g < 72) v[u][i] = g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64));
-        }
-      }
-    }
-    int64_t next[kU];
-    load_slots(p.slots, n0 + step, p.tokens, next);
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (!slot_ok(s[u], limit)) continue;  // uniform over the warp
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      uint8_t* dst = p.cache.entry(blk, off);
-      if constexpr (kMode == 2) {
-        Bf16In in;
-        in.a = v[u][0];
-        in.b = v[u][1];
-        in.rope = v[u][2];
-        store_bf16_as_ds(in, dst, lane);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const int g = lane + 32 * i;
-          if (g >= 72) continue;
-          if constexpr (kMode == 0) {
-            st_v16(dst + 16 * g, v[u][i]);
+        for (int u = 0; u < kU; ++u) {
+          in.v[u][0] = in.v[u][1] = in.v[u][2] = uint4{};
+          const int64_t n = i * kU + u;
+          if (n >= p.tokens) continue;
+          const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
+          const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
+          if constexpr (kMode == 2) {
+            const Bf16In b = load_bf16(nope, rope, lane);
+            in.v[u][0] = b.a;
+            in.v[u][1] = b.b;
+            in.v[u][2] = b.rope;
           } else {
-            float x[8];
-            to_floats(v[u][i], bf16, x);
-            st_v8(dst + 8 * g, quant8(x, rc));
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              const int g = lane + 32 * k;
+              if (g < 72) in.v[u][k] = g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64));
+            }
           }
         }
-      }
-    }
+        return in;
+      },
+      [&](int64_t, const Slots<kU, int64_t>& sl, const In& in) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) s[u] = next[u];
-  }
+        for (int u = 0; u < kU; ++u) {
+          if (!slot_ok(sl.s[u], limit)) continue;  // uniform over the warp
+          int64_t blk, off;
+          divmod(sl.s[u], bs, blk, off);
+          uint8_t* dst = p.cache.entry(blk, off);
+          if constexpr (kMode == 2) {
+            Bf16In b;
+            b.a = in.v[u][0];
+            b.b = in.v[u][1];
+            b.rope = in.v[u][2];
+            store_bf16_as_ds(b, dst, lane);
+          } else {
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              const int g = lane + 32 * k;
+              if (g >= 72) continue;
+              if constexpr (kMode == 0) {
+                st_v16(dst + 16 * g, in.v[u][k]);
+              } else {
+                float x[8];
+                to_floats(in.v[u][k], bf16, x);
+                st_v8(dst + 8 * g, quant8(x, rc));
+              }
+            }
+          }
+        }
+      });
 }
 
-// ---- write_mha: one warp per token, K and V planes together ----
+// ---- write_mha: an item is one token's K and V over 32 * kG 16-byte groups per plane ----
 
 template <bool kFp8>
 __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaParams p) {
-  constexpr int kG = 4;  // 16-byte groups per lane and plane in flight
+  constexpr int kG = kFp8 ? 2 : 4;  // 16-byte groups per lane and plane in flight
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
   const int64_t limit = kv.sizes[0] * bs;
   const int64_t gpd = d / 8, groups = h * gpd;
+  const int64_t chunks = (groups + 32 * kG - 1) / (32 * kG);
   const int64_t eb = kFp8 ? 1 : 2;
   const bool bf16 = p.input_dtype == DType::kBF16;
   const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
   const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
-  const int64_t step = total_warps();
-  int64_t n = global_warp();
-  int64_t s = n < p.tokens ? p.slots[n] : -1;
-  for (; n < p.tokens; n += step) {
-    const int64_t next = n + step < p.tokens ? p.slots[n + step] : -1;
-    const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
-    const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
-    for (int64_t g0 = 0; g0 < groups; g0 += 32 * kG) {
-      uint4 a[kG] = {}, b[kG] = {};
+  const int64_t items = p.tokens * chunks;
+  struct In {
+    uint4 a[kG], b[kG];
+  };
+  pipeline(
+      items,
+      [&](int64_t i) {
+        int64_t n = 0, c = 0;
+        if (i < items) divmod(i, chunks, n, c);
+        return i < items ? p.slots[n] : int64_t{-1};
+      },
+      [&](int64_t i, int64_t) {
+        In in = {};
+        if (i >= items) return in;
+        int64_t n, c;
+        divmod(i, chunks, n, c);
+        const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
+        const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
 #pragma unroll
-      for (int i = 0; i < kG; ++i) {
-        const int64_t g = g0 + lane + 32 * i;
-        if (g < groups) {
-          a[i] = ld_v16(sk + 16 * g);
-          b[i] = ld_v16(sv + 16 * g);
+        for (int k = 0; k < kG; ++k) {
+          const int64_t g = c * 32 * kG + lane + 32 * k;
+          if (g < groups) {
+            in.a[k] = ld_v16(sk + 16 * g);
+            in.b[k] = ld_v16(sv + 16 * g);
+          }
         }
-      }
-      if (!slot_ok(s, limit)) continue;
-      int64_t blk, off;
-      divmod(s, bs, blk, off);
-      uint8_t* ek = p.k_cache.entry(blk, off);
-      uint8_t* ev = p.v_cache.entry(blk, off);
+        return in;
+      },
+      [&](int64_t i, int64_t s, const In& in) {
+        if (!slot_ok(s, limit)) return;
+        int64_t n, c, blk, off;
+        divmod(i, chunks, n, c);
+        divmod(s, bs, blk, off);
+        uint8_t* ek = p.k_cache.entry(blk, off);
+        uint8_t* ev = p.v_cache.entry(blk, off);
 #pragma unroll
-      for (int i = 0; i < kG; ++i) {
-        const int64_t g = g0 + lane + 32 * i;
-        if (g >= groups) continue;
-        int64_t hh, kg;
-        divmod(g, gpd, hh, kg);
-        uint8_t* dk = ek + hh * hsk + kg * 8 * eb;
-        uint8_t* dv = ev + hh * hsv + kg * 8 * eb;
-        if constexpr (!kFp8) {
-          st_v16(dk, a[i]);
-          st_v16(dv, b[i]);
-        } else {
-          float x[8];
-          to_floats(a[i], bf16, x);
-          st_v8(dk, quant8(x, rk));
-          to_floats(b[i], bf16, x);
-          st_v8(dv, quant8(x, rv));
+        for (int k = 0; k < kG; ++k) {
+          const int64_t g = c * 32 * kG + lane + 32 * k;
+          if (g >= groups) continue;
+          int64_t hh, kg;
+          divmod(g, gpd, hh, kg);
+          uint8_t* dk = ek + hh * hsk + kg * 8 * eb;
+          uint8_t* dv = ev + hh * hsv + kg * 8 * eb;
+          if constexpr (!kFp8) {
+            st_v16(dk, in.a[k]);
+            st_v16(dv, in.b[k]);
+          } else {
+            float x[8];
+            to_floats(in.a[k], bf16, x);
+            st_v8(dk, quant8(x, rk));
+            to_floats(in.b[k], bf16, x);
+            st_v8(dv, quant8(x, rv));
+          }
         }
-      }
-    }
-    s = next;
-  }
+      });
 }
 
 // ---- indexer: kVec-byte loads, 256 / kVec lanes per 128-value row (16 lanes and two rows per
-// warp access with 16-byte loads), 8 rows per warp and trip ----
+// warp access with 16-byte loads), kRows rows per item ----
 
 template <int kVec>
 __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const IndexerWriteParams p) {
   constexpr int kLanes = 2 * kIndexerHeadDim / kVec;  // lanes per row
   constexpr int kPer = 32 / kLanes;                   // rows per warp-wide access
   constexpr int kE = kVec / 2;                        // values per lane
-  constexpr int kRows = 8;                            // rows per warp and trip
-  constexpr int kOps = kRows / kPer;                  // accesses per lane and trip
+  constexpr int kOps = 2;                             // accesses per lane and item
+  constexpr int kRows = kOps * kPer;                  // rows per item
   using Vec = std::conditional_t<kVec == 16, uint4, uint2>;
   const int lane = threadIdx.x & 31, hl = lane % kLanes, sub = lane / kLanes;
   const int64_t bs = p.cache.view.sizes[1];
@@ -420,57 +461,60 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const Indexe
   const bool bf16 = p.input_dtype == DType::kBF16;
   const uint8_t* const k = static_cast<const uint8_t*>(p.k);
   const int64_t row_bytes = p.k_stride * 2;
-  const int64_t step = total_warps() * kRows;
-  auto slots_of = [&](int64_t n0, int64_t(&o)[kOps]) {
-#pragma unroll
-    for (int i = 0; i < kOps; ++i) {
-      const int64_t n = n0 + i * kPer + sub;
-      o[i] = n < p.tokens ? p.slots[n] : -1;
-    }
-  };
-  int64_t n0 = global_warp() * kRows;
-  int64_t s[kOps];
-  slots_of(n0, s);
-  for (; n0 < p.tokens; n0 += step) {
+  const int64_t items = (p.tokens + kRows - 1) / kRows;
+  struct In {
     Vec raw[kOps];
+  };
+  pipeline(
+      items,
+      [&](int64_t i) {
+        Slots<kOps, int64_t> o;
 #pragma unroll
-    for (int i = 0; i < kOps; ++i) {
-      const int64_t n = n0 + i * kPer + sub;
-      raw[i] = Vec{};
-      if (n < p.tokens) raw[i] = *reinterpret_cast<const Vec*>(k + n * row_bytes + kVec * hl);
-    }
-    int64_t next[kOps];
-    slots_of(n0 + step, next);
+        for (int u = 0; u < kOps; ++u) {
+          const int64_t n = i * kRows + u * kPer + sub;
+          o.s[u] = n < p.tokens ? p.slots[n] : -1;
+        }
+        return o;
+      },
+      [&](int64_t i, const Slots<kOps, int64_t>&) {
+        In in;
 #pragma unroll
-    for (int i = 0; i < kOps; ++i) {
-      uint16_t hv[kE];
-      memcpy(hv, &raw[i], kVec);
-      float x[kE];
-      float amax = 0.0f;
+        for (int u = 0; u < kOps; ++u) {
+          const int64_t n = i * kRows + u * kPer + sub;
+          in.raw[u] = Vec{};
+          if (n < p.tokens) in.raw[u] = *reinterpret_cast<const Vec*>(k + n * row_bytes + kVec * hl);
+        }
+        return in;
+      },
+      [&](int64_t, const Slots<kOps, int64_t>& sl, const In& in) {
 #pragma unroll
-      for (int e = 0; e < kE; ++e) {
-        x[e] = half_to_float(hv[e], bf16);
-        amax = fmax_f(amax, abs_f(x[e]));
-      }
+        for (int u = 0; u < kOps; ++u) {
+          uint16_t hv[kE];
+          memcpy(hv, &in.raw[u], kVec);
+          float x[kE];
+          float amax = 0.0f;
 #pragma unroll
-      for (int m = kLanes / 2; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
-      if (slot_ok(s[i], limit)) {
-        const float sc = indexer_scale(amax, p.ue8m0);
-        const Recip r = make_recip(sc);
-        int64_t blk, off;
-        divmod(s[i], bs, blk, off);
-        uint8_t* block = p.cache.entry(blk, 0);
-        uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
-        if constexpr (kE == 8)
-          st_v8(vals, quant8(x, r));
-        else
-          *reinterpret_cast<uint32_t*>(vals) = quant4(x, r);
-        if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
-      }
-    }
+          for (int e = 0; e < kE; ++e) {
+            x[e] = half_to_float(hv[e], bf16);
+            amax = fmax_f(amax, abs_f(x[e]));
+          }
 #pragma unroll
-    for (int i = 0; i < kOps; ++i) s[i] = next[i];
-  }
+          for (int m = kLanes / 2; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+          if (slot_ok(sl.s[u], limit)) {
+            const float sc = indexer_scale(amax, p.ue8m0);
+            const Recip r = make_recip(sc);
+            int64_t blk, off;
+            divmod(sl.s[u], bs, blk, off);
+            uint8_t* block = p.cache.entry(blk, 0);
+            uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
+            if constexpr (kE == 8)
+              st_v8(vals, quant8(x, r));
+            else
+              *reinterpret_cast<uint32_t*>(vals) = quant4(x, r);
+            if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+          }
+        }
+      });
 }
 
 // ---- gathers ----
@@ -487,234 +531,246 @@ __device__ __forceinline__ int64_t find_request(const int32_t* cu, int64_t batch
   return lo;
 }
 
-/// kR consecutive rows per warp and trip: one binary search, then all block-table loads (for the
-/// next trip, while this trip's data loads are in flight), then all data loads.
-template <int kMode, int kVec>
-__global__ void __launch_bounds__(kThreads, kMode == 1 ? 3 : 2) gather_kernel(const GatherParams p) {
-  constexpr int kR = 4;  // rows per warp and trip
+/// Entry addresses of the kR rows from j0 (null past the end): one binary search, then the
+/// block-table loads.
+template <int kR>
+struct Rows {
+  const uint8_t* src[kR];
+};
+template <int kR>
+__device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, int64_t j0) {
+  Rows<kR> out;
+#pragma unroll
+  for (int u = 0; u < kR; ++u) out.src[u] = nullptr;
+  if (j0 >= p.total_rows) return out;
+  const int64_t bs = p.cache.view.sizes[1];
+  int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
+  int64_t tok[kR], col[kR], req[kR];
+#pragma unroll
+  for (int u = 0; u < kR; ++u) {
+    tok[u] = col[u] = 0;
+    req[u] = r;
+    const int64_t j = j0 + u;
+    if (j >= p.total_rows) continue;
+    while (p.cu_seq_lens[r + 1] <= j) ++r;
+    req[u] = r;
+    const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
+    divmod(pos, bs, col[u], tok[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kR; ++u)
+    if (j0 + u < p.total_rows)
+      out.src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
+  return out;
+}
+
+/// Raw copy (16-byte vectors) and fp8 -> bf16: an item is kR consecutive rows x up to 96 vectors
+/// of each (rows longer than that take several items).
+template <int kMode>
+__global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams p) {
+  constexpr int kR = kMode == 0 ? 2 : 4;  // rows per item
+  using Vec = std::conditional_t<kMode == 0, uint4, uint2>;
   const int lane = threadIdx.x & 31;
   const TensorView& v = p.cache.view;
-  const int64_t bs = v.sizes[1], e = v.sizes[2];
   const int64_t eb = dtype_size(v.dtype);
-  const int64_t dst_eb = kMode == 0 ? eb : 2;
+  const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
+  const int64_t chunks = (n + 95) / 96;
+  const int64_t dst_row = p.dst_stride * (kMode == 0 ? eb : 2);
+  const int64_t items = (p.total_rows + kR - 1) / kR * chunks;
   const DqScale dq = make_dq_scale(p.scale);
-  const int64_t step = total_warps() * kR;
-  // Entry addresses of the kR rows from j0 (null past the end).
-  auto locate = [&](int64_t j0, const uint8_t*(&src)[kR]) {
+  struct In {
+    Vec x[kR][3];
+  };
+  pipeline(
+      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i / chunks * kR : p.total_rows); },
+      [&](int64_t i, const Rows<kR>& r) {
+        In in;
+        const int64_t k0 = i % chunks * 96;
 #pragma unroll
-    for (int u = 0; u < kR; ++u) src[u] = nullptr;
-    if (j0 >= p.total_rows) return;
-    int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
-    int64_t tok[kR], col[kR], req[kR];
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int c = 0; c < 3; ++c) {
+            const int64_t k = k0 + lane + 32 * c;
+            in.x[u][c] = Vec{};
+            if (r.src[u] && k < n) in.x[u][c] = *reinterpret_cast<const Vec*>(r.src[u] + sizeof(Vec) * k);
+          }
+        return in;
+      },
+      [&](int64_t i, const Rows<kR>& r, const In& in) {
+        const int64_t j0 = i / chunks * kR, k0 = i % chunks * 96;
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * dst_row;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int c = 0; c < 3; ++c) {
+            const int64_t k = k0 + lane + 32 * c;
+            if (!r.src[u] || k >= n) continue;
+            if constexpr (kMode == 0)
+              st_v16(out + u * dst_row + 16 * k, in.x[u][c]);
+            else
+              st_v16(out + u * dst_row + 16 * k, dequant8(in.x[u][c], dq));
+          }
+      });
+}
+
+/// 656 B -> bf16 rows, kR rows per item.
+__global__ void __launch_bounds__(kThreads, 3) gather_ds_kernel(const GatherParams p) {
+  constexpr int kR = 2;
+  const int lane = threadIdx.x & 31;
+  const int64_t dst_row = p.dst_stride * 2;
+  const int64_t items = (p.total_rows + kR - 1) / kR;
+  struct In {
+    DsIn e[kR];
+  };
+  pipeline(
+      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i * kR : p.total_rows); },
+      [&](int64_t, const Rows<kR>& r) {
+        In in;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+          if (r.src[u]) in.e[u] = load_ds(r.src[u], lane);
+        return in;
+      },
+      [&](int64_t i, const Rows<kR>& r, const In& in) {
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + i * kR * dst_row;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+          if (r.src[u]) store_ds_as_bf16(in.e[u], out + u * dst_row, lane);
+      });
+}
+
+/// Raw copy of rows not 16-byte aligned (kVec-byte accesses), kR rows per warp and trip.
+template <int kVec>
+__global__ void __launch_bounds__(kThreads) gather_copy_narrow_kernel(const GatherParams p) {
+  constexpr int kR = 4;
+  const int lane = threadIdx.x & 31;
+  const TensorView& v = p.cache.view;
+  const int64_t eb = dtype_size(v.dtype);
+  const int64_t n = v.sizes[2] * eb / kVec;
+  const int64_t dst_row = p.dst_stride * eb;
+  for (int64_t j0 = global_warp() * kR; j0 < p.total_rows; j0 += total_warps() * kR) {
+    const Rows<kR> r = locate_rows<kR>(p, j0);
+    uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * dst_row;
 #pragma unroll
     for (int u = 0; u < kR; ++u) {
-      tok[u] = col[u] = 0;
-      req[u] = r;
-      const int64_t j = j0 + u;
-      if (j >= p.total_rows) continue;
-      while (p.cu_seq_lens[r + 1] <= j) ++r;
-      req[u] = r;
-      const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
-      divmod(pos, bs, col[u], tok[u]);
+      const uint8_t* s = r.src[u];
+      if (!s) continue;
+      uint8_t* dst = out + u * dst_row;
+      for (int64_t k = lane; k < n; k += 32) {
+        if constexpr (kVec == 4)
+          reinterpret_cast<uint32_t*>(dst)[k] = reinterpret_cast<const uint32_t*>(s)[k];
+        else if constexpr (kVec == 2)
+          reinterpret_cast<uint16_t*>(dst)[k] = reinterpret_cast<const uint16_t*>(s)[k];
+        else
+          dst[k] = s[k];
+      }
     }
-#pragma unroll
-    for (int u = 0; u < kR; ++u)
-      if (j0 + u < p.total_rows) src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
-  };
-  int64_t j0 = global_warp() * kR;
-  const uint8_t* src[kR];
-  locate(j0, src);
-  for (; j0 < p.total_rows; j0 += step) {
-    const int rows = p.total_rows - j0 < kR ? static_cast<int>(p.total_rows - j0) : kR;
-    uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * p.dst_stride * dst_eb;
-    const int64_t dst_row = p.dst_stride * dst_eb;
-    const uint8_t* nsrc[kR];
-    bool located = false;
-    if constexpr (kMode == 0 && kVec == 16) {
-      const int64_t n = e * eb / 16;
-      for (int64_t k0 = 0; k0 < n; k0 += 96) {
-        uint4 x[kR][3] = {};
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) x[u][i] = ld_v16(src[u] + 16 * k);
-          }
-        if (!located) {
-          locate(j0 + step, nsrc);
-          located = true;
-        }
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) st_v16(out + u * dst_row + 16 * k, x[u][i]);
-          }
-      }
-    } else if constexpr (kMode == 0) {
-      const int64_t n = e * eb / kVec;
-      for (int u = 0; u < rows; ++u) {
-        const uint8_t* s = src[u];
-        uint8_t* dst = out + u * dst_row;
-        for (int64_t k = lane; k < n; k += 32) {
-          if constexpr (kVec == 4)
-            reinterpret_cast<uint32_t*>(dst)[k] = reinterpret_cast<const uint32_t*>(s)[k];
-          else if constexpr (kVec == 2)
-            reinterpret_cast<uint16_t*>(dst)[k] = reinterpret_cast<const uint16_t*>(s)[k];
-          else
-            dst[k] = s[k];
-        }
-      }
-    } else if constexpr (kMode == 1) {
-      const int64_t n = e / 8;
-      for (int64_t k0 = 0; k0 < n; k0 += 96) {
-        uint2 x[kR][3] = {};
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) x[u][i] = ld_v8(src[u] + 8 * k);
-          }
-        if (!located) {
-          locate(j0 + step, nsrc);
-          located = true;
-        }
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) st_v16(out + u * dst_row + 16 * k, dequant8(x[u][i], dq));
-          }
-      }
-    } else {
-      DsIn in[kR];
-#pragma unroll
-      for (int u = 0; u < kR; ++u)
-        if (u < rows) in[u] = load_ds(src[u], lane);
-      locate(j0 + step, nsrc);
-      located = true;
-#pragma unroll
-      for (int u = 0; u < kR; ++u)
-        if (u < rows) store_ds_as_bf16(in[u], out + u * dst_row, lane);
-    }
-    if (!located) locate(j0 + step, nsrc);
-#pragma unroll
-    for (int u = 0; u < kR; ++u) src[u] = nsrc[u];
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const DequantPagedParams p) {
-  constexpr int kR = 4;
+  constexpr int kR = 2;
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
-  const int64_t step = total_warps() * kR;
-  int64_t i0 = global_warp() * kR;
-  int64_t s[kR];
-  load_slots(p.slots, i0, p.count, s);
-  for (; i0 < p.count; i0 += step) {
-    DsIn in[kR];
+  const int64_t items = (p.count + kR - 1) / kR;
+  struct In {
+    DsIn e[kR];
+  };
+  pipeline(
+      items, [&](int64_t i) { return load_slots<kR>(p.slots, i * kR, p.count); },
+      [&](int64_t, const Slots<kR, int32_t>& sl) {
+        In in;
 #pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      if (!slot_ok(s[u], limit)) continue;
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      in[u] = load_ds(p.cache.entry(blk, off), lane);
-    }
-    int64_t next[kR];
-    load_slots(p.slots, i0 + step, p.count, next);
+        for (int u = 0; u < kR; ++u) {
+          if (!slot_ok(sl.s[u], limit)) continue;
+          int64_t blk, off;
+          divmod(sl.s[u], bs, blk, off);
+          in.e[u] = load_ds(p.cache.entry(blk, off), lane);
+        }
+        return in;
+      },
+      [&](int64_t i, const Slots<kR, int32_t>& sl, const In& in) {
 #pragma unroll
-    for (int u = 0; u < kR; ++u)
-      if (slot_ok(s[u], limit))
-        store_ds_as_bf16(in[u], static_cast<uint8_t*>(p.dst) + (i0 + u) * p.dst_stride * 2, lane);
-#pragma unroll
-    for (int u = 0; u < kR; ++u) s[u] = next[u];
-  }
+        for (int u = 0; u < kR; ++u)
+          if (slot_ok(sl.s[u], limit))
+            store_ds_as_bf16(in.e[u], static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
+      });
 }
 
 // ---- conversions ----
 
 template <int kKind>
-__global__ void __launch_bounds__(kThreads, kKind == 0 || kKind == 2 ? 3 : 2) convert_kernel(const ConvertParams p) {
-  constexpr int kU = kKind == 2 ? 2 : 4;  // entries per warp and trip
+__global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) convert_kernel(const ConvertParams p) {
+  constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
-  const int64_t items = p.layers * p.count * bs;
+  const int64_t entries = p.layers * p.count * bs;
+  const int64_t items = (entries + kU - 1) / kU;
   const DqScale one = make_dq_scale(1.0f);
-  const int64_t step = total_warps() * kU;
   struct Where {
     const uint8_t* src[kU];
     uint8_t* dst[kU];
     int64_t blk[kU];
   };
-  auto locate = [&](int64_t w0, Where& a) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      a.src[u] = nullptr;
-      a.dst[u] = nullptr;
-      a.blk[u] = 0;
-      const int64_t w = w0 + u;
-      if (w >= items) continue;
-      int64_t q, t, l, i;
-      divmod(w, bs, q, t);
-      divmod(q, p.count, l, i);
-      const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
-      const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
-      a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
-      a.dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
-      a.blk[u] = i;
-    }
+  using E = std::conditional_t<kKind == 0, Fp8In,
+                               std::conditional_t<kKind == 1, Ds8In, std::conditional_t<kKind == 2, Bf16In, DsIn>>>;
+  struct In {
+    E e[kU];
   };
-  int64_t w0 = global_warp() * kU;
-  Where at;
-  locate(w0, at);
-  for (; w0 < items; w0 += step) {
-    Where nx;
-    if constexpr (kKind == 0) {
-      Fp8In in[kU];
+  pipeline(
+      items,
+      [&](int64_t i) {
+        Where a;
 #pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) in[u] = load_fp8(at.src[u], lane);
-      locate(w0 + step, nx);
+        for (int u = 0; u < kU; ++u) {
+          a.src[u] = nullptr;
+          a.dst[u] = nullptr;
+          a.blk[u] = 0;
+          const int64_t w = i * kU + u;
+          if (w >= entries) continue;
+          int64_t q, t, l, b;
+          divmod(w, bs, q, t);
+          divmod(q, p.count, l, b);
+          const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
+          const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
+          a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
+          a.dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
+          a.blk[u] = b;
+        }
+        return a;
+      },
+      [&](int64_t, const Where& a) {
+        In in;
 #pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) store_fp8_as_ds(in[u], at.dst[u], lane, one);
-    } else if constexpr (kKind == 2) {
-      Bf16In in[kU];
+        for (int u = 0; u < kU; ++u) {
+          if (!a.src[u]) continue;
+          if constexpr (kKind == 0)
+            in.e[u] = load_fp8(a.src[u], lane);
+          else if constexpr (kKind == 1)
+            in.e[u] = load_ds8(a.src[u], lane);
+          else if constexpr (kKind == 2)
+            in.e[u] = load_bf16(a.src[u], a.src[u] + kMlaRank * 2, lane);
+          else
+            in.e[u] = load_ds(a.src[u], lane);
+        }
+        return in;
+      },
+      [&](int64_t, const Where& a, const In& in) {
 #pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) in[u] = load_bf16(at.src[u], at.src[u] + kMlaRank * 2, lane);
-      locate(w0 + step, nx);
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) store_bf16_as_ds(in[u], at.dst[u], lane);
-    } else if constexpr (kKind == 1) {
-      Ds8In in[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) in[u] = load_ds8(at.src[u], lane);
-      locate(w0 + step, nx);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (!at.src[u]) continue;
-        const bool ok = store_ds_as_fp8(in[u], at.dst[u], lane);
-        if (!ok && lane == 0 && p.not_lossless) p.not_lossless[at.blk[u]] = 1;
-      }
-    } else {
-      DsIn in[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) in[u] = load_ds(at.src[u], lane);
-      locate(w0 + step, nx);
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (at.src[u]) store_ds_as_bf16(in[u], at.dst[u], lane);
-    }
-    at = nx;
-  }
+        for (int u = 0; u < kU; ++u) {
+          if (!a.src[u]) continue;
+          if constexpr (kKind == 0) {
+            store_fp8_as_ds(in.e[u], a.dst[u], lane, one);
+          } else if constexpr (kKind == 1) {
+            const bool ok = store_ds_as_fp8(in.e[u], a.dst[u], lane);
+            if (!ok && lane == 0 && p.not_lossless) p.not_lossless[a.blk[u]] = 1;
+          } else if constexpr (kKind == 2) {
+            store_bf16_as_ds(in.e[u], a.dst[u], lane);
+          } else {
+            store_ds_as_bf16(in.e[u], a.dst[u], lane);
+          }
+        }
+      });
 }
 
 bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0; }
@@ -728,10 +784,10 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
       write_mla_kernel<0><<<grid_for<write_mla_kernel<0>>(p.tokens, 2), kThreads, 0, stream>>>(p);
       break;
     case MlaWriteMode::kFp8:
-      write_mla_kernel<1><<<grid_for<write_mla_kernel<1>>(p.tokens, 2), kThreads, 0, stream>>>(p);
+      write_mla_kernel<1><<<grid_for<write_mla_kernel<1>>(p.tokens, 1), kThreads, 0, stream>>>(p);
       break;
     case MlaWriteMode::kFp8Ds:
-      write_mla_kernel<2><<<grid_for<write_mla_kernel<2>>(p.tokens, 2), kThreads, 0, stream>>>(p);
+      write_mla_kernel<2><<<grid_for<write_mla_kernel<2>>(p.tokens, 1), kThreads, 0, stream>>>(p);
       break;
     default: return cudaErrorInvalidValue;
   }
@@ -750,9 +806,9 @@ cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
 cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
   if (aligned(p.k, 16) && (p.k_stride * 2) % 16 == 0)
-    indexer_write_kernel<16><<<grid_for<indexer_write_kernel<16>>(p.tokens, 8), kThreads, 0, stream>>>(p);
+    indexer_write_kernel<16><<<grid_for<indexer_write_kernel<16>>(p.tokens, 4), kThreads, 0, stream>>>(p);
   else
-    indexer_write_kernel<8><<<grid_for<indexer_write_kernel<8>>(p.tokens, 8), kThreads, 0, stream>>>(p);
+    indexer_write_kernel<8><<<grid_for<indexer_write_kernel<8>>(p.tokens, 2), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -770,21 +826,17 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
                aligned(p.dst, a) && (p.dst_stride * eb) % a == 0;
       };
       if (fits(16))
-        gather_kernel<0, 16><<<grid_for<gather_kernel<0, 16>>(n, 4), kThreads, 0, stream>>>(p);
+        gather_kernel<0><<<grid_for<gather_kernel<0>>(n, 2), kThreads, 0, stream>>>(p);
       else if (fits(4))
-        gather_kernel<0, 4><<<grid_for<gather_kernel<0, 4>>(n, 4), kThreads, 0, stream>>>(p);
+        gather_copy_narrow_kernel<4><<<grid_for<gather_copy_narrow_kernel<4>>(n, 4), kThreads, 0, stream>>>(p);
       else if (fits(2))
-        gather_kernel<0, 2><<<grid_for<gather_kernel<0, 2>>(n, 4), kThreads, 0, stream>>>(p);
+        gather_copy_narrow_kernel<2><<<grid_for<gather_copy_narrow_kernel<2>>(n, 4), kThreads, 0, stream>>>(p);
       else
-        gather_kernel<0, 1><<<grid_for<gather_kernel<0, 1>>(n, 4), kThreads, 0, stream>>>(p);
+        gather_copy_narrow_kernel<1><<<grid_for<gather_copy_narrow_kernel<1>>(n, 4), kThreads, 0, stream>>>(p);
       break;
     }
-    case GatherMode::kDequantFp8:
-      gather_kernel<1, 8><<<grid_for<gather_kernel<1, 8>>(n, 4), kThreads, 0, stream>>>(p);
-      break;
-    case GatherMode::kDequantDs:
-      gather_kernel<2, 16><<<grid_for<gather_kernel<2, 16>>(n, 4), kThreads, 0, stream>>>(p);
-      break;
+    case GatherMode::kDequantFp8: gather_kernel<1><<<grid_for<gather_kernel<1>>(n, 4), kThreads, 0, stream>>>(p); break;
+    case GatherMode::kDequantDs: gather_ds_kernel<<<grid_for<gather_ds_kernel>(n, 2), kThreads, 0, stream>>>(p); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -792,7 +844,7 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  dequant_paged_kernel<<<grid_for<dequant_paged_kernel>(p.count, 4), kThreads, 0, stream>>>(p);
+  dequant_paged_kernel<<<grid_for<dequant_paged_kernel>(p.count, 2), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -801,16 +853,16 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   if (items == 0) return cudaSuccess;
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
-      convert_kernel<0><<<grid_for<convert_kernel<0>>(items, 4), kThreads, 0, stream>>>(p);
+      convert_kernel<0><<<grid_for<convert_kernel<0>>(items, 2), kThreads, 0, stream>>>(p);
       break;
     case ConvertKind::kDsToFp8:
-      convert_kernel<1><<<grid_for<convert_kernel<1>>(items, 4), kThreads, 0, stream>>>(p);
+      convert_kernel<1><<<grid_for<convert_kernel<1>>(items, 2), kThreads, 0, stream>>>(p);
       break;
     case ConvertKind::kBf16ToDs:
-      convert_kernel<2><<<grid_for<convert_kernel<2>>(items, 2), kThreads, 0, stream>>>(p);
+      convert_kernel<2><<<grid_for<convert_kernel<2>>(items, 1), kThreads, 0, stream>>>(p);
       break;
     case ConvertKind::kDsToBf16:
-      convert_kernel<3><<<grid_for<convert_kernel<3>>(items, 4), kThreads, 0, stream>>>(p);
+      convert_kernel<3><<<grid_for<convert_kernel<3>>(items, 2), kThreads, 0, stream>>>(p);
       break;
     default: return cudaErrorInvalidValue;
   }
