@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "common/datapath_math.h"
@@ -66,6 +68,11 @@ __device__ __forceinline__ int64_t total_warps() { return (static_cast<int64_t>(
 template <auto kKernel>
 unsigned grid_for(int64_t items, int64_t per_warp) {
   static const int per_sm = [] {
+    // Kernels that stage through shared memory want all of it (the L1 share shrinks).
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, kKernel) == cudaSuccess && fa.sharedSizeBytes > 0)
+      (void)cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
     int b = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
     return b;
@@ -773,48 +780,497 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) co
       });
 }
 
+// ---- staged engine: each warp streams its items through a ring of kStages shared-memory stages
+// with cp.async, kStages - 1 items ahead, so bytes in flight no longer cost registers; it then
+// converts from shared memory and stores. Index loads (where a source address needs one) run one
+// trip further ahead in registers. Stage buffers are 16-byte aligned; a stage may start with a
+// header (slots, destination pointers) that process() reads back. ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp16(void* smem, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp8(void* smem, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kN>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN) : "memory");
+}
+/// The warp copies `chunks` 16-byte chunks from g to smem.
+__device__ __forceinline__ void warp_cp16(uint8_t* smem, const uint8_t* g, int chunks, int lane) {
+  for (int k = lane; k < chunks; k += 32) cp16(smem + 16 * k, g + 16 * k);
+}
+
+constexpr int kStages = 4;
+
+/// index(i) -> the item's index data (loads issued a trip before fetch needs them; past the end
+/// it must describe an empty item), fetch(i, stage, idx) issues its cp.async (none past the end),
+/// process(i, stage) converts and stores it.
+template <class Index, class Fetch, class Process>
+__device__ __forceinline__ void staged(int64_t items, Index index, Fetch fetch, Process process) {
+  const int64_t step = total_warps();
+  const int64_t i0 = global_warp();
+  if (i0 >= items) return;
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) {
+    fetch(i0 + k * step, k, index(i0 + k * step));
+    cp_commit();
+  }
+  auto pend = index(i0 + (kStages - 1) * step);
+  int stage = 0;
+  for (int64_t i = i0; i < items; i += step) {
+    const int ahead = stage == 0 ? kStages - 1 : stage - 1;
+    fetch(i + (kStages - 1) * step, ahead, pend);
+    cp_commit();
+    pend = index(i + kStages * step);
+    cp_wait<kStages - 1>();
+    __syncwarp();
+    process(i, stage);
+    __syncwarp();
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+  }
+  cp_wait<0>();
+}
+
+struct NoIndex {};
+
+__device__ __forceinline__ uint4 lds16(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint2 lds8(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
+
+/// The warp's ring: kStages stages of kBytes.
+template <int kBytes>
+__device__ __forceinline__ uint8_t* ring_stage(uint8_t (*ring)[kStages][kBytes], int stage) {
+  return ring[threadIdx.x >> 5][stage];
+}
+
+// write_mla: one token per item; stage = slot (16 B header), then 1024 B nope + 128 B rope.
+template <int kMode>
+__global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteMlaParams p) {
+  constexpr int kBytes = 16 + 1152;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t bs = p.cache.view.sizes[1];
+  const int64_t limit = p.cache.view.sizes[0] * bs;
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const Recip rc = make_recip(p.scale);
+  staged(
+      p.tokens, [](int64_t) { return NoIndex{}; },
+      [&](int64_t n, int stage, NoIndex) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (n >= p.tokens) return;
+        const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
+        const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
+        warp_cp16(st + 16, nope, 64, lane);
+        if (lane < 8) cp16(st + 16 + 1024 + 16 * lane, rope + 16 * lane);
+        if (lane == 8) cp8(st, p.slots + n);
+      },
+      [&](int64_t, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+        const int64_t s = *reinterpret_cast<const int64_t*>(st);
+        if (!slot_ok(s, limit)) return;
+        int64_t blk, off;
+        divmod(s, bs, blk, off);
+        uint8_t* dst = p.cache.entry(blk, off);
+        const uint8_t* d = st + 16;
+        if constexpr (kMode == 2) {
+          Bf16In in;
+          in.a = lds16(d + 32 * lane);
+          in.b = lds16(d + 32 * lane + 16);
+          if (lane < 8) in.rope = lds16(d + 1024 + 16 * lane);
+          store_bf16_as_ds(in, dst, lane);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 3; ++k) {
+            const int g = lane + 32 * k;
+            if (g >= 72) continue;
+            if constexpr (kMode == 0) {
+              st_v16(dst + 16 * g, lds16(d + 16 * g));
+            } else {
+              float x[8];
+              to_floats(lds16(d + 16 * g), bf16, x);
+              st_v8(dst + 8 * g, quant8(x, rc));
+            }
+          }
+        }
+      });
+}
+
+// write_mha: an item is one token's 32 16-byte groups of K and of V; stage = slot, K, V.
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads) write_mha_staged_kernel(const WriteMhaParams p) {
+  constexpr int kBytes = 16 + 1024;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const TensorView& kv = p.k_cache.view;
+  const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
+  const int64_t limit = kv.sizes[0] * bs;
+  const int64_t gpd = d / 8, groups = h * gpd;
+  const int64_t chunks = (groups + 31) / 32;
+  const int64_t eb = kFp8 ? 1 : 2;
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
+  const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
+  const int64_t items = p.tokens * chunks;
+  staged(
+      items, [](int64_t) { return NoIndex{}; },
+      [&](int64_t i, int stage, NoIndex) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (i >= items) return;
+        int64_t n, c;
+        divmod(i, chunks, n, c);
+        const int64_t g = c * 32 + lane;
+        if (g < groups) {
+          cp16(st + 16 + 16 * lane, static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2 + 16 * g);
+          cp16(st + 16 + 512 + 16 * lane, static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2 + 16 * g);
+        }
+        if (lane == 0) cp8(st, p.slots + n);
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+        const int64_t s = *reinterpret_cast<const int64_t*>(st);
+        if (!slot_ok(s, limit)) return;
+        int64_t n, c, blk, off, hh, kg;
+        divmod(i, chunks, n, c);
+        const int64_t g = c * 32 + lane;
+        if (g >= groups) return;
+        divmod(s, bs, blk, off);
+        divmod(g, gpd, hh, kg);
+        uint8_t* dk = p.k_cache.entry(blk, off) + hh * hsk + kg * 8 * eb;
+        uint8_t* dv = p.v_cache.entry(blk, off) + hh * hsv + kg * 8 * eb;
+        const uint4 a = lds16(st + 16 + 16 * lane), b = lds16(st + 16 + 512 + 16 * lane);
+        if constexpr (!kFp8) {
+          st_v16(dk, a);
+          st_v16(dv, b);
+        } else {
+          float x[8];
+          to_floats(a, bf16, x);
+          st_v8(dk, quant8(x, rk));
+          to_floats(b, bf16, x);
+          st_v8(dv, quant8(x, rv));
+        }
+      });
+}
+
+// indexer (16-byte aligned rows): 4 rows per item; stage = 4 slots, then 4 x 256 B.
+__global__ void __launch_bounds__(kThreads) indexer_write_staged_kernel(const IndexerWriteParams p) {
+  constexpr int kRows = 4;
+  constexpr int kBytes = 32 + kRows * 256;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31, hl = lane & 15, sub = lane >> 4;
+  const int64_t bs = p.cache.view.sizes[1];
+  const int64_t limit = p.cache.view.sizes[0] * bs;
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const int64_t row_bytes = p.k_stride * 2;
+  const int64_t items = (p.tokens + kRows - 1) / kRows;
+  staged(
+      items, [](int64_t) { return NoIndex{}; },
+      [&](int64_t i, int stage, NoIndex) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (i >= items) return;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int r = 2 * k + sub;
+          const int64_t n = i * kRows + r;
+          if (n < p.tokens)
+            cp16(st + 32 + 256 * r + 16 * hl, static_cast<const uint8_t*>(p.k) + n * row_bytes + 16 * hl);
+        }
+        if (lane < kRows) {
+          const int64_t n = i * kRows + lane;
+          if (n < p.tokens)
+            cp8(st + 8 * lane, p.slots + n);
+          else
+            *reinterpret_cast<int64_t*>(st + 8 * lane) = -1;
+        }
+      },
+      [&](int64_t, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int r = 2 * k + sub;
+          const int64_t s = reinterpret_cast<const int64_t*>(st)[r];
+          const H8 hv = unpack(lds16(st + 32 + 256 * r + 16 * hl));
+          float x[8];
+          float amax = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            x[e] = half_to_float(hv.h[e], bf16);
+            amax = fmax_f(amax, abs_f(x[e]));
+          }
+#pragma unroll
+          for (int m = 8; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+          if (slot_ok(s, limit)) {
+            const float sc = indexer_scale(amax, p.ue8m0);
+            int64_t blk, off;
+            divmod(s, bs, blk, off);
+            uint8_t* block = p.cache.entry(blk, 0);
+            st_v8(block + off * kIndexerHeadDim + 8 * hl, quant8(x, make_recip(sc)));
+            if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+          }
+        }
+      });
+}
+
+/// Raw copy (16-byte vectors) and fp8 -> bf16 (8-byte vectors) gathers: an item is one row's run of
+/// up to 72 vectors.
+template <int kMode>
+__global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherParams p) {
+  constexpr int kVec = kMode == 0 ? 16 : 8;
+  constexpr int kBytes = 72 * kVec;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const TensorView& v = p.cache.view;
+  const int64_t eb = dtype_size(v.dtype);
+  const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
+  const int64_t chunks = (n + 71) / 72;
+  const int64_t dst_row = p.dst_stride * (kMode == 0 ? eb : 2);
+  const int64_t items = p.total_rows * chunks;
+  const DqScale dq = make_dq_scale(p.scale);
+  staged(
+      items, [&](int64_t i) { return locate_rows<1>(p, i < items ? i / chunks : p.total_rows); },
+      [&](int64_t i, int stage, const Rows<1>& r) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (!r.src[0]) return;
+        const int64_t k0 = i % chunks * 72;
+        const int64_t m = n - k0 < 72 ? n - k0 : 72;
+        for (int k = lane; k < m; k += 32) {
+          if constexpr (kMode == 0)
+            cp16(st + 16 * k, r.src[0] + 16 * (k0 + k));
+          else
+            cp8(st + 8 * k, r.src[0] + 8 * (k0 + k));
+        }
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+        const int64_t j = i / chunks, k0 = i % chunks * 72;
+        const int64_t m = n - k0 < 72 ? n - k0 : 72;
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + j * dst_row + 16 * k0;
+        for (int k = lane; k < m; k += 32) {
+          if constexpr (kMode == 0)
+            st_v16(out + 16 * k, lds16(st + 16 * k));
+          else
+            st_v16(out + 16 * k, dequant8(lds8(st + 8 * k), dq));
+        }
+      });
+}
+
+/// 656 B -> bf16 rows, 2 rows per item.
+__global__ void __launch_bounds__(kThreads) gather_ds_staged_kernel(const GatherParams p) {
+  constexpr int kR = 2;
+  constexpr int kBytes = kR * kMlaDsBytes;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t dst_row = p.dst_stride * 2;
+  const int64_t items = (p.total_rows + kR - 1) / kR;
+  staged(
+      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i * kR : p.total_rows); },
+      [&](int64_t, int stage, const Rows<kR>& r) {
+        uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+          if (r.src[u]) warp_cp16(st + u * kMlaDsBytes, r.src[u], kMlaDsBytes / 16, lane);
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (i * kR + u >= p.total_rows) continue;
+          const uint8_t* e = st + u * kMlaDsBytes;
+          DsIn in;
+          in.q = lds16(e + 16 * lane);
+          in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
+          if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
+          store_ds_as_bf16(in, static_cast<uint8_t*>(p.dst) + (i * kR + u) * dst_row, lane);
+        }
+      });
+}
+
+__global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const DequantPagedParams p) {
+  constexpr int kR = 2;
+  constexpr int kBytes = 16 + kR * kMlaDsBytes;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
+  const int64_t items = (p.count + kR - 1) / kR;
+  staged(
+      items, [&](int64_t i) { return load_slots<kR>(p.slots, i * kR, p.count); },
+      [&](int64_t, int stage, const Slots<kR, int32_t>& sl) {
+        uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (lane == 0) reinterpret_cast<int64_t*>(st)[u] = sl.s[u];
+          if (!slot_ok(sl.s[u], limit)) continue;
+          int64_t blk, off;
+          divmod(sl.s[u], bs, blk, off);
+          warp_cp16(st + 16 + u * kMlaDsBytes, p.cache.entry(blk, off), kMlaDsBytes / 16, lane);
+        }
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (!slot_ok(reinterpret_cast<const int64_t*>(st)[u], limit)) continue;
+          const uint8_t* e = st + 16 + u * kMlaDsBytes;
+          DsIn in;
+          in.q = lds16(e + 16 * lane);
+          in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
+          if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
+          store_ds_as_bf16(in, static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
+        }
+      });
+}
+
+template <int kKind>
+__global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertParams p) {
+  constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
+  constexpr int kSrc = kKind == 0 ? kMlaFp8Bytes : kKind == 2 ? kMlaDim * 2 : kMlaDsBytes;
+  constexpr int kHdr = 16 * kU;  // destination pointer and block index per entry
+  constexpr int kBytes = kHdr + kU * kSrc;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t bs = p.src.view.sizes[1];
+  const int64_t entries = p.layers * p.count * bs;
+  const int64_t items = (entries + kU - 1) / kU;
+  const DqScale one = make_dq_scale(1.0f);
+  struct Where {
+    const uint8_t* src[kU];
+    uint8_t* dst[kU];
+    int64_t blk[kU];
+  };
+  staged(
+      items,
+      [&](int64_t i) {
+        Where a;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          a.src[u] = nullptr;
+          a.dst[u] = nullptr;
+          a.blk[u] = 0;
+          const int64_t w = i * kU + u;
+          if (w >= entries) continue;
+          int64_t q, t, l, b;
+          divmod(w, bs, q, t);
+          divmod(q, p.count, l, b);
+          const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
+          const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
+          a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
+          a.dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
+          a.blk[u] = b;
+        }
+        return a;
+      },
+      [&](int64_t, int stage, const Where& a) {
+        uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (lane == 0) {
+            reinterpret_cast<uint8_t**>(st)[2 * u] = a.dst[u];
+            reinterpret_cast<int64_t*>(st)[2 * u + 1] = a.blk[u];
+          }
+          if (a.src[u]) warp_cp16(st + kHdr + u * kSrc, a.src[u], kSrc / 16, lane);
+        }
+      },
+      [&](int64_t, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          uint8_t* dst = reinterpret_cast<uint8_t* const*>(st)[2 * u];
+          if (!dst) continue;
+          const uint8_t* e = st + kHdr + u * kSrc;
+          if constexpr (kKind == 0) {
+            Fp8In in;
+            in.nope = lds16(e + 16 * lane);
+            if (lane < 8) in.rope = lds8(e + kMlaRank + 8 * lane);
+            store_fp8_as_ds(in, dst, lane, one);
+          } else if constexpr (kKind == 1) {
+            Ds8In in;
+            in.q = lds16(e + 16 * lane);
+            in.rope = *reinterpret_cast<const uint32_t*>(e + kMlaDsRopeOffset + 4 * lane);
+            if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(e + kMlaDsScaleOffset + 4 * lane);
+            const bool ok = store_ds_as_fp8(in, dst, lane);
+            if (!ok && lane == 0 && p.not_lossless) p.not_lossless[reinterpret_cast<const int64_t*>(st)[2 * u + 1]] = 1;
+          } else if constexpr (kKind == 2) {
+            Bf16In in;
+            in.a = lds16(e + 32 * lane);
+            in.b = lds16(e + 32 * lane + 16);
+            if (lane < 8) in.rope = lds16(e + kMlaRank * 2 + 16 * lane);
+            store_bf16_as_ds(in, dst, lane);
+          } else {
+            DsIn in;
+            in.q = lds16(e + 16 * lane);
+            in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
+            if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
+            store_ds_as_bf16(in, dst, lane);
+          }
+        }
+      });
+}
+
+/// KVFERRY_DATAPATH_ENGINE=direct|staged forces one engine for every kernel (benchmarks, diagnosis);
+/// unset, each launcher takes its default.
+bool use_staged(bool by_default) {
+  static const int forced = [] {
+    const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
+    if (!v) return -1;
+    if (std::strcmp(v, "staged") == 0) return 1;
+    if (std::strcmp(v, "direct") == 0) return 0;
+    return -1;
+  }();
+  return forced < 0 ? by_default : forced == 1;
+}
+
 bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0; }
+
+/// Launches kernel kK over `items` work items, `per_warp` per warp and trip.
+template <auto kK, class P>
+cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream) {
+  kK<<<grid_for<kK>(items, per_warp), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 }  // namespace
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
+  const bool sg = use_staged(true);
   switch (p.mode) {
     case MlaWriteMode::kCopy:
-      write_mla_kernel<0><<<grid_for<write_mla_kernel<0>>(p.tokens, 2), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<write_mla_staged_kernel<0>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<0>>(p, p.tokens, 2, stream);
     case MlaWriteMode::kFp8:
-      write_mla_kernel<1><<<grid_for<write_mla_kernel<1>>(p.tokens, 1), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<write_mla_staged_kernel<1>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<1>>(p, p.tokens, 1, stream);
     case MlaWriteMode::kFp8Ds:
-      write_mla_kernel<2><<<grid_for<write_mla_kernel<2>>(p.tokens, 1), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<write_mla_staged_kernel<2>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<2>>(p, p.tokens, 1, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
+  const bool sg = use_staged(true);
   if (p.k_cache.view.dtype == DType::kFP8E4M3)
-    write_mha_kernel<true><<<grid_for<write_mha_kernel<true>>(p.tokens, 1), kThreads, 0, stream>>>(p);
-  else
-    write_mha_kernel<false><<<grid_for<write_mha_kernel<false>>(p.tokens, 1), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+    return sg ? go<write_mha_staged_kernel<true>>(p, p.tokens, 1, stream)
+              : go<write_mha_kernel<true>>(p, p.tokens, 1, stream);
+  return sg ? go<write_mha_staged_kernel<false>>(p, p.tokens, 1, stream)
+            : go<write_mha_kernel<false>>(p, p.tokens, 1, stream);
 }
 
 cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  if (aligned(p.k, 16) && (p.k_stride * 2) % 16 == 0)
-    indexer_write_kernel<16><<<grid_for<indexer_write_kernel<16>>(p.tokens, 4), kThreads, 0, stream>>>(p);
-  else
-    indexer_write_kernel<8><<<grid_for<indexer_write_kernel<8>>(p.tokens, 2), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (!aligned(p.k, 16) || (p.k_stride * 2) % 16 != 0) return go<indexer_write_kernel<8>>(p, p.tokens, 2, stream);
+  return use_staged(true) ? go<indexer_write_staged_kernel>(p, p.tokens, 4, stream)
+                          : go<indexer_write_kernel<16>>(p, p.tokens, 4, stream);
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
   if (p.total_rows == 0) return cudaSuccess;
   const int64_t n = p.total_rows;
+  const bool sg = use_staged(true);
   switch (p.mode) {
     case GatherMode::kCopy: {
       const TensorView& v = p.cache.view;
@@ -825,48 +1281,40 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
         return row % a == 0 && (v.strides[0] * eb) % a == 0 && (v.strides[1] * eb) % a == 0 && aligned(first, a) &&
                aligned(p.dst, a) && (p.dst_stride * eb) % a == 0;
       };
-      if (fits(16))
-        gather_kernel<0><<<grid_for<gather_kernel<0>>(n, 2), kThreads, 0, stream>>>(p);
-      else if (fits(4))
-        gather_copy_narrow_kernel<4><<<grid_for<gather_copy_narrow_kernel<4>>(n, 4), kThreads, 0, stream>>>(p);
-      else if (fits(2))
-        gather_copy_narrow_kernel<2><<<grid_for<gather_copy_narrow_kernel<2>>(n, 4), kThreads, 0, stream>>>(p);
-      else
-        gather_copy_narrow_kernel<1><<<grid_for<gather_copy_narrow_kernel<1>>(n, 4), kThreads, 0, stream>>>(p);
-      break;
+      if (fits(16)) return sg ? go<gather_staged_kernel<0>>(p, n, 1, stream) : go<gather_kernel<0>>(p, n, 2, stream);
+      if (fits(4)) return go<gather_copy_narrow_kernel<4>>(p, n, 4, stream);
+      if (fits(2)) return go<gather_copy_narrow_kernel<2>>(p, n, 4, stream);
+      return go<gather_copy_narrow_kernel<1>>(p, n, 4, stream);
     }
-    case GatherMode::kDequantFp8: gather_kernel<1><<<grid_for<gather_kernel<1>>(n, 4), kThreads, 0, stream>>>(p); break;
-    case GatherMode::kDequantDs: gather_ds_kernel<<<grid_for<gather_ds_kernel>(n, 2), kThreads, 0, stream>>>(p); break;
+    case GatherMode::kDequantFp8:
+      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 4, stream);
+    case GatherMode::kDequantDs:
+      return sg ? go<gather_ds_staged_kernel>(p, n, 2, stream) : go<gather_ds_kernel>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  dequant_paged_kernel<<<grid_for<dequant_paged_kernel>(p.count, 2), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return use_staged(true) ? go<dequant_paged_staged_kernel>(p, p.count, 2, stream)
+                          : go<dequant_paged_kernel>(p, p.count, 2, stream);
 }
 
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
-  const int64_t items = p.layers * p.count * p.src.view.sizes[1];
-  if (items == 0) return cudaSuccess;
+  const int64_t n = p.layers * p.count * p.src.view.sizes[1];
+  if (n == 0) return cudaSuccess;
+  const bool sg = use_staged(true);
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
-      convert_kernel<0><<<grid_for<convert_kernel<0>>(items, 2), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
     case ConvertKind::kDsToFp8:
-      convert_kernel<1><<<grid_for<convert_kernel<1>>(items, 2), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<convert_staged_kernel<1>>(p, n, 2, stream) : go<convert_kernel<1>>(p, n, 2, stream);
     case ConvertKind::kBf16ToDs:
-      convert_kernel<2><<<grid_for<convert_kernel<2>>(items, 1), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<convert_staged_kernel<2>>(p, n, 1, stream) : go<convert_kernel<2>>(p, n, 1, stream);
     case ConvertKind::kDsToBf16:
-      convert_kernel<3><<<grid_for<convert_kernel<3>>(items, 2), kThreads, 0, stream>>>(p);
-      break;
+      return sg ? go<convert_staged_kernel<3>>(p, n, 2, stream) : go<convert_kernel<3>>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace kvferry::kernels
