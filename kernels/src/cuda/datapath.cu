@@ -1,10 +1,14 @@
 // CUDA kernels of the data path: cache writers, gathers, format conversions, indexer writer.
-// A warp handles a few entries per trip, issuing all their loads before converting and storing
-// any; 16-byte vector accesses; every entry addressed through the view's strides in 64-bit
-// (CacheRef::entry). The math gives the CPU twins' bits (common/datapath_math.h): quantisation
-// divides through an amortised exact reciprocal and converts pairs with the packed e4m3 cvt,
-// dequantisation multiplies once per value and packs pairs to bf16; inputs outside those fast
-// paths' exact range (NaN, extreme exponents) take the scalar path.
+// Two engines, both bit-identical to the CPU twins: "direct" kernels keep a warp's next item in
+// registers (data loads one item ahead, index loads two, pipeline()); "staged" kernels stream
+// items through a per-warp ring of shared-memory stages filled by cp.async (staged()). Each
+// launcher picks the engine that measured faster for its kernel (use_staged). Grids are one
+// resident wave looping grid-stride; 16-byte vector accesses; every entry addressed through the
+// view's strides in 64-bit (CacheRef::entry). The math gives the CPU twins' bits
+// (common/datapath_math.h): quantisation divides through an amortised exact reciprocal and
+// converts pairs with the packed e4m3 cvt, dequantisation multiplies once per value and packs
+// pairs to bf16; inputs outside those fast paths' exact range (NaN, extreme exponents) take the
+// scalar path, kept out of line.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -1210,7 +1214,10 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
 }
 
 /// KVFERRY_DATAPATH_ENGINE=direct|staged forces one engine for every kernel (benchmarks, diagnosis);
-/// unset, each launcher takes its default.
+/// unset, each launcher takes its default: the engine that measured faster on an H200 (kvferry-bench
+/// kernels, both engines in one run): staged for write_mla fp8 / fp8_ds, the indexer and the
+/// 576 <-> 656 conversions, direct for the copies, the gathers, dequant_paged, write_mha and the
+/// bf16 <-> 656 conversions.
 bool use_staged(bool by_default) {
   static const int forced = [] {
     const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
@@ -1235,7 +1242,7 @@ cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream)
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const bool sg = use_staged(true);
+  const bool sg = use_staged(p.mode != MlaWriteMode::kCopy);
   switch (p.mode) {
     case MlaWriteMode::kCopy:
       return sg ? go<write_mla_staged_kernel<0>>(p, p.tokens, 1, stream)
@@ -1252,7 +1259,7 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
 
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const bool sg = use_staged(true);
+  const bool sg = use_staged(false);
   if (p.k_cache.view.dtype == DType::kFP8E4M3)
     return sg ? go<write_mha_staged_kernel<true>>(p, p.tokens, 1, stream)
               : go<write_mha_kernel<true>>(p, p.tokens, 1, stream);
@@ -1270,7 +1277,7 @@ cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t strea
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
   if (p.total_rows == 0) return cudaSuccess;
   const int64_t n = p.total_rows;
-  const bool sg = use_staged(true);
+  const bool sg = use_staged(false);
   switch (p.mode) {
     case GatherMode::kCopy: {
       const TensorView& v = p.cache.view;
@@ -1296,14 +1303,14 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  return use_staged(true) ? go<dequant_paged_staged_kernel>(p, p.count, 2, stream)
-                          : go<dequant_paged_kernel>(p, p.count, 2, stream);
+  return use_staged(false) ? go<dequant_paged_staged_kernel>(p, p.count, 2, stream)
+                           : go<dequant_paged_kernel>(p, p.count, 2, stream);
 }
 
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t n = p.layers * p.count * p.src.view.sizes[1];
   if (n == 0) return cudaSuccess;
-  const bool sg = use_staged(true);
+  const bool sg = use_staged(p.kind == ConvertKind::kFp8ToDs || p.kind == ConvertKind::kDsToFp8);
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
       return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
