@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 
 #include <string>
+#include <utility>
 
 #include "../unit/kernels_test_util.h"
 #include "kvferry/kernels/convert.h"
@@ -210,18 +211,20 @@ TEST_P(KernelsGpu, WriteMha) {
 
 TEST_P(KernelsGpu, IndexerWrite) {
   const Case c = GetParam();
-  for (bool ue8m0 : {false, true}) {
+  // k_stride 132: rows only 8-byte aligned (the kernel's 8-byte path; 128 takes the 16-byte one).
+  for (const auto& [ue8m0, k_stride] : {std::pair{false, 128}, std::pair{true, 128}, std::pair{false, 132}}) {
     const KvCacheSpec s = spec(EntryFormat::indexer_fp8());
     Mirror m(s, lo_block(s), 300, false);
     ASSERT_TRUE(m.ok());
     const int64_t tokens = 2 * s.block_size + 7;
-    auto k = test::random_bf16(static_cast<size_t>(tokens * 128), 21, 2.0f);
+    auto k = test::random_bf16(static_cast<size_t>(tokens * k_stride), 21, 2.0f);
     for (int i = 0; i < 128; ++i) k[static_cast<size_t>(i)] = 0;  // amax below the 1e-4 floor
     const auto sl = slots(s, tokens, 22);
     DevVec<uint16_t> dk(k);
     DevVec<int64_t> dsl(sl);
     IndexerWriteParams p;
     p.tokens = tokens;
+    p.k_stride = k_stride;
     p.ue8m0 = ue8m0;
     p.k = k.data();
     p.slots = sl.data();

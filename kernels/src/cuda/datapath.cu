@@ -1,14 +1,23 @@
 // CUDA kernels of the data path: cache writers, gathers, format conversions, indexer writer.
-// A warp handles a few entries per trip, issuing all their loads before converting and storing
-// any; 16-byte vector accesses; every entry addressed through the view's strides in 64-bit
-// (CacheRef::entry). The math gives the CPU twins' bits (common/datapath_math.h): quantisation
-// divides through an amortised exact reciprocal and converts pairs with the packed e4m3 cvt,
-// dequantisation multiplies once per value and packs pairs to bf16; inputs outside those fast
-// paths' exact range (NaN, extreme exponents) take the scalar path.
+// Two engines, both bit-identical to the CPU twins: "direct" kernels keep a warp's next item in
+// registers (data loads one item ahead, index loads two, pipeline()); "staged" kernels stream
+// items through a per-warp ring of shared-memory stages filled by cp.async (staged()). Each
+// launcher picks the engine that measured faster for its kernel (use_staged). Grids are one
+// resident wave looping grid-stride; 16-byte vector accesses; every entry addressed through the
+// view's strides in 64-bit (CacheRef::entry). The math gives the CPU twins' bits
+// (common/datapath_math.h): quantisation divides through an amortised exact reciprocal and
+// converts pairs with the packed e4m3 cvt, dequantisation multiplies once per value and packs
+// pairs to bf16; inputs outside those fast paths' exact range (NaN, extreme exponents) take the
+// scalar path, kept out of line.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
 
 #include "common/datapath_math.h"
 #include "kvferry/kernels/convert.h"
@@ -38,11 +47,6 @@ __device__ __forceinline__ H8 unpack(uint4 v) {
   memcpy(r.h, &v, 16);
   return r;
 }
-__device__ __forceinline__ uint2 pack8(const uint8_t* b) {
-  uint2 v;
-  memcpy(&v, b, 8);
-  return v;
-}
 
 /// q = a / b, r = a % b for a >= 0, b > 0: 32-bit division when both fit (64-bit division is a
 /// long software sequence that would dominate these memory-bound kernels).
@@ -62,13 +66,26 @@ __device__ __forceinline__ int64_t global_warp() {
 }
 __device__ __forceinline__ int64_t total_warps() { return (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5; }
 
-/// Blocks for `items` work items handled `per_warp` at a time (capped: the kernels loop).
-unsigned grid_for(int64_t items, int64_t per_warp = 1) {
+/// Blocks for `items` work items handled `per_warp` at a time: at most one full wave of the
+/// kernel's resident blocks (occupancy query, cached per kernel), which then loop grid-stride, so
+/// no partial last wave leaves SMs idle while the others drain.
+template <auto kKernel>
+unsigned grid_for(int64_t items, int64_t per_warp) {
+  static const int per_sm = [] {
+    // Kernels that stage through shared memory want all of it (the L1 share shrinks).
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, kKernel) == cudaSuccess && fa.sharedSizeBytes > 0)
+      (void)cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
+    return b;
+  }();
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t warps = (items + per_warp - 1) / per_warp;
   const int64_t want = (warps + kWarps - 1) / kWarps;
-  const int64_t cap = static_cast<int64_t>(sms) * 16;
+  const int64_t cap = static_cast<int64_t>(sms) * per_sm;
   return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
 }
 
@@ -87,6 +104,13 @@ __device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
   return u;
 }
 
+/// The scalar path of quant4 (NaN, extreme exponents), out of line so it costs the fast path no
+/// registers.
+__device__ __noinline__ uint32_t quant4_slow(float a, float b, float c, float d, float s) {
+  return static_cast<uint32_t>(quant_e4m3(a, s)) | (static_cast<uint32_t>(quant_e4m3(b, s)) << 8) |
+         (static_cast<uint32_t>(quant_e4m3(c, s)) << 16) | (static_cast<uint32_t>(quant_e4m3(d, s)) << 24);
+}
+
 /// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], r.s).
 __device__ __forceinline__ uint32_t quant4(const float* x, const Recip& r) {
   bool fast = true;
@@ -95,10 +119,7 @@ __device__ __forceinline__ uint32_t quant4(const float* x, const Recip& r) {
   if (fast)
     return cvt_e4m3x2(div_recip(x[0], r), div_recip(x[1], r)) |
            (cvt_e4m3x2(div_recip(x[2], r), div_recip(x[3], r)) << 16);
-  uint32_t w = 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) w |= static_cast<uint32_t>(quant_e4m3(x[k], r.s)) << (8 * k);
-  return w;
+  return quant4_slow(x[0], x[1], x[2], x[3], r.s);
 }
 
 __device__ __forceinline__ uint2 quant8(const float* x, const Recip& r) {
@@ -112,21 +133,26 @@ __device__ __forceinline__ void to_floats(uint4 v, bool bf16, float* x) {
   for (int k = 0; k < 8; ++k) x[k] = half_to_float(h.h[k], bf16);
 }
 
+/// The scalar path of dequant4 (NaN bytes, large scales), out of line.
+__device__ __noinline__ uint2 dequant4_slow(uint32_t w, float s, bool unscaled) {
+  uint16_t h[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint8_t b = static_cast<uint8_t>(w >> (8 * k));
+    h[k] = unscaled ? e4m3_to_bf16(b) : dequant_bf16(b, s);
+  }
+  uint2 v;
+  memcpy(&v, h, 8);
+  return v;
+}
+
 /// 4 e4m3 bytes -> 4 bf16 (uint2): dequant_bf16(b, d.s), or e4m3_to_bf16(b) when kUnscaled (d.s = 1).
 template <bool kUnscaled = false>
 __device__ __forceinline__ uint2 dequant4(uint32_t w, const DqScale& d) {
   if (d.fast && !has_e4m3_nan(w))
     return make_uint2(cvt_bf16x2(dq_fast(w & 0xffu, d), dq_fast((w >> 8) & 0xffu, d)),
                       cvt_bf16x2(dq_fast((w >> 16) & 0xffu, d), dq_fast(w >> 24, d)));
-  uint16_t h[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint8_t b = static_cast<uint8_t>(w >> (8 * k));
-    h[k] = kUnscaled ? e4m3_to_bf16(b) : dequant_bf16(b, d.s);
-  }
-  uint2 v;
-  memcpy(&v, h, 8);
-  return v;
+  return dequant4_slow(w, d.s, kUnscaled);
 }
 
 template <bool kUnscaled = false>
@@ -167,16 +193,15 @@ __device__ __forceinline__ void store_bf16_as_ds(const Bf16In& in, uint8_t* dst,
   if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, in.rope);
 }
 
-/// One 656 B entry as loaded for the conversions out of it.
+/// One 656 B entry as loaded for the conversion to bf16.
 struct DsIn {
-  uint4 q = {}, scales = {}, rope = {};
+  uint4 q = {}, rope = {};
   float sc = 0.0f;
 };
-__device__ __forceinline__ DsIn load_ds(const uint8_t* src, int lane, bool all_scales) {
+__device__ __forceinline__ DsIn load_ds(const uint8_t* src, int lane) {
   DsIn in;
   in.q = ld_v16(src + 16 * lane);
   in.sc = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 4 * (lane >> 3));
-  if (all_scales && lane == 0) in.scales = ld_v16(src + kMlaDsScaleOffset);
   if (lane < 8) in.rope = ld_v16(src + kMlaDsRopeOffset + 16 * lane);
   return in;
 }
@@ -187,21 +212,44 @@ __device__ __forceinline__ void store_ds_as_bf16(const DsIn& in, uint8_t* dst, i
   st_v16(dst + 32 * lane + 16, dequant8(make_uint2(in.q.z, in.q.w), d));
   if (lane < 8) st_v16(dst + kMlaRank * 2 + 16 * lane, in.rope);
 }
+
+/// One 656 B entry as loaded for the conversion to 576 B: every lane 16 nope bytes and 2 rope
+/// values, lanes 0-3 one tile scale each.
+struct Ds8In {
+  uint4 q = {};
+  uint32_t scale = kOneF32Bits, rope = 0;
+};
+__device__ __forceinline__ Ds8In load_ds8(const uint8_t* src, int lane) {
+  Ds8In in;
+  in.q = ld_v16(src + 16 * lane);
+  in.rope = *reinterpret_cast<const uint32_t*>(src + kMlaDsRopeOffset + 4 * lane);
+  if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(src + kMlaDsScaleOffset + 4 * lane);
+  return in;
+}
+/// Both bf16 of `w` as e4m3 (low byte from the low half) and whether both are exact: the scalar
+/// bf16_to_e4m3_exact for NaN/inf halves; otherwise the packed cvt, and exactness as "the e4m3
+/// value read back (exactly, through f16) has the bits of the input float", which is what the
+/// scalar round trip e4m3 -> bf16 == h means for finite input (e4m3 values are bf16-exact).
+__device__ __forceinline__ uint32_t bf16x2_to_e4m3x2_exact(uint32_t w, bool& ok) {
+  if ((w & 0x7f80u) == 0x7f80u || (w & 0x7f800000u) == 0x7f800000u) {
+    uint8_t a, b;
+    ok &= bf16_to_e4m3_exact(static_cast<uint16_t>(w), &a);
+    ok &= bf16_to_e4m3_exact(static_cast<uint16_t>(w >> 16), &b);
+    return a | (static_cast<uint32_t>(b) << 8);
+  }
+  const float lo = bits_float(w << 16), hi = bits_float(w & 0xffff0000u);
+  const uint32_t q = cvt_e4m3x2(lo, hi);
+  const __half2_raw back = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(q), __NV_E4M3);
+  ok &= float_bits(__half2float(__ushort_as_half(back.x))) == float_bits(lo) &&
+        float_bits(__half2float(__ushort_as_half(back.y))) == float_bits(hi);
+  return q;
+}
 /// -> 576 B; returns (to every lane) whether the entry was lossless.
-__device__ __forceinline__ bool store_ds_as_fp8(const DsIn& in, uint8_t* dst, int lane) {
+__device__ __forceinline__ bool store_ds_as_fp8(const Ds8In& in, uint8_t* dst, int lane) {
   st_v16(dst + 16 * lane, in.q);
-  bool ok = true;
-  if (lane == 0) {
-    const uint4 s = in.scales;
-    ok = s.x == kOneF32Bits && s.y == kOneF32Bits && s.z == kOneF32Bits && s.w == kOneF32Bits;
-  }
-  if (lane < 8) {
-    const H8 h = unpack(in.rope);
-    uint8_t q[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) ok &= bf16_to_e4m3_exact(h.h[k], &q[k]);
-    st_v8(dst + kMlaRank + 8 * lane, pack8(q));
-  }
+  bool ok = in.scale == kOneF32Bits;
+  const uint32_t q = bf16x2_to_e4m3x2_exact(in.rope, ok);
+  *reinterpret_cast<uint16_t*>(dst + kMlaRank + 2 * lane) = static_cast<uint16_t>(q);
   return __all_sync(kFull, ok);
 }
 
@@ -223,169 +271,261 @@ __device__ __forceinline__ void store_fp8_as_ds(const Fp8In& in, uint8_t* dst, i
   if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, dequant8<true>(in.rope, one));
 }
 
-/// Entries (tokens, rows, slots) per warp and loop trip: their loads are all issued first.
-constexpr int kU = 2;
+// ---- the loop shape every kernel below shares (pipeline): a warp takes one work item (a few
+// entries) per trip, grid-stride over one resident wave. Index loads (slots, block tables, block
+// lists) run two trips ahead and data loads one trip ahead, so while a warp converts and stores
+// one item, the next item's bytes are already in flight: a warp that spends most of its time on
+// arithmetic still keeps memory busy. Source rows indexed by token never wait for the slot. ----
+
+__device__ __forceinline__ bool slot_ok(int64_t s, int64_t limit) { return s >= 0 && s < limit; }
+
+/// index(i) issues item i's index loads (an empty result past the end), load(i, idx) its data
+/// loads, store(i, idx, data) converts and writes it.
+template <class Index, class Load, class Store>
+__device__ __forceinline__ void pipeline(int64_t items, Index index, Load load, Store store) {
+  const int64_t step = total_warps();
+  int64_t i = global_warp();
+  if (i >= items) return;
+  auto ic = index(i);
+  auto in1 = index(i + step);
+  auto dc = load(i, ic);
+  for (; i < items; i += step) {
+    auto dn = load(i + step, in1);
+    auto in2 = index(i + 2 * step);
+    store(i, ic, dc);
+    ic = in1;
+    in1 = in2;
+    dc = dn;
+  }
+}
+
+/// s[u] = slots[n0 + u], -1 past `count`.
+template <int kN, class T>
+struct Slots {
+  int64_t s[kN];
+};
+template <int kN, class T>
+__device__ __forceinline__ Slots<kN, T> load_slots(const T* slots, int64_t n0, int64_t count) {
+  Slots<kN, T> r;
+#pragma unroll
+  for (int u = 0; u < kN; ++u) r.s[u] = n0 + u < count ? static_cast<int64_t>(slots[n0 + u]) : -1;
+  return r;
+}
 
 // ---- write_mla ----
 
 template <int kMode>
-__global__ void __launch_bounds__(kThreads) write_mla_kernel(const WriteMlaParams p) {
+__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel(const WriteMlaParams p) {
+  constexpr int kU = kMode == 0 ? 2 : 1;  // tokens per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
   const Recip rc = make_recip(p.scale);
-  for (int64_t n0 = global_warp() * kU; n0 < p.tokens; n0 += total_warps() * kU) {
-    int64_t s[kU];
+  const int64_t items = (p.tokens + kU - 1) / kU;
+  struct In {
+    uint4 v[kU][3];
+  };
+  pipeline(
+      items, [&](int64_t i) { return load_slots<kU>(p.slots, i * kU, p.tokens); },
+      [&](int64_t i, const Slots<kU, int64_t>&) {
+        In in;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) s[u] = n0 + u < p.tokens ? p.slots[n0 + u] : -1;
-    uint8_t* dst[kU];
-    uint4 v[kU][3] = {};
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      dst[u] = nullptr;
-      if (s[u] < 0 || s[u] >= limit) continue;
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      dst[u] = p.cache.entry(blk, off);
-      const int64_t n = n0 + u;
-      const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
-      const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
-      if constexpr (kMode == 2) {
-        const Bf16In in = load_bf16(nope, rope, lane);
-        v[u][0] = in.a;
-        v[u][1] = in.b;
-        v[u][2] = in.rope;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const int g = lane + 32 * i;
-          if (g < 72) v[u][i] = g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64));
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (!dst[u]) continue;
-      if constexpr (kMode == 2) {
-        Bf16In in;
-        in.a = v[u][0];
-        in.b = v[u][1];
-        in.rope = v[u][2];
-        store_bf16_as_ds(in, dst[u], lane);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 3; ++i) {
-          const int g = lane + 32 * i;
-          if (g >= 72) continue;
-          if constexpr (kMode == 0) {
-            st_v16(dst[u] + 16 * g, v[u][i]);
+        for (int u = 0; u < kU; ++u) {
+          in.v[u][0] = in.v[u][1] = in.v[u][2] = uint4{};
+          const int64_t n = i * kU + u;
+          if (n >= p.tokens) continue;
+          const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
+          const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
+          if constexpr (kMode == 2) {
+            const Bf16In b = load_bf16(nope, rope, lane);
+            in.v[u][0] = b.a;
+            in.v[u][1] = b.b;
+            in.v[u][2] = b.rope;
           } else {
-            float x[8];
-            to_floats(v[u][i], bf16, x);
-            st_v8(dst[u] + 8 * g, quant8(x, rc));
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              const int g = lane + 32 * k;
+              if (g < 72) in.v[u][k] = g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64));
+            }
           }
         }
-      }
-    }
-  }
+        return in;
+      },
+      [&](int64_t, const Slots<kU, int64_t>& sl, const In& in) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (!slot_ok(sl.s[u], limit)) continue;  // uniform over the warp
+          int64_t blk, off;
+          divmod(sl.s[u], bs, blk, off);
+          uint8_t* dst = p.cache.entry(blk, off);
+          if constexpr (kMode == 2) {
+            Bf16In b;
+            b.a = in.v[u][0];
+            b.b = in.v[u][1];
+            b.rope = in.v[u][2];
+            store_bf16_as_ds(b, dst, lane);
+          } else {
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              const int g = lane + 32 * k;
+              if (g >= 72) continue;
+              if constexpr (kMode == 0) {
+                st_v16(dst + 16 * g, in.v[u][k]);
+              } else {
+                float x[8];
+                to_floats(in.v[u][k], bf16, x);
+                st_v8(dst + 8 * g, quant8(x, rc));
+              }
+            }
+          }
+        }
+      });
 }
 
-// ---- write_mha: one warp per token, K and V planes together ----
+// ---- write_mha: an item is one token's K and V over 32 * kG 16-byte groups per plane ----
 
 template <bool kFp8>
-__global__ void __launch_bounds__(kThreads) write_mha_kernel(const WriteMhaParams p) {
-  constexpr int kG = 4;  // 16-byte groups per lane and plane in flight
+__global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaParams p) {
+  constexpr int kG = kFp8 ? 2 : 4;  // 16-byte groups per lane and plane in flight
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
   const int64_t limit = kv.sizes[0] * bs;
   const int64_t gpd = d / 8, groups = h * gpd;
+  const int64_t chunks = (groups + 32 * kG - 1) / (32 * kG);
   const int64_t eb = kFp8 ? 1 : 2;
   const bool bf16 = p.input_dtype == DType::kBF16;
   const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
   const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
-  for (int64_t n = global_warp(); n < p.tokens; n += total_warps()) {
-    const int64_t s = p.slots[n];
-    if (s < 0 || s >= limit) continue;
-    int64_t blk, off;
-    divmod(s, bs, blk, off);
-    uint8_t* ek = p.k_cache.entry(blk, off);
-    uint8_t* ev = p.v_cache.entry(blk, off);
-    const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
-    const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
-    for (int64_t g0 = 0; g0 < groups; g0 += 32 * kG) {
-      uint4 a[kG] = {}, b[kG] = {};
+  const int64_t items = p.tokens * chunks;
+  struct In {
+    uint4 a[kG], b[kG];
+  };
+  pipeline(
+      items,
+      [&](int64_t i) {
+        int64_t n = 0, c = 0;
+        if (i < items) divmod(i, chunks, n, c);
+        return i < items ? p.slots[n] : int64_t{-1};
+      },
+      [&](int64_t i, int64_t) {
+        In in = {};
+        if (i >= items) return in;
+        int64_t n, c;
+        divmod(i, chunks, n, c);
+        const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
+        const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
 #pragma unroll
-      for (int i = 0; i < kG; ++i) {
-        const int64_t g = g0 + lane + 32 * i;
-        if (g < groups) {
-          a[i] = ld_v16(sk + 16 * g);
-          b[i] = ld_v16(sv + 16 * g);
+        for (int k = 0; k < kG; ++k) {
+          const int64_t g = c * 32 * kG + lane + 32 * k;
+          if (g < groups) {
+            in.a[k] = ld_v16(sk + 16 * g);
+            in.b[k] = ld_v16(sv + 16 * g);
+          }
         }
-      }
+        return in;
+      },
+      [&](int64_t i, int64_t s, const In& in) {
+        if (!slot_ok(s, limit)) return;
+        int64_t n, c, blk, off;
+        divmod(i, chunks, n, c);
+        divmod(s, bs, blk, off);
+        uint8_t* ek = p.k_cache.entry(blk, off);
+        uint8_t* ev = p.v_cache.entry(blk, off);
 #pragma unroll
-      for (int i = 0; i < kG; ++i) {
-        const int64_t g = g0 + lane + 32 * i;
-        if (g >= groups) continue;
-        int64_t hh, kg;
-        divmod(g, gpd, hh, kg);
-        uint8_t* dk = ek + hh * hsk + kg * 8 * eb;
-        uint8_t* dv = ev + hh * hsv + kg * 8 * eb;
-        if constexpr (!kFp8) {
-          st_v16(dk, a[i]);
-          st_v16(dv, b[i]);
-        } else {
-          float x[8];
-          to_floats(a[i], bf16, x);
-          st_v8(dk, quant8(x, rk));
-          to_floats(b[i], bf16, x);
-          st_v8(dv, quant8(x, rv));
+        for (int k = 0; k < kG; ++k) {
+          const int64_t g = c * 32 * kG + lane + 32 * k;
+          if (g >= groups) continue;
+          int64_t hh, kg;
+          divmod(g, gpd, hh, kg);
+          uint8_t* dk = ek + hh * hsk + kg * 8 * eb;
+          uint8_t* dv = ev + hh * hsv + kg * 8 * eb;
+          if constexpr (!kFp8) {
+            st_v16(dk, in.a[k]);
+            st_v16(dv, in.b[k]);
+          } else {
+            float x[8];
+            to_floats(in.a[k], bf16, x);
+            st_v8(dk, quant8(x, rk));
+            to_floats(in.b[k], bf16, x);
+            st_v8(dv, quant8(x, rv));
+          }
         }
-      }
-    }
-  }
+      });
 }
 
-// ---- indexer ----
+// ---- indexer: kVec-byte loads, 256 / kVec lanes per 128-value row (16 lanes and two rows per
+// warp access with 16-byte loads), kRows rows per item ----
 
-__global__ void __launch_bounds__(kThreads) indexer_write_kernel(const IndexerWriteParams p) {
-  constexpr int kI = 4;  // tokens per warp and trip
-  const int lane = threadIdx.x & 31;
+template <int kVec>
+__global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const IndexerWriteParams p) {
+  constexpr int kLanes = 2 * kIndexerHeadDim / kVec;  // lanes per row
+  constexpr int kPer = 32 / kLanes;                   // rows per warp-wide access
+  constexpr int kE = kVec / 2;                        // values per lane
+  constexpr int kOps = 2;                             // accesses per lane and item
+  constexpr int kRows = kOps * kPer;                  // rows per item
+  using Vec = std::conditional_t<kVec == 16, uint4, uint2>;
+  const int lane = threadIdx.x & 31, hl = lane % kLanes, sub = lane / kLanes;
   const int64_t bs = p.cache.view.sizes[1];
   const int64_t limit = p.cache.view.sizes[0] * bs;
   const bool bf16 = p.input_dtype == DType::kBF16;
-  for (int64_t n0 = global_warp() * kI; n0 < p.tokens; n0 += total_warps() * kI) {
-    int64_t s[kI];
+  const uint8_t* const k = static_cast<const uint8_t*>(p.k);
+  const int64_t row_bytes = p.k_stride * 2;
+  const int64_t items = (p.tokens + kRows - 1) / kRows;
+  struct In {
+    Vec raw[kOps];
+  };
+  pipeline(
+      items,
+      [&](int64_t i) {
+        Slots<kOps, int64_t> o;
 #pragma unroll
-    for (int u = 0; u < kI; ++u) s[u] = n0 + u < p.tokens ? p.slots[n0 + u] : -1;
-    uint2 raw[kI] = {};
+        for (int u = 0; u < kOps; ++u) {
+          const int64_t n = i * kRows + u * kPer + sub;
+          o.s[u] = n < p.tokens ? p.slots[n] : -1;
+        }
+        return o;
+      },
+      [&](int64_t i, const Slots<kOps, int64_t>&) {
+        In in;
 #pragma unroll
-    for (int u = 0; u < kI; ++u)
-      if (s[u] >= 0 && s[u] < limit)
-        raw[u] = ld_v8(static_cast<const uint8_t*>(p.k) + (n0 + u) * p.k_stride * 2 + 8 * lane);
+        for (int u = 0; u < kOps; ++u) {
+          const int64_t n = i * kRows + u * kPer + sub;
+          in.raw[u] = Vec{};
+          if (n < p.tokens) in.raw[u] = *reinterpret_cast<const Vec*>(k + n * row_bytes + kVec * hl);
+        }
+        return in;
+      },
+      [&](int64_t, const Slots<kOps, int64_t>& sl, const In& in) {
 #pragma unroll
-    for (int u = 0; u < kI; ++u) {
-      if (s[u] < 0 || s[u] >= limit) continue;
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      uint8_t* block = p.cache.entry(blk, 0);
-      uint16_t hv[4];
-      memcpy(hv, &raw[u], 8);
-      float x[4];
-      float amax = 0.0f;
+        for (int u = 0; u < kOps; ++u) {
+          uint16_t hv[kE];
+          memcpy(hv, &in.raw[u], kVec);
+          float x[kE];
+          float amax = 0.0f;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        x[k] = half_to_float(hv[k], bf16);
-        amax = fmax_f(amax, abs_f(x[k]));
-      }
+          for (int e = 0; e < kE; ++e) {
+            x[e] = half_to_float(hv[e], bf16);
+            amax = fmax_f(amax, abs_f(x[e]));
+          }
 #pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
-      const float sc = indexer_scale(amax, p.ue8m0);
-      *reinterpret_cast<uint32_t*>(block + off * kIndexerHeadDim + 4 * lane) = quant4(x, make_recip(sc));
-      if (lane == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
-    }
-  }
+          for (int m = kLanes / 2; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+          if (slot_ok(sl.s[u], limit)) {
+            const float sc = indexer_scale(amax, p.ue8m0);
+            const Recip r = make_recip(sc);
+            int64_t blk, off;
+            divmod(sl.s[u], bs, blk, off);
+            uint8_t* block = p.cache.entry(blk, 0);
+            uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
+            if constexpr (kE == 8)
+              st_v8(vals, quant8(x, r));
+            else
+              *reinterpret_cast<uint32_t*>(vals) = quant4(x, r);
+            if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+          }
+        }
+      });
 }
 
 // ---- gathers ----
@@ -402,224 +542,742 @@ __device__ __forceinline__ int64_t find_request(const int32_t* cu, int64_t batch
   return lo;
 }
 
-/// kU consecutive rows per warp: one binary search, then all block-table loads, then all data loads.
-template <int kMode, int kVec>
-__global__ void __launch_bounds__(kThreads) gather_kernel(const GatherParams p) {
-  constexpr int kR = 4;  // rows per warp and trip
+/// Entry addresses of the kR rows from j0 (null past the end): one binary search, then the
+/// block-table loads.
+template <int kR>
+struct Rows {
+  const uint8_t* src[kR];
+};
+template <int kR>
+__device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, int64_t j0) {
+  Rows<kR> out;
+#pragma unroll
+  for (int u = 0; u < kR; ++u) out.src[u] = nullptr;
+  if (j0 >= p.total_rows) return out;
+  const int64_t bs = p.cache.view.sizes[1];
+  int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
+  int64_t tok[kR], col[kR], req[kR];
+#pragma unroll
+  for (int u = 0; u < kR; ++u) {
+    tok[u] = col[u] = 0;
+    req[u] = r;
+    const int64_t j = j0 + u;
+    if (j >= p.total_rows) continue;
+    while (p.cu_seq_lens[r + 1] <= j) ++r;
+    req[u] = r;
+    const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
+    divmod(pos, bs, col[u], tok[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kR; ++u)
+    if (j0 + u < p.total_rows)
+      out.src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
+  return out;
+}
+
+/// Raw copy (16-byte vectors) and fp8 -> bf16: an item is kR consecutive rows x up to 96 vectors
+/// of each (rows longer than that take several items).
+template <int kMode>
+__global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams p) {
+  constexpr int kR = kMode == 0 ? 2 : 4;  // rows per item
+  using Vec = std::conditional_t<kMode == 0, uint4, uint2>;
   const int lane = threadIdx.x & 31;
   const TensorView& v = p.cache.view;
-  const int64_t bs = v.sizes[1], e = v.sizes[2];
   const int64_t eb = dtype_size(v.dtype);
-  const int64_t dst_eb = kMode == 0 ? eb : 2;
+  const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
+  const int64_t chunks = (n + 95) / 96;
+  const int64_t dst_row = p.dst_stride * (kMode == 0 ? eb : 2);
+  const int64_t items = (p.total_rows + kR - 1) / kR * chunks;
   const DqScale dq = make_dq_scale(p.scale);
+  struct In {
+    Vec x[kR][3];
+  };
+  pipeline(
+      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i / chunks * kR : p.total_rows); },
+      [&](int64_t i, const Rows<kR>& r) {
+        In in;
+        const int64_t k0 = i % chunks * 96;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int c = 0; c < 3; ++c) {
+            const int64_t k = k0 + lane + 32 * c;
+            in.x[u][c] = Vec{};
+            if (r.src[u] && k < n) in.x[u][c] = *reinterpret_cast<const Vec*>(r.src[u] + sizeof(Vec) * k);
+          }
+        return in;
+      },
+      [&](int64_t i, const Rows<kR>& r, const In& in) {
+        const int64_t j0 = i / chunks * kR, k0 = i % chunks * 96;
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * dst_row;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+#pragma unroll
+          for (int c = 0; c < 3; ++c) {
+            const int64_t k = k0 + lane + 32 * c;
+            if (!r.src[u] || k >= n) continue;
+            if constexpr (kMode == 0)
+              st_v16(out + u * dst_row + 16 * k, in.x[u][c]);
+            else
+              st_v16(out + u * dst_row + 16 * k, dequant8(in.x[u][c], dq));
+          }
+      });
+}
+
+/// 656 B -> bf16 rows, kR rows per item.
+__global__ void __launch_bounds__(kThreads, 3) gather_ds_kernel(const GatherParams p) {
+  constexpr int kR = 2;
+  const int lane = threadIdx.x & 31;
+  const int64_t dst_row = p.dst_stride * 2;
+  const int64_t items = (p.total_rows + kR - 1) / kR;
+  struct In {
+    DsIn e[kR];
+  };
+  pipeline(
+      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i * kR : p.total_rows); },
+      [&](int64_t, const Rows<kR>& r) {
+        In in;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+          if (r.src[u]) in.e[u] = load_ds(r.src[u], lane);
+        return in;
+      },
+      [&](int64_t i, const Rows<kR>& r, const In& in) {
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + i * kR * dst_row;
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+          if (r.src[u]) store_ds_as_bf16(in.e[u], out + u * dst_row, lane);
+      });
+}
+
+/// Raw copy of rows not 16-byte aligned (kVec-byte accesses), kR rows per warp and trip.
+template <int kVec>
+__global__ void __launch_bounds__(kThreads) gather_copy_narrow_kernel(const GatherParams p) {
+  constexpr int kR = 4;
+  const int lane = threadIdx.x & 31;
+  const TensorView& v = p.cache.view;
+  const int64_t eb = dtype_size(v.dtype);
+  const int64_t n = v.sizes[2] * eb / kVec;
+  const int64_t dst_row = p.dst_stride * eb;
   for (int64_t j0 = global_warp() * kR; j0 < p.total_rows; j0 += total_warps() * kR) {
-    const int rows = p.total_rows - j0 < kR ? static_cast<int>(p.total_rows - j0) : kR;
-    int64_t tok[kR], col[kR], req[kR];
-    int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
+    const Rows<kR> r = locate_rows<kR>(p, j0);
+    uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * dst_row;
 #pragma unroll
     for (int u = 0; u < kR; ++u) {
-      tok[u] = col[u] = 0;
-      req[u] = r;
-      if (u >= rows) continue;
-      const int64_t j = j0 + u;
-      while (p.cu_seq_lens[r + 1] <= j) ++r;
-      req[u] = r;
-      const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
-      divmod(pos, bs, col[u], tok[u]);
-    }
-    const uint8_t* src[kR];
-#pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      src[u] = nullptr;
-      if (u < rows) src[u] = p.cache.entry(p.block_table[req[u] * p.block_table_stride + col[u]], tok[u]);
-    }
-    uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * p.dst_stride * dst_eb;
-    const int64_t dst_row = p.dst_stride * dst_eb;
-    if constexpr (kMode == 0 && kVec == 16) {
-      const int64_t n = e * eb / 16;
-      for (int64_t k0 = 0; k0 < n; k0 += 96) {
-        uint4 x[kR][3] = {};
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) x[u][i] = ld_v16(src[u] + 16 * k);
-          }
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) st_v16(out + u * dst_row + 16 * k, x[u][i]);
-          }
+      const uint8_t* s = r.src[u];
+      if (!s) continue;
+      uint8_t* dst = out + u * dst_row;
+      for (int64_t k = lane; k < n; k += 32) {
+        if constexpr (kVec == 4)
+          reinterpret_cast<uint32_t*>(dst)[k] = reinterpret_cast<const uint32_t*>(s)[k];
+        else if constexpr (kVec == 2)
+          reinterpret_cast<uint16_t*>(dst)[k] = reinterpret_cast<const uint16_t*>(s)[k];
+        else
+          dst[k] = s[k];
       }
-    } else if constexpr (kMode == 0) {
-      const int64_t n = e * eb / kVec;
-      for (int u = 0; u < rows; ++u) {
-        const uint8_t* s = src[u];
-        uint8_t* dst = out + u * dst_row;
-        for (int64_t k = lane; k < n; k += 32) {
-          if constexpr (kVec == 4)
-            reinterpret_cast<uint32_t*>(dst)[k] = reinterpret_cast<const uint32_t*>(s)[k];
-          else if constexpr (kVec == 2)
-            reinterpret_cast<uint16_t*>(dst)[k] = reinterpret_cast<const uint16_t*>(s)[k];
-          else
-            dst[k] = s[k];
-        }
-      }
-    } else if constexpr (kMode == 1) {
-      const int64_t n = e / 8;
-      for (int64_t k0 = 0; k0 < n; k0 += 96) {
-        uint2 x[kR][3] = {};
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) x[u][i] = ld_v8(src[u] + 8 * k);
-          }
-#pragma unroll
-        for (int u = 0; u < kR; ++u)
-#pragma unroll
-          for (int i = 0; i < 3; ++i) {
-            const int64_t k = k0 + lane + 32 * i;
-            if (u < rows && k < n) st_v16(out + u * dst_row + 16 * k, dequant8(x[u][i], dq));
-          }
-      }
-    } else {
-      DsIn in[kR];
-#pragma unroll
-      for (int u = 0; u < kR; ++u)
-        if (u < rows) in[u] = load_ds(src[u], lane, false);
-#pragma unroll
-      for (int u = 0; u < kR; ++u)
-        if (u < rows) store_ds_as_bf16(in[u], out + u * dst_row, lane);
     }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) dequant_paged_kernel(const DequantPagedParams p) {
-  constexpr int kR = 4;
+__global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const DequantPagedParams p) {
+  constexpr int kR = 2;
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
-  for (int64_t i0 = global_warp() * kR; i0 < p.count; i0 += total_warps() * kR) {
-    int64_t s[kR];
+  const int64_t items = (p.count + kR - 1) / kR;
+  struct In {
+    DsIn e[kR];
+  };
+  pipeline(
+      items, [&](int64_t i) { return load_slots<kR>(p.slots, i * kR, p.count); },
+      [&](int64_t, const Slots<kR, int32_t>& sl) {
+        In in;
 #pragma unroll
-    for (int u = 0; u < kR; ++u) s[u] = i0 + u < p.count ? p.slots[i0 + u] : -1;
-    DsIn in[kR];
+        for (int u = 0; u < kR; ++u) {
+          if (!slot_ok(sl.s[u], limit)) continue;
+          int64_t blk, off;
+          divmod(sl.s[u], bs, blk, off);
+          in.e[u] = load_ds(p.cache.entry(blk, off), lane);
+        }
+        return in;
+      },
+      [&](int64_t i, const Slots<kR, int32_t>& sl, const In& in) {
 #pragma unroll
-    for (int u = 0; u < kR; ++u) {
-      if (s[u] < 0 || s[u] >= limit) continue;
-      int64_t blk, off;
-      divmod(s[u], bs, blk, off);
-      in[u] = load_ds(p.cache.entry(blk, off), lane, false);
-    }
-#pragma unroll
-    for (int u = 0; u < kR; ++u)
-      if (s[u] >= 0 && s[u] < limit)
-        store_ds_as_bf16(in[u], static_cast<uint8_t*>(p.dst) + (i0 + u) * p.dst_stride * 2, lane);
-  }
+        for (int u = 0; u < kR; ++u)
+          if (slot_ok(sl.s[u], limit))
+            store_ds_as_bf16(in.e[u], static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
+      });
 }
 
 // ---- conversions ----
 
 template <int kKind>
-__global__ void __launch_bounds__(kThreads) convert_kernel(const ConvertParams p) {
+__global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) convert_kernel(const ConvertParams p) {
+  constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
-  const int64_t items = p.layers * p.count * bs;
+  const int64_t entries = p.layers * p.count * bs;
+  const int64_t items = (entries + kU - 1) / kU;
   const DqScale one = make_dq_scale(1.0f);
-  for (int64_t w0 = global_warp() * kU; w0 < items; w0 += total_warps() * kU) {
+  struct Where {
     const uint8_t* src[kU];
     uint8_t* dst[kU];
     int64_t blk[kU];
+  };
+  using E = std::conditional_t<kKind == 0, Fp8In,
+                               std::conditional_t<kKind == 1, Ds8In, std::conditional_t<kKind == 2, Bf16In, DsIn>>>;
+  struct In {
+    E e[kU];
+  };
+  pipeline(
+      items,
+      [&](int64_t i) {
+        Where a;
 #pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      src[u] = nullptr;
-      dst[u] = nullptr;
-      blk[u] = 0;
-      const int64_t w = w0 + u;
-      if (w >= items) continue;
-      int64_t q, t, l, i;
-      divmod(w, bs, q, t);
-      divmod(q, p.count, l, i);
-      const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
-      const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
-      src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
-      dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
-      blk[u] = i;
-    }
-    if constexpr (kKind == 0) {
-      Fp8In in[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (src[u]) in[u] = load_fp8(src[u], lane);
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (src[u]) store_fp8_as_ds(in[u], dst[u], lane, one);
-    } else if constexpr (kKind == 2) {
-      Bf16In in[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (src[u]) in[u] = load_bf16(src[u], src[u] + kMlaRank * 2, lane);
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (src[u]) store_bf16_as_ds(in[u], dst[u], lane);
-    } else {
-      DsIn in[kU];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-        if (src[u]) in[u] = load_ds(src[u], lane, kKind == 1);
-#pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        if (!src[u]) continue;
-        if constexpr (kKind == 1) {
-          const bool ok = store_ds_as_fp8(in[u], dst[u], lane);
-          if (!ok && lane == 0 && p.not_lossless) p.not_lossless[blk[u]] = 1;
-        } else {
-          store_ds_as_bf16(in[u], dst[u], lane);
+        for (int u = 0; u < kU; ++u) {
+          a.src[u] = nullptr;
+          a.dst[u] = nullptr;
+          a.blk[u] = 0;
+          const int64_t w = i * kU + u;
+          if (w >= entries) continue;
+          int64_t q, t, l, b;
+          divmod(w, bs, q, t);
+          divmod(q, p.count, l, b);
+          const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
+          const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
+          a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
+          a.dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
+          a.blk[u] = b;
         }
-      }
-    }
+        return a;
+      },
+      [&](int64_t, const Where& a) {
+        In in;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (!a.src[u]) continue;
+          if constexpr (kKind == 0)
+            in.e[u] = load_fp8(a.src[u], lane);
+          else if constexpr (kKind == 1)
+            in.e[u] = load_ds8(a.src[u], lane);
+          else if constexpr (kKind == 2)
+            in.e[u] = load_bf16(a.src[u], a.src[u] + kMlaRank * 2, lane);
+          else
+            in.e[u] = load_ds(a.src[u], lane);
+        }
+        return in;
+      },
+      [&](int64_t, const Where& a, const In& in) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (!a.src[u]) continue;
+          if constexpr (kKind == 0) {
+            store_fp8_as_ds(in.e[u], a.dst[u], lane, one);
+          } else if constexpr (kKind == 1) {
+            const bool ok = store_ds_as_fp8(in.e[u], a.dst[u], lane);
+            if (!ok && lane == 0 && p.not_lossless) p.not_lossless[a.blk[u]] = 1;
+          } else if constexpr (kKind == 2) {
+            store_bf16_as_ds(in.e[u], a.dst[u], lane);
+          } else {
+            store_ds_as_bf16(in.e[u], a.dst[u], lane);
+          }
+        }
+      });
+}
+
+// ---- staged engine: each warp streams its items through a ring of kStages shared-memory stages
+// with cp.async, kStages - 1 items ahead, so bytes in flight no longer cost registers; it then
+// converts from shared memory and stores. Index loads (where a source address needs one) run one
+// trip further ahead in registers. Stage buffers are 16-byte aligned; a stage may start with a
+// header (slots, destination pointers) that process() reads back. ----
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp16(void* smem, const void* g) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp8(void* smem, const void* g) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)), "l"(g) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kN>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kN) : "memory");
+}
+/// The warp copies `chunks` 16-byte chunks from g to smem.
+__device__ __forceinline__ void warp_cp16(uint8_t* smem, const uint8_t* g, int chunks, int lane) {
+  for (int k = lane; k < chunks; k += 32) cp16(smem + 16 * k, g + 16 * k);
+}
+
+constexpr int kStages = 4;
+
+/// index(i) -> the item's index data (loads issued a trip before fetch needs them; past the end
+/// it must describe an empty item), fetch(i, stage, idx) issues its cp.async (none past the end),
+/// process(i, stage) converts and stores it.
+template <class Index, class Fetch, class Process>
+__device__ __forceinline__ void staged(int64_t items, Index index, Fetch fetch, Process process) {
+  const int64_t step = total_warps();
+  const int64_t i0 = global_warp();
+  if (i0 >= items) return;
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) {
+    fetch(i0 + k * step, k, index(i0 + k * step));
+    cp_commit();
   }
+  auto pend = index(i0 + (kStages - 1) * step);
+  int stage = 0;
+  for (int64_t i = i0; i < items; i += step) {
+    const int ahead = stage == 0 ? kStages - 1 : stage - 1;
+    fetch(i + (kStages - 1) * step, ahead, pend);
+    cp_commit();
+    pend = index(i + kStages * step);
+    cp_wait<kStages - 1>();
+    __syncwarp();
+    process(i, stage);
+    __syncwarp();
+    stage = stage + 1 == kStages ? 0 : stage + 1;
+  }
+  cp_wait<0>();
+}
+
+struct NoIndex {};
+
+__device__ __forceinline__ uint4 lds16(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ uint2 lds8(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
+
+/// The warp's ring: kStages stages of kBytes.
+template <int kBytes>
+__device__ __forceinline__ uint8_t* ring_stage(uint8_t (*ring)[kStages][kBytes], int stage) {
+  return ring[threadIdx.x >> 5][stage];
+}
+
+// write_mla: one token per item; stage = slot (16 B header), then 1024 B nope + 128 B rope.
+template <int kMode>
+__global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteMlaParams p) {
+  constexpr int kBytes = 16 + 1152;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t bs = p.cache.view.sizes[1];
+  const int64_t limit = p.cache.view.sizes[0] * bs;
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const Recip rc = make_recip(p.scale);
+  staged(
+      p.tokens, [](int64_t) { return NoIndex{}; },
+      [&](int64_t n, int stage, NoIndex) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (n >= p.tokens) return;
+        const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
+        const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
+        warp_cp16(st + 16, nope, 64, lane);
+        if (lane < 8) cp16(st + 16 + 1024 + 16 * lane, rope + 16 * lane);
+        if (lane == 8) cp8(st, p.slots + n);
+      },
+      [&](int64_t, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+        const int64_t s = *reinterpret_cast<const int64_t*>(st);
+        if (!slot_ok(s, limit)) return;
+        int64_t blk, off;
+        divmod(s, bs, blk, off);
+        uint8_t* dst = p.cache.entry(blk, off);
+        const uint8_t* d = st + 16;
+        if constexpr (kMode == 2) {
+          Bf16In in;
+          in.a = lds16(d + 32 * lane);
+          in.b = lds16(d + 32 * lane + 16);
+          if (lane < 8) in.rope = lds16(d + 1024 + 16 * lane);
+          store_bf16_as_ds(in, dst, lane);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 3; ++k) {
+            const int g = lane + 32 * k;
+            if (g >= 72) continue;
+            if constexpr (kMode == 0) {
+              st_v16(dst + 16 * g, lds16(d + 16 * g));
+            } else {
+              float x[8];
+              to_floats(lds16(d + 16 * g), bf16, x);
+              st_v8(dst + 8 * g, quant8(x, rc));
+            }
+          }
+        }
+      });
+}
+
+// write_mha: an item is one token's 32 16-byte groups of K and of V; stage = slot, K, V.
+template <bool kFp8>
+__global__ void __launch_bounds__(kThreads) write_mha_staged_kernel(const WriteMhaParams p) {
+  constexpr int kBytes = 16 + 1024;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const TensorView& kv = p.k_cache.view;
+  const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
+  const int64_t limit = kv.sizes[0] * bs;
+  const int64_t gpd = d / 8, groups = h * gpd;
+  const int64_t chunks = (groups + 31) / 32;
+  const int64_t eb = kFp8 ? 1 : 2;
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
+  const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
+  const int64_t items = p.tokens * chunks;
+  staged(
+      items, [](int64_t) { return NoIndex{}; },
+      [&](int64_t i, int stage, NoIndex) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (i >= items) return;
+        int64_t n, c;
+        divmod(i, chunks, n, c);
+        const int64_t g = c * 32 + lane;
+        if (g < groups) {
+          cp16(st + 16 + 16 * lane, static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2 + 16 * g);
+          cp16(st + 16 + 512 + 16 * lane, static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2 + 16 * g);
+        }
+        if (lane == 0) cp8(st, p.slots + n);
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+        const int64_t s = *reinterpret_cast<const int64_t*>(st);
+        if (!slot_ok(s, limit)) return;
+        int64_t n, c, blk, off, hh, kg;
+        divmod(i, chunks, n, c);
+        const int64_t g = c * 32 + lane;
+        if (g >= groups) return;
+        divmod(s, bs, blk, off);
+        divmod(g, gpd, hh, kg);
+        uint8_t* dk = p.k_cache.entry(blk, off) + hh * hsk + kg * 8 * eb;
+        uint8_t* dv = p.v_cache.entry(blk, off) + hh * hsv + kg * 8 * eb;
+        const uint4 a = lds16(st + 16 + 16 * lane), b = lds16(st + 16 + 512 + 16 * lane);
+        if constexpr (!kFp8) {
+          st_v16(dk, a);
+          st_v16(dv, b);
+        } else {
+          float x[8];
+          to_floats(a, bf16, x);
+          st_v8(dk, quant8(x, rk));
+          to_floats(b, bf16, x);
+          st_v8(dv, quant8(x, rv));
+        }
+      });
+}
+
+// indexer (16-byte aligned rows): 4 rows per item; stage = 4 slots, then 4 x 256 B.
+__global__ void __launch_bounds__(kThreads) indexer_write_staged_kernel(const IndexerWriteParams p) {
+  constexpr int kRows = 4;
+  constexpr int kBytes = 32 + kRows * 256;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31, hl = lane & 15, sub = lane >> 4;
+  const int64_t bs = p.cache.view.sizes[1];
+  const int64_t limit = p.cache.view.sizes[0] * bs;
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  const int64_t row_bytes = p.k_stride * 2;
+  const int64_t items = (p.tokens + kRows - 1) / kRows;
+  staged(
+      items, [](int64_t) { return NoIndex{}; },
+      [&](int64_t i, int stage, NoIndex) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (i >= items) return;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int r = 2 * k + sub;
+          const int64_t n = i * kRows + r;
+          if (n < p.tokens)
+            cp16(st + 32 + 256 * r + 16 * hl, static_cast<const uint8_t*>(p.k) + n * row_bytes + 16 * hl);
+        }
+        if (lane < kRows) {
+          const int64_t n = i * kRows + lane;
+          if (n < p.tokens)
+            cp8(st + 8 * lane, p.slots + n);
+          else
+            *reinterpret_cast<int64_t*>(st + 8 * lane) = -1;
+        }
+      },
+      [&](int64_t, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int r = 2 * k + sub;
+          const int64_t s = reinterpret_cast<const int64_t*>(st)[r];
+          const H8 hv = unpack(lds16(st + 32 + 256 * r + 16 * hl));
+          float x[8];
+          float amax = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            x[e] = half_to_float(hv.h[e], bf16);
+            amax = fmax_f(amax, abs_f(x[e]));
+          }
+#pragma unroll
+          for (int m = 8; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+          if (slot_ok(s, limit)) {
+            const float sc = indexer_scale(amax, p.ue8m0);
+            int64_t blk, off;
+            divmod(s, bs, blk, off);
+            uint8_t* block = p.cache.entry(blk, 0);
+            st_v8(block + off * kIndexerHeadDim + 8 * hl, quant8(x, make_recip(sc)));
+            if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+          }
+        }
+      });
+}
+
+/// Raw copy (16-byte vectors) and fp8 -> bf16 (8-byte vectors) gathers: an item is one row's run of
+/// up to 72 vectors.
+template <int kMode>
+__global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherParams p) {
+  constexpr int kVec = kMode == 0 ? 16 : 8;
+  constexpr int kBytes = 72 * kVec;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const TensorView& v = p.cache.view;
+  const int64_t eb = dtype_size(v.dtype);
+  const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
+  const int64_t chunks = (n + 71) / 72;
+  const int64_t dst_row = p.dst_stride * (kMode == 0 ? eb : 2);
+  const int64_t items = p.total_rows * chunks;
+  const DqScale dq = make_dq_scale(p.scale);
+  staged(
+      items, [&](int64_t i) { return locate_rows<1>(p, i < items ? i / chunks : p.total_rows); },
+      [&](int64_t i, int stage, const Rows<1>& r) {
+        uint8_t* st = ring_stage(ring, stage);
+        if (!r.src[0]) return;
+        const int64_t k0 = i % chunks * 72;
+        const int64_t m = n - k0 < 72 ? n - k0 : 72;
+        for (int k = lane; k < m; k += 32) {
+          if constexpr (kMode == 0)
+            cp16(st + 16 * k, r.src[0] + 16 * (k0 + k));
+          else
+            cp8(st + 8 * k, r.src[0] + 8 * (k0 + k));
+        }
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+        const int64_t j = i / chunks, k0 = i % chunks * 72;
+        const int64_t m = n - k0 < 72 ? n - k0 : 72;
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + j * dst_row + 16 * k0;
+        for (int k = lane; k < m; k += 32) {
+          if constexpr (kMode == 0)
+            st_v16(out + 16 * k, lds16(st + 16 * k));
+          else
+            st_v16(out + 16 * k, dequant8(lds8(st + 8 * k), dq));
+        }
+      });
+}
+
+/// 656 B -> bf16 rows, 2 rows per item.
+__global__ void __launch_bounds__(kThreads) gather_ds_staged_kernel(const GatherParams p) {
+  constexpr int kR = 2;
+  constexpr int kBytes = kR * kMlaDsBytes;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t dst_row = p.dst_stride * 2;
+  const int64_t items = (p.total_rows + kR - 1) / kR;
+  staged(
+      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i * kR : p.total_rows); },
+      [&](int64_t, int stage, const Rows<kR>& r) {
+        uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u)
+          if (r.src[u]) warp_cp16(st + u * kMlaDsBytes, r.src[u], kMlaDsBytes / 16, lane);
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (i * kR + u >= p.total_rows) continue;
+          const uint8_t* e = st + u * kMlaDsBytes;
+          DsIn in;
+          in.q = lds16(e + 16 * lane);
+          in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
+          if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
+          store_ds_as_bf16(in, static_cast<uint8_t*>(p.dst) + (i * kR + u) * dst_row, lane);
+        }
+      });
+}
+
+__global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const DequantPagedParams p) {
+  constexpr int kR = 2;
+  constexpr int kBytes = 16 + kR * kMlaDsBytes;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
+  const int64_t items = (p.count + kR - 1) / kR;
+  staged(
+      items, [&](int64_t i) { return load_slots<kR>(p.slots, i * kR, p.count); },
+      [&](int64_t, int stage, const Slots<kR, int32_t>& sl) {
+        uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (lane == 0) reinterpret_cast<int64_t*>(st)[u] = sl.s[u];
+          if (!slot_ok(sl.s[u], limit)) continue;
+          int64_t blk, off;
+          divmod(sl.s[u], bs, blk, off);
+          warp_cp16(st + 16 + u * kMlaDsBytes, p.cache.entry(blk, off), kMlaDsBytes / 16, lane);
+        }
+      },
+      [&](int64_t i, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (!slot_ok(reinterpret_cast<const int64_t*>(st)[u], limit)) continue;
+          const uint8_t* e = st + 16 + u * kMlaDsBytes;
+          DsIn in;
+          in.q = lds16(e + 16 * lane);
+          in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
+          if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
+          store_ds_as_bf16(in, static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
+        }
+      });
+}
+
+template <int kKind>
+__global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertParams p) {
+  constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
+  constexpr int kSrc = kKind == 0 ? kMlaFp8Bytes : kKind == 2 ? kMlaDim * 2 : kMlaDsBytes;
+  constexpr int kHdr = 16 * kU;  // destination pointer and block index per entry
+  constexpr int kBytes = kHdr + kU * kSrc;
+  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  const int lane = threadIdx.x & 31;
+  const int64_t bs = p.src.view.sizes[1];
+  const int64_t entries = p.layers * p.count * bs;
+  const int64_t items = (entries + kU - 1) / kU;
+  const DqScale one = make_dq_scale(1.0f);
+  struct Where {
+    const uint8_t* src[kU];
+    uint8_t* dst[kU];
+    int64_t blk[kU];
+  };
+  staged(
+      items,
+      [&](int64_t i) {
+        Where a;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          a.src[u] = nullptr;
+          a.dst[u] = nullptr;
+          a.blk[u] = 0;
+          const int64_t w = i * kU + u;
+          if (w >= entries) continue;
+          int64_t q, t, l, b;
+          divmod(w, bs, q, t);
+          divmod(q, p.count, l, b);
+          const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
+          const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
+          a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
+          a.dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride;
+          a.blk[u] = b;
+        }
+        return a;
+      },
+      [&](int64_t, int stage, const Where& a) {
+        uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          if (lane == 0) {
+            reinterpret_cast<uint8_t**>(st)[2 * u] = a.dst[u];
+            reinterpret_cast<int64_t*>(st)[2 * u + 1] = a.blk[u];
+          }
+          if (a.src[u]) warp_cp16(st + kHdr + u * kSrc, a.src[u], kSrc / 16, lane);
+        }
+      },
+      [&](int64_t, int stage) {
+        const uint8_t* st = ring_stage(ring, stage);
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          uint8_t* dst = reinterpret_cast<uint8_t* const*>(st)[2 * u];
+          if (!dst) continue;
+          const uint8_t* e = st + kHdr + u * kSrc;
+          if constexpr (kKind == 0) {
+            Fp8In in;
+            in.nope = lds16(e + 16 * lane);
+            if (lane < 8) in.rope = lds8(e + kMlaRank + 8 * lane);
+            store_fp8_as_ds(in, dst, lane, one);
+          } else if constexpr (kKind == 1) {
+            Ds8In in;
+            in.q = lds16(e + 16 * lane);
+            in.rope = *reinterpret_cast<const uint32_t*>(e + kMlaDsRopeOffset + 4 * lane);
+            if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(e + kMlaDsScaleOffset + 4 * lane);
+            const bool ok = store_ds_as_fp8(in, dst, lane);
+            if (!ok && lane == 0 && p.not_lossless) p.not_lossless[reinterpret_cast<const int64_t*>(st)[2 * u + 1]] = 1;
+          } else if constexpr (kKind == 2) {
+            Bf16In in;
+            in.a = lds16(e + 32 * lane);
+            in.b = lds16(e + 32 * lane + 16);
+            if (lane < 8) in.rope = lds16(e + kMlaRank * 2 + 16 * lane);
+            store_bf16_as_ds(in, dst, lane);
+          } else {
+            DsIn in;
+            in.q = lds16(e + 16 * lane);
+            in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
+            if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
+            store_ds_as_bf16(in, dst, lane);
+          }
+        }
+      });
+}
+
+/// KVFERRY_DATAPATH_ENGINE=direct|staged forces one engine for every kernel (benchmarks, diagnosis);
+/// unset, each launcher takes its default: the engine that measured faster on an H200 (kvferry-bench
+/// kernels, both engines in one run): staged for write_mla fp8 / fp8_ds, the indexer and the
+/// 576 <-> 656 conversions, direct for the copies, the gathers, dequant_paged, write_mha and the
+/// bf16 <-> 656 conversions.
+bool use_staged(bool by_default) {
+  static const int forced = [] {
+    const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
+    if (!v) return -1;
+    if (std::strcmp(v, "staged") == 0) return 1;
+    if (std::strcmp(v, "direct") == 0) return 0;
+    return -1;
+  }();
+  return forced < 0 ? by_default : forced == 1;
 }
 
 bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0; }
+
+/// Launches kernel kK over `items` work items, `per_warp` per warp and trip.
+template <auto kK, class P>
+cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream) {
+  kK<<<grid_for<kK>(items, per_warp), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 }  // namespace
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.tokens, kU);
+  const bool sg = use_staged(p.mode != MlaWriteMode::kCopy);
   switch (p.mode) {
-    case MlaWriteMode::kCopy: write_mla_kernel<0><<<grid, kThreads, 0, stream>>>(p); break;
-    case MlaWriteMode::kFp8: write_mla_kernel<1><<<grid, kThreads, 0, stream>>>(p); break;
-    case MlaWriteMode::kFp8Ds: write_mla_kernel<2><<<grid, kThreads, 0, stream>>>(p); break;
+    case MlaWriteMode::kCopy:
+      return sg ? go<write_mla_staged_kernel<0>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<0>>(p, p.tokens, 2, stream);
+    case MlaWriteMode::kFp8:
+      return sg ? go<write_mla_staged_kernel<1>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<1>>(p, p.tokens, 1, stream);
+    case MlaWriteMode::kFp8Ds:
+      return sg ? go<write_mla_staged_kernel<2>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<2>>(p, p.tokens, 1, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.tokens);
+  const bool sg = use_staged(false);
   if (p.k_cache.view.dtype == DType::kFP8E4M3)
-    write_mha_kernel<true><<<grid, kThreads, 0, stream>>>(p);
-  else
-    write_mha_kernel<false><<<grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+    return sg ? go<write_mha_staged_kernel<true>>(p, p.tokens, 1, stream)
+              : go<write_mha_kernel<true>>(p, p.tokens, 1, stream);
+  return sg ? go<write_mha_staged_kernel<false>>(p, p.tokens, 1, stream)
+            : go<write_mha_kernel<false>>(p, p.tokens, 1, stream);
 }
 
 cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  indexer_write_kernel<<<grid_for(p.tokens, 4), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (!aligned(p.k, 16) || (p.k_stride * 2) % 16 != 0) return go<indexer_write_kernel<8>>(p, p.tokens, 2, stream);
+  return use_staged(true) ? go<indexer_write_staged_kernel>(p, p.tokens, 4, stream)
+                          : go<indexer_write_kernel<16>>(p, p.tokens, 4, stream);
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
   if (p.total_rows == 0) return cudaSuccess;
-  const unsigned grid = grid_for(p.total_rows, 4);
+  const int64_t n = p.total_rows;
+  const bool sg = use_staged(false);
   switch (p.mode) {
     case GatherMode::kCopy: {
       const TensorView& v = p.cache.view;
@@ -630,41 +1288,40 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
         return row % a == 0 && (v.strides[0] * eb) % a == 0 && (v.strides[1] * eb) % a == 0 && aligned(first, a) &&
                aligned(p.dst, a) && (p.dst_stride * eb) % a == 0;
       };
-      if (fits(16))
-        gather_kernel<0, 16><<<grid, kThreads, 0, stream>>>(p);
-      else if (fits(4))
-        gather_kernel<0, 4><<<grid, kThreads, 0, stream>>>(p);
-      else if (fits(2))
-        gather_kernel<0, 2><<<grid, kThreads, 0, stream>>>(p);
-      else
-        gather_kernel<0, 1><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      if (fits(16)) return sg ? go<gather_staged_kernel<0>>(p, n, 1, stream) : go<gather_kernel<0>>(p, n, 2, stream);
+      if (fits(4)) return go<gather_copy_narrow_kernel<4>>(p, n, 4, stream);
+      if (fits(2)) return go<gather_copy_narrow_kernel<2>>(p, n, 4, stream);
+      return go<gather_copy_narrow_kernel<1>>(p, n, 4, stream);
     }
-    case GatherMode::kDequantFp8: gather_kernel<1, 8><<<grid, kThreads, 0, stream>>>(p); break;
-    case GatherMode::kDequantDs: gather_kernel<2, 16><<<grid, kThreads, 0, stream>>>(p); break;
+    case GatherMode::kDequantFp8:
+      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 4, stream);
+    case GatherMode::kDequantDs:
+      return sg ? go<gather_ds_staged_kernel>(p, n, 2, stream) : go<gather_ds_kernel>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  dequant_paged_kernel<<<grid_for(p.count, 4), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return use_staged(false) ? go<dequant_paged_staged_kernel>(p, p.count, 2, stream)
+                           : go<dequant_paged_kernel>(p, p.count, 2, stream);
 }
 
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
-  const int64_t items = p.layers * p.count * p.src.view.sizes[1];
-  if (items == 0) return cudaSuccess;
-  const unsigned grid = grid_for(items, kU);
+  const int64_t n = p.layers * p.count * p.src.view.sizes[1];
+  if (n == 0) return cudaSuccess;
+  const bool sg = use_staged(p.kind == ConvertKind::kFp8ToDs || p.kind == ConvertKind::kDsToFp8);
   switch (p.kind) {
-    case ConvertKind::kFp8ToDs: convert_kernel<0><<<grid, kThreads, 0, stream>>>(p); break;
-    case ConvertKind::kDsToFp8: convert_kernel<1><<<grid, kThreads, 0, stream>>>(p); break;
-    case ConvertKind::kBf16ToDs: convert_kernel<2><<<grid, kThreads, 0, stream>>>(p); break;
-    case ConvertKind::kDsToBf16: convert_kernel<3><<<grid, kThreads, 0, stream>>>(p); break;
+    case ConvertKind::kFp8ToDs:
+      return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
+    case ConvertKind::kDsToFp8:
+      return sg ? go<convert_staged_kernel<1>>(p, n, 2, stream) : go<convert_kernel<1>>(p, n, 2, stream);
+    case ConvertKind::kBf16ToDs:
+      return sg ? go<convert_staged_kernel<2>>(p, n, 1, stream) : go<convert_kernel<2>>(p, n, 1, stream);
+    case ConvertKind::kDsToBf16:
+      return sg ? go<convert_staged_kernel<3>>(p, n, 2, stream) : go<convert_kernel<3>>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace kvferry::kernels
