@@ -67,7 +67,7 @@ cudaError_t launch_dependent(K kernel, dim3 grid, const Args& a, int dv, cudaStr
   return cudaGetLastError();
 }
 
-// Minimum units (16-token warp tiles) per CTA of the balanced grid, by max_seq_len.
+// Minimum units (16-token warp tiles) per CTA group of the balanced grid, by max_seq_len.
 constexpr int64_t kMinUnitsPerCta = 16;
 
 }  // namespace
@@ -77,11 +77,14 @@ int decode_paged_balanced_grid(const DecodePagedParams& p) {
   KernelFn fn = kernel_for(p);
   int occ = 0, sms = 0;
   if (fn == nullptr || !residency(fn, smem_bytes(p), occ, sms)) return 0;
+  // Groups of IH CTAs (one per kv head and head chunk), as many as fit the resident slots.
   const int64_t G = group_of(p);
-  const int64_t items = p.q.size(0) * p.k.size(2) * ((G + kN - 1) / kN);
-  const int64_t units = items * ((int64_t{p.max_seq_len} + kTW - 1) / kTW);
+  const int64_t ih = p.k.size(2) * ((G + kN - 1) / kN);
+  const int64_t units = p.q.size(0) * ((int64_t{p.max_seq_len} + kTW - 1) / kTW);
   const int64_t resident = int64_t{std::max(1, occ)} * sms;
-  return static_cast<int>(std::max<int64_t>(1, std::min(resident, (units + kMinUnitsPerCta - 1) / kMinUnitsPerCta)));
+  const int64_t groups = std::max<int64_t>(1, std::min(resident / ih, (units + kMinUnitsPerCta - 1) / kMinUnitsPerCta));
+  if (groups * ih > 0x7fffffff) return 0;
+  return static_cast<int>(groups * ih);
 }
 
 int decode_paged_choose_splits(const DecodePagedParams& p) {

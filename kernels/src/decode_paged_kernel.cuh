@@ -252,13 +252,11 @@ __device__ __forceinline__ void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
-// Request b's length clamped to its block table, and its units (warp tiles) over all IH items.
+// Request b's length clamped to its block table, and its units (warp tiles).
 __device__ __forceinline__ int clamped_len(const Args& a, int b) {
   return max(0, min(__ldg(a.lens + b), a.max_blocks * a.P));
 }
-__device__ __forceinline__ int64_t request_units(const Args& a, int b) {
-  return int64_t{a.IH} * ((clamped_len(a, b) + kTW - 1) / kTW);
-}
+__device__ __forceinline__ int request_units(const Args& a, int b) { return (clamped_len(a, b) + kTW - 1) / kTW; }
 
 // First unit of CTA c of a balanced grid of n CTAs over w units: floor(c * w / n), no overflow.
 __host__ __device__ __forceinline__ int64_t range_lo(int64_t w, int n, int c) {
@@ -703,34 +701,34 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
     return;
   }
 
-  // Balanced schedule: this CTA's units [lo, hi) of all items laid end to end (item j = request
-  // b, kv head and head chunk ih = j % IH, of request_units / IH units each), cut at item ends.
+  // Balanced schedule: the units of all requests laid end to end are cut into M equal ranges,
+  // one per group of IH CTAs (CTA = group * IH + ih serves kv head / head chunk ih), and each
+  // range is cut at request ends into pieces. The IH CTAs of a group run together on the same
+  // tokens, so they read the K/V pages of all heads at about the same time (whole DRAM rows of
+  // an NHD page), as the split schedule's neighbouring CTAs do.
   int64_t total = 0, unused = 0;
   unit_sums(a, 0, total, unused, s_red);
-  const int c = blockIdx.x, n = gridDim.x;
-  const int64_t lo = range_lo(total, n, c), hi = c + 1 < n ? range_lo(total, n, c + 1) : total;
+  const int ih = static_cast<int>(blockIdx.x) % a.IH, grp = static_cast<int>(blockIdx.x) / a.IH;
+  const int ngrp = a.grid / a.IH;
+  const int64_t lo = range_lo(total, ngrp, grp), hi = grp + 1 < ngrp ? range_lo(total, ngrp, grp + 1) : total;
   if (lo >= hi) return;
   int64_t pre = 0;
   int b = find_request(a, lo, pre, s_red, &s_found);
   if (b < 0) return;  // not reached: lo < total
-  int nt = (clamped_len(a, b) + kTW - 1) / kTW;
-  int ih = static_cast<int>((lo - pre) / nt);
-  int t = static_cast<int>(lo - pre - int64_t{ih} * nt);
+  int nt = request_units(a, b);
+  int t = static_cast<int>(lo - pre);
+  const int kvh = ih / a.HC, hc = ih - kvh * a.HC;
   for (int64_t pos = lo;;) {
     const int t1 = static_cast<int>(min(int64_t{nt}, t + (hi - pos)));
-    const int kvh = ih / a.HC, hc = ih - kvh * a.HC;
-    const int64_t slot = int64_t{b} * a.IH + ih + c;  // unique per (item, CTA): see the merge
+    const int64_t slot = (int64_t{b} + grp) * a.IH + ih;  // unique per (request, group): see the merge
     piece(b, kvh, hc, t * kTW, min(clamped_len(a, b), t1 * kTW), t == 0 && t1 == nt, a.ws_o + slot * kN * DV, DV,
           a.ws_lse + slot * kN, 1);
     pos += t1 - t;
     if (pos >= hi) break;
     t = 0;
-    if (++ih == a.IH) {
-      ih = 0;
-      do {
-        nt = (clamped_len(a, ++b) + kTW - 1) / kTW;
-      } while (nt == 0);
-    }
+    do {
+      nt = request_units(a, ++b);
+    } while (nt == 0);
   }
 }
 
@@ -760,10 +758,10 @@ __global__ void __launch_bounds__(128) decode_paged_merge_kernel(const Args a, i
 }
 
 // Merge of the balanced schedule, one block per (head, request): an empty request gets o = 0 and
-// lse = -inf; an item held by one CTA was written by it; an item cut between CTAs c0..c1 has its
-// partials in slots j + c (j = its item index). Those slots are distinct: were (j, c) and
-// (j', c - (j' - j)) both pieces with j' > j, CTA c would start before item j ends and CTA
-// c - (j' - j) < c end after item j' starts, which is at or after item j's end.
+// lse = -inf; a request held by one group was written by its CTAs; a request cut between groups
+// g0..g1 has its partials in slots (b + g) * IH + ih. Those are distinct: were (b, g) and
+// (b', g - (b' - b)) both pieces with b' > b, group g would start before request b ends and
+// group g - (b' - b) < g end after request b' starts, which is at or after request b's end.
 template <class QT>
 __global__ void __launch_bounds__(kThreads) decode_paged_merge_balanced_kernel(const Args a, int dv) {
   __shared__ int64_t s_red[2 * kWarps];
@@ -772,8 +770,8 @@ __global__ void __launch_bounds__(kThreads) decode_paged_merge_balanced_kernel(c
   unit_sums(a, b, total, before, s_red);
   const int kvh = h / a.G, gi = h - kvh * a.G, hc = gi / kN, g = gi - hc * kN;
   const int ih = kvh * a.HC + hc;
-  const int nt = (clamped_len(a, b) + kTW - 1) / kTW;
-  const int n = a.grid;
+  const int nt = request_units(a, b);
+  const int ngrp = a.grid / a.IH;
   griddep_wait();
   uint8_t* orow = a.o + b * a.o_sb + h * a.o_sh;
   const float ninf = -INFINITY;
@@ -782,20 +780,19 @@ __global__ void __launch_bounds__(kThreads) decode_paged_merge_balanced_kernel(c
     if (threadIdx.x == 0 && a.lse != nullptr) a.lse[int64_t{b} * a.Hq + h] = ninf;
     return;
   }
-  const int64_t x0 = before + int64_t{ih} * nt;
-  const int c0 = range_owner(total, n, x0), c1 = range_owner(total, n, x0 + nt - 1);
-  if (c0 == c1) return;
-  const int64_t j = int64_t{b} * a.IH + ih;
-  const float* wl = a.ws_lse + (j + c0) * kN + g;  // slot stride kN
-  const float* wo = a.ws_o + ((j + c0) * kN + g) * dv;
-  const int ns = c1 - c0 + 1;
+  const int g0 = range_owner(total, ngrp, before), g1 = range_owner(total, ngrp, before + nt - 1);
+  if (g0 == g1) return;
+  const int64_t slot0 = (int64_t{b} + g0) * a.IH + ih, step = int64_t{a.IH} * kN;  // floats between groups
+  const float* wl = a.ws_lse + slot0 * kN + g;
+  const float* wo = a.ws_o + (slot0 * kN + g) * dv;
+  const int ns = g1 - g0 + 1;
   float M = ninf;
-  for (int s = 0; s < ns; ++s) M = fmaxf(M, wl[s * kN]);
+  for (int s = 0; s < ns; ++s) M = fmaxf(M, wl[s * step]);
   float W = 0.0f;
-  for (int s = 0; s < ns; ++s) W += expf(wl[s * kN] - M);
+  for (int s = 0; s < ns; ++s) W += expf(wl[s * step] - M);
   for (int d = threadIdx.x; d < dv; d += blockDim.x) {
     float o = 0.0f;
-    for (int s = 0; s < ns; ++s) o += expf(wl[s * kN] - M) * wo[int64_t{s} * kN * dv + d];
+    for (int s = 0; s < ns; ++s) o += expf(wl[s * step] - M) * wo[s * step * dv + d];
     store_q<QT>(orow + int64_t{d} * sizeof(QT), o / W);
   }
   if (threadIdx.x == 0 && a.lse != nullptr) a.lse[int64_t{b} * a.Hq + h] = M + logf(W);

@@ -18,12 +18,13 @@
 // decode_paged_split_chunk(len, S) tokens; each split produces (o_s, lse_s) and the splits are
 // merged by LSE. The CPU twin and the CUDA launcher follow the same split rule.
 //
-// Balanced schedule (num_splits = kDecodePagedBalanced, the launcher's usual choice): one CTA per
-// resident slot of the device (decode_paged_balanced_grid), and the 16-token tiles of every
-// (request, kv head, head chunk) laid end to end and cut into that many equal ranges, so every
-// CTA reads the same number of K/V bytes whatever the batch and lengths (no partial last wave).
-// A range that holds a whole item writes o directly; items cut between CTAs are merged by LSE.
-// The CPU twin computes a balanced call unsplit (results agree within rounding).
+// Balanced schedule (num_splits = kDecodePagedBalanced): the device's resident CTA slots in
+// groups of Hkv * head-chunks CTAs (decode_paged_balanced_grid), the 16-token tiles of all
+// requests laid end to end and cut into one equal range per group, each CTA of a group serving
+// one kv head (and head chunk) of its range: every CTA reads the same number of K/V bytes
+// whatever the batch and lengths (no partial last wave), and the CTAs of a group read the same
+// pages together. A request held by one group is written directly; a request cut between groups
+// is merged by LSE. The CPU twin computes a balanced call unsplit (results agree within rounding).
 #include <cstdint>
 
 #include "kvferry/layouts/status.h"
@@ -107,8 +108,9 @@ inline int64_t decode_paged_balanced_workspace_bytes(int64_t batch, int64_t q_he
   return (batch * kv_heads * chunks + grid) * kDecodePagedMaxGroup * (dv + 1) * static_cast<int64_t>(sizeof(float));
 }
 
-/// CTAs of a balanced call of `p` on the current device (its resident CTA slots, fewer for small
-/// problems: at least 16 tiles per CTA by max_seq_len); 0 without CUDA.
+/// CTAs of a balanced call of `p` on the current device: a multiple of Hkv * head chunks within
+/// its resident CTA slots (fewer for small problems: at least 16 tiles per group by
+/// max_seq_len); 0 without CUDA.
 int decode_paged_balanced_grid(const DecodePagedParams& p);
 
 /// Workspace bytes a call of `p` needs for its p.num_splits (balanced: on the current device).
