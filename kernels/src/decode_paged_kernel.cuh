@@ -21,11 +21,16 @@
 // ldmatrix.trans of byte pairs plus a byte permute yields V^T fragments whose rows are the
 // even / odd head dims, which only changes where each accumulator lands.
 //
-// Status (H200, bench/decode_mha_suite.cpp): 0.92 of the d2d-rate floor for the Llama-3-8B-like
-// bf16 case (3 splits), 0.95 for Dk 192 / Dv 128, 0.72-0.77 for fp8 d128 (3 splits; it was 0.47
-// with one bulk copy per 128-byte row, which is copy-rate bound). Next steps for fp8: fewer,
-// larger copies (a 2-D tensor-map box of 16 rows) or one CTA per pair of kv heads (256 contiguous
-// bytes per token in NHD).
+// Two schedules (decode_paged.h): splits (grid [Hkv * head chunks * S, B], one piece per CTA)
+// and balanced (a resident grid in groups of Hkv * head chunks CTAs, each CTA running the pieces
+// of its token range one after another; its per-warp pipeline phases carry across pieces).
+//
+// Status (H200, bench/decode_mha_suite.cpp, calls timed back to back like the floor's copy):
+// 0.93 of the d2d-rate floor for the Llama-3-8B-like bf16 case (3 splits), 0.96 for Dk 192 /
+// Dv 128 (1 split), 0.80 for fp8 d128 (3 splits). The balanced schedule gave 0.91 / 0.925 / 0.78
+// (0.905 / 0.91 / 0.76 before its CTAs were grouped to read the kv heads of a page together).
+// Next steps for fp8: fewer, larger copies (a 2-D tensor-map box of 16 rows) or one CTA per
+// pair of kv heads (256 contiguous bytes per token in NHD).
 //
 // All addressing is int64: row = base + page * stride_page + (n % page) * stride_token +
 // head * stride_head, strides in bytes. The arithmetic does not depend on addresses, so any two

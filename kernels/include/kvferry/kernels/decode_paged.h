@@ -25,6 +25,8 @@
 // whatever the batch and lengths (no partial last wave), and the CTAs of a group read the same
 // pages together. A request held by one group is written directly; a request cut between groups
 // is merged by LSE. The CPU twin computes a balanced call unsplit (results agree within rounding).
+// On the H200 benchmark batches (uniform lengths) it ran 2-3 % slower than the best split count,
+// so the launcher does not choose it; it is for callers whose lengths vary widely.
 #include <cstdint>
 
 #include "kvferry/layouts/status.h"
@@ -120,9 +122,9 @@ int64_t decode_paged_workspace_bytes(const DecodePagedParams& p);
 /// merge. Also validates block ids and lengths. Writes every element of o (and lse).
 Status decode_paged_cpu(const DecodePagedParams& p);
 
-/// num_splits the CUDA launcher picks for `p` on the current device: kDecodePagedBalanced when
-/// the request tiles outnumber the device's CTA slots, else the split count that fills them
-/// given B * Hkv * head chunks CTAs and max_seq_len; 1 without CUDA.
+/// Number of splits the CUDA launcher picks for `p` on the current device (fills the SMs given
+/// B * Hkv * head chunks CTAs and max_seq_len; never the balanced schedule, which measured
+/// slower on uniform batches); 1 without CUDA.
 int decode_paged_choose_splits(const DecodePagedParams& p);
 
 }  // namespace kvferry
