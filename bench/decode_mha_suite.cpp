@@ -2,15 +2,17 @@
 // rate measured in the same run, contiguous vs cross-layer (a layer view of a block-major buffer).
 // `kvferry-bench decode --mha` reaches this suite too.
 //
-// Measured on an H200 (2026-11-22, d2d 4217 GB/s read+write, floor = K+V bytes / that rate;
-// B 64, 4096 tokens, page 16, Hq 32, Hkv 8, splits chosen by the launcher):
-//   llama3-8b d128 bf16   S=3 contiguous 275.8 us (0.923 of 254.6 us), cross-layer 275.9 us (1.000)
-//   dk192/dv128 bf16      S=1 contiguous 336.8 us (0.945 of 318.3 us), cross-layer 337.2 us (0.999)
-//   llama3-8b d128 fp8    S=3 contiguous 176.4 us (0.722 of 127.3 us), cross-layer 164.4 us (0.774);
-//                         the split sweep's S=3 row 165.3 us (0.770)
-// (one bulk copy per row, 108 KB pipeline: 0.906 / 0.946 / 0.468; the scalar kernel before it:
-// 0.503 / 0.459 / 0.288). A 72 KB pipeline gives d128 three CTAs per SM, and fp8 rows are copied
-// by 16-byte cp.async instead of one bulk copy per 128-byte row (see decode_paged_kernel.cuh).
+// Measured on an H200 (2026-11-22, d2d 4239 GB/s read+write, floor = K+V bytes / that rate;
+// B 64, 4096 tokens, page 16, Hq 32, Hkv 8, splits chosen by the launcher; kernel and copy each
+// timed as 8 calls back to back, median of 20 (sweep) or 40 such samples):
+//   llama3-8b d128 bf16   S=3 contiguous 272.2-273.0 us (0.928-0.930 of 253.3 us)
+//   dk192/dv128 bf16      S=1 contiguous 330.3-330.4 us (0.958 of 316.6 us)
+//   llama3-8b d128 fp8    S=3 contiguous 158.7-158.9 us (0.797 of 126.6 us)
+// (split sweep rows of two runs; the balanced schedule: 277.9 / 342.2 / 162.9 us = 0.911 /
+// 0.925 / 0.777, its cross-layer rows within 0.9 % of contiguous).
+// Earlier, each call timed alone between its own events (host launch cost inside the time):
+// 0.92 / 0.945 / 0.72-0.77; one bulk copy per row with a 108 KB pipeline: 0.906 / 0.946 / 0.468;
+// the scalar kernel before it: 0.503 / 0.459 / 0.288.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -56,7 +58,11 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-/// Median microseconds of `fn` enqueued on `s`, each call timed by its own pair of events.
+/// Calls of `fn` back to back between one pair of events: the host's launch cost then overlaps
+/// the previous call, as in a decode step, for the kernel and the floor's copy alike.
+constexpr int kBackToBack = 8;
+
+/// Median microseconds per call of `fn` enqueued on `s` (`iters` samples of kBackToBack calls).
 template <class F>
 double time_us(cudaStream_t s, int warm, int iters, F&& fn) {
   cudaEvent_t a, b;
@@ -66,12 +72,12 @@ double time_us(cudaStream_t s, int warm, int iters, F&& fn) {
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
     cudaEventRecord(a, s);
-    fn();
+    for (int r = 0; r < kBackToBack; ++r) fn();
     cudaEventRecord(b, s);
     cudaEventSynchronize(b);
     float ms = 0;
     cudaEventElapsedTime(&ms, a, b);
-    t.push_back(ms * 1e3);
+    t.push_back(ms * 1e3 / kBackToBack);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -87,6 +93,10 @@ double d2d_rate(cudaStream_t s, size_t bytes, int iters) {
   return us > 0 ? 2.0 * static_cast<double>(bytes) / (us * 1e3) : 0;
 }
 
+std::string split_name(int splits) {
+  return splits == kDecodePagedBalanced ? std::string("balanced") : "S=" + std::to_string(splits);
+}
+
 struct Run {
   double us = 0;
   int splits = 0;
@@ -94,7 +104,7 @@ struct Run {
 };
 
 /// Builds q, K/V (contiguous or layer 1 of a 3-layer block-major buffer), a random block table,
-/// and times the decode. splits == 0: the launcher's choice.
+/// and times the decode. splits == 0: the launcher's choice; kDecodePagedBalanced.
 Run run_case(const Shape& c, bool cross_layer, int splits, cudaStream_t s, int warm, int iters, Report& rep) {
   Run r;
   const int64_t eb = dtype_size(c.ct), qe = 2;
@@ -141,8 +151,8 @@ Run run_case(const Shape& c, bool cross_layer, int splits, cudaStream_t s, int w
   d.lse = static_cast<float*>(lse.p);
   d.sm_scale = 1.0f / 11.3137f;
   d.k_scale = d.v_scale = 1.0f;
-  d.num_splits = splits > 0 ? splits : decode_paged_choose_splits(d);
-  const size_t ws_bytes = static_cast<size_t>(decode_paged_workspace_bytes(c.B, c.Hq, c.Dv, d.num_splits));
+  d.num_splits = splits != 0 ? splits : decode_paged_choose_splits(d);
+  const size_t ws_bytes = static_cast<size_t>(decode_paged_workspace_bytes(d));
   Dev ws(std::max<size_t>(ws_bytes, 16));
   d.workspace = ws.p;
   d.workspace_bytes = static_cast<int64_t>(ws_bytes);
@@ -189,7 +199,7 @@ int run_decode_mha(const Options& opts) {
     const Run a = run_case(c, false, 0, s, warm, iters, rep);
     const Run x = run_case(c, true, 0, s, warm, iters, rep);
     if (!a.ok || !x.ok) continue;
-    const std::string sp = "S=" + std::to_string(a.splits) + ", " + human_bytes(static_cast<int64_t>(bytes)) + " K+V";
+    const std::string sp = split_name(a.splits) + ", " + human_bytes(static_cast<int64_t>(bytes)) + " K+V";
     char eff[64];
     std::snprintf(eff, sizeof eff, ", %.0f GB/s read", bytes / (a.us * 1e3));
     rep.add(Row{c.name + " contiguous", a.us, "us", floor_us, "KV bytes at d2d rate", false, 0.7, sp + eff});
@@ -200,10 +210,10 @@ int run_decode_mha(const Options& opts) {
   if (!opts.quick) {  // split sweep of every shape (the launcher's choice is in the rows above)
     for (const Shape& c : shapes) {
       const double bytes = double(c.B) * c.len * c.Hkv * (c.Dk + c.Dv) * double(dtype_size(c.ct));
-      for (int S : {1, 2, 3, 4, 6, 8}) {
+      for (int S : {1, 2, 3, 4, 6, kDecodePagedBalanced}) {
         const Run a = run_case(c, false, S, s, warm, iters / 2, rep);
         if (!a.ok) continue;
-        rep.add(Row{c.name + " contiguous S=" + std::to_string(S), a.us, "us", rate > 0 ? bytes / (rate * 1e3) : 0,
+        rep.add(Row{c.name + " contiguous " + split_name(S), a.us, "us", rate > 0 ? bytes / (rate * 1e3) : 0,
                     "KV bytes at d2d rate", false, 0, "split sweep"});
       }
     }

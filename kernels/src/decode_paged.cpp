@@ -100,12 +100,24 @@ Status validate_decode_paged(const DecodePagedParams& p) {
   if (!(p.logit_cap >= 0.0f) || !std::isfinite(p.logit_cap)) return bad("logit_cap must be finite and >= 0");
   if (fp8 && (!(p.k_scale > 0.0f) || !std::isfinite(p.k_scale) || !(p.v_scale > 0.0f) || !std::isfinite(p.v_scale)))
     return bad("fp8 k_scale / v_scale must be finite and > 0");
-  if (p.num_splits < 0) return bad("num_splits is negative");
-  if (p.num_splits > 1 && p.workspace_bytes < decode_paged_workspace_bytes(B, Hq, Dv, p.num_splits))
-    return {ErrorCode::kResourceExhausted, "workspace of " + std::to_string(p.workspace_bytes) + " bytes < " +
-                                               std::to_string(decode_paged_workspace_bytes(B, Hq, Dv, p.num_splits)) +
-                                               " needed for " + std::to_string(p.num_splits) + " splits"};
+  if (p.num_splits < 0 && p.num_splits != kDecodePagedBalanced)
+    return bad("num_splits = " + std::to_string(p.num_splits) + " is neither >= 0 nor kDecodePagedBalanced");
+  if (const int64_t need = decode_paged_workspace_bytes(p); p.workspace_bytes < need)
+    return {ErrorCode::kResourceExhausted,
+            "workspace of " + std::to_string(p.workspace_bytes) + " bytes < " + std::to_string(need) + " needed for " +
+                (p.num_splits == kDecodePagedBalanced ? std::string("the balanced schedule")
+                                                      : std::to_string(p.num_splits) + " splits")};
   return Status::Ok();
+}
+
+int64_t decode_paged_workspace_bytes(const DecodePagedParams& p) {
+  if (p.q.rank != 3 || p.k.rank != 4 || p.v.rank != 4) return 0;
+  if (p.num_splits == kDecodePagedBalanced) {
+    const int grid = decode_paged_balanced_grid(p);
+    return grid > 0 ? decode_paged_balanced_workspace_bytes(p.q.size(0), p.q.size(1), p.k.size(2), p.v.size(3), grid)
+                    : 0;
+  }
+  return decode_paged_workspace_bytes(p.q.size(0), p.q.size(1), p.v.size(3), p.num_splits);
 }
 
 Status decode_paged_cpu(const DecodePagedParams& p) {
@@ -191,6 +203,7 @@ Status decode_paged_cpu(const DecodePagedParams& p) {
 
 #if !defined(KVFERRY_WITH_CUDA)
 int decode_paged_choose_splits(const DecodePagedParams&) { return 1; }
+int decode_paged_balanced_grid(const DecodePagedParams&) { return 0; }
 #endif
 
 }  // namespace kvferry

@@ -21,11 +21,16 @@
 // ldmatrix.trans of byte pairs plus a byte permute yields V^T fragments whose rows are the
 // even / odd head dims, which only changes where each accumulator lands.
 //
-// Status (H200, bench/decode_mha_suite.cpp): 0.92 of the d2d-rate floor for the Llama-3-8B-like
-// bf16 case (3 splits), 0.95 for Dk 192 / Dv 128, 0.72-0.77 for fp8 d128 (3 splits; it was 0.47
-// with one bulk copy per 128-byte row, which is copy-rate bound). Next steps for fp8: fewer,
-// larger copies (a 2-D tensor-map box of 16 rows) or one CTA per pair of kv heads (256 contiguous
-// bytes per token in NHD).
+// Two schedules (decode_paged.h): splits (grid [Hkv * head chunks * S, B], one piece per CTA)
+// and balanced (a resident grid in groups of Hkv * head chunks CTAs, each CTA running the pieces
+// of its token range one after another; its per-warp pipeline phases carry across pieces).
+//
+// Status (H200, bench/decode_mha_suite.cpp, calls timed back to back like the floor's copy):
+// 0.93 of the d2d-rate floor for the Llama-3-8B-like bf16 case (3 splits), 0.96 for Dk 192 /
+// Dv 128 (1 split), 0.80 for fp8 d128 (3 splits). The balanced schedule gave 0.91 / 0.925 / 0.78
+// (0.905 / 0.91 / 0.76 before its CTAs were grouped to read the kv heads of a page together).
+// Next steps for fp8: fewer, larger copies (a 2-D tensor-map box of 16 rows) or one CTA per
+// pair of kv heads (256 contiguous bytes per token in NHD).
 //
 // All addressing is int64: row = base + page * stride_page + (n % page) * stride_token +
 // head * stride_head, strides in bytes. The arithmetic does not depend on addresses, so any two
@@ -73,9 +78,12 @@ struct Args {
   float logit_cap;
   float v_scale;
   int Hq, G, HC, Dk, P, S;
-  int p_shift;    // log2(P) when P is a power of two, else -1
-  float* ws_o;    // [B, Hq, S, Dv]
-  float* ws_lse;  // [B, Hq, S]
+  int p_shift;   // log2(P) when P is a power of two, else -1
+  int B, IH;     // requests; items per request (Hkv * HC)
+  int balanced;  // 1: balanced schedule over gridDim.x == grid CTAs
+  int grid;
+  float* ws_o;    // split: [B, Hq, S, Dv]; balanced: [slots, kN, Dv]
+  float* ws_lse;  // split: [B, Hq, S]; balanced: [slots, kN]
 };
 
 // Shared-memory plan. Rows are padded by 16 bytes: the 8 rows an ldmatrix reads at one column
@@ -242,6 +250,102 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// Programmatic dependent launch: the merge kernel is launched while the decode runs and waits
+// here for its partials (a no-op when launched without the attribute).
+__device__ __forceinline__ void griddep_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// Request b's length clamped to its block table, and its units (warp tiles).
+__device__ __forceinline__ int clamped_len(const Args& a, int b) {
+  return max(0, min(__ldg(a.lens + b), a.max_blocks * a.P));
+}
+__device__ __forceinline__ int request_units(const Args& a, int b) { return (clamped_len(a, b) + kTW - 1) / kTW; }
+
+// First unit of CTA c of a balanced grid of n CTAs over w units: floor(c * w / n), no overflow.
+__host__ __device__ __forceinline__ int64_t range_lo(int64_t w, int n, int c) {
+  return (w / n) * c + ((w % n) * c) / n;
+}
+
+// The CTA of the balanced grid whose range [range_lo(c), range_lo(c + 1)) holds unit x < w.
+__device__ __forceinline__ int range_owner(int64_t w, int n, int64_t x) {
+  int c = static_cast<int>(static_cast<double>(x) * n / static_cast<double>(w));
+  c = min(max(c, 0), n - 1);
+  while (c + 1 < n && range_lo(w, n, c + 1) <= x) ++c;
+  while (c > 0 && range_lo(w, n, c) > x) --c;
+  return c;
+}
+
+// Block-wide (kThreads threads): units of all requests, and of the requests before `upto`.
+__device__ __forceinline__ void unit_sums(const Args& a, int upto, int64_t& total, int64_t& before, int64_t* red) {
+  int64_t t = 0, bf = 0;
+  for (int b = threadIdx.x; b < a.B; b += kThreads) {
+    const int64_t u = request_units(a, b);
+    t += u;
+    if (b < upto) bf += u;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    t += __shfl_xor_sync(0xffffffffu, t, o);
+    bf += __shfl_xor_sync(0xffffffffu, bf, o);
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    red[warp] = t;
+    red[kWarps + warp] = bf;
+  }
+  __syncthreads();
+  total = 0;
+  before = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    total += red[w];
+    before += red[kWarps + w];
+  }
+  __syncthreads();  // red may be reused
+}
+
+// Block-wide: the request whose units hold unit x (< total) and the units before it.
+__device__ __forceinline__ int find_request(const Args& a, int64_t x, int64_t& pre, int64_t* red, int* found) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) *found = -1;
+  __syncthreads();
+  int64_t base = 0;
+  for (int c0 = 0; c0 < a.B; c0 += kThreads) {
+    const int b = c0 + static_cast<int>(threadIdx.x);
+    const int64_t u = b < a.B ? request_units(a, b) : 0;
+    int64_t inc = u;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t n = __shfl_up_sync(0xffffffffu, inc, o);
+      if (lane >= o) inc += n;
+    }
+    if (lane == 31) red[warp] = inc;
+    __syncthreads();
+    int64_t wbase = 0, ctot = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      wbase += w < warp ? red[w] : 0;
+      ctot += red[w];
+    }
+    const int64_t p = base + wbase + inc - u;
+    if (u > 0 && p <= x && x < p + u) {
+      *found = b;
+      red[kWarps] = p;
+    }
+    __syncthreads();
+    const int fb = *found;
+    if (fb >= 0) {
+      pre = red[kWarps];
+      return fb;
+    }
+    base += ctot;
+  }
+  pre = base;
+  return -1;
+}
+
 template <class QT, class CT, int DK, int DV>
 __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
   using Tr = CacheTraits<CT>;
@@ -259,99 +363,149 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
   // limited by the copy rate, not by bytes. 2-byte caches use one bulk copy per row.
   constexpr bool kCpAsync = F8;
   extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int64_t s_red[2 * kWarps + 1];
+  __shared__ int s_found;
 
+  griddep_launch_dependents();  // the merge kernel may start its prologue now
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;  // mma fragment row / column pair
-  const int s = blockIdx.x % a.S;
-  const int rest = blockIdx.x / a.S;
-  const int hc = rest % a.HC;
-  const int kvh = rest / a.HC;
-  const int b = blockIdx.y;
-  const int h0 = kvh * a.G + hc * kN;
-  const int ng = min(kN, a.G - hc * kN);  // heads written (kN - ng padding heads have q = 0)
-  const int len = max(0, min(a.lens[b], a.max_blocks * a.P));
-  const int chunk = (((len + a.S - 1) / a.S) + kT - 1) / kT * kT;
-  const int start = s * chunk;
-  const int end = min(len, start + chunk);
   const float ninf = -INFINITY;
 
-  if (start >= end) {  // empty split (or empty sequence): defined outputs, nothing read
-    for (int i = tid; i < ng * DV; i += kThreads) {
-      const int g = i / DV, d = i - g * DV, h = h0 + g;
-      if (a.S == 1) {
-        store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), 0.0f);
-        if (a.lse != nullptr && d == 0) a.lse[int64_t{b} * a.Hq + h] = ninf;
-      } else {
-        const int64_t row = (int64_t{b} * a.Hq + h) * a.S + s;
-        a.ws_o[row * DV + d] = 0.0f;
-        if (d == 0) a.ws_lse[row] = ninf;
+  // Split schedule: an empty split (or empty sequence) has defined outputs and reads nothing.
+  if (!a.balanced) {
+    const int s = blockIdx.x % a.S, rest = blockIdx.x / a.S;
+    const int hc = rest % a.HC, kvh = rest / a.HC, b = blockIdx.y;
+    const int h0 = kvh * a.G + hc * kN, ng = min(kN, a.G - hc * kN);
+    const int len = clamped_len(a, b);
+    const int chunk = (((len + a.S - 1) / a.S) + kT - 1) / kT * kT;
+    const int start = s * chunk;
+    const int end = min(len, start + chunk);
+    if (start >= end) {
+      for (int i = tid; i < ng * DV; i += kThreads) {
+        const int g = i / DV, d = i - g * DV, h = h0 + g;
+        if (a.S == 1) {
+          store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), 0.0f);
+          if (a.lse != nullptr && d == 0) a.lse[int64_t{b} * a.Hq + h] = ninf;
+        } else {
+          const int64_t row = (int64_t{b} * a.Hq + h) * a.S + s;
+          a.ws_o[row * DV + d] = 0.0f;
+          if (d == 0) a.ws_lse[row] = ninf;
+        }
       }
-    }
-    return;
-  }
-
-  // Q^T as mma B fragments (n = head gq). Column pair (tq) of k-step c holds head dims
-  //   16c + 2tq, +1 | 16c + 8 + 2tq, +1   (2-byte cache: ldmatrix pairs)
-  //   16c + 4tq, +1 | 16c + 4tq + 2, +3   (fp8 cache: 4 bytes per ldmatrix element pair)
-  uint32_t qf[KS][2];
-  float score_scale = a.score_scale;
-  {
-    float qv[KS][4];
-    const bool hv = gq < ng;
-    const uint8_t* qrow = a.q + b * a.q_sb + (h0 + (hv ? gq : 0)) * a.q_sh;
-    float amax = 0.0f;
-#pragma unroll
-    for (int c = 0; c < KS; ++c) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int d = F8 ? 16 * c + 4 * tq + j : 16 * c + 2 * tq + (j & 1) + 8 * (j >> 1);
-        qv[c][j] = hv ? q_to_float<QT>(qrow + int64_t{d} * sizeof(QT)) : 0.0f;
-        amax = fmaxf(amax, fabsf(qv[c][j]));
-      }
-    }
-    float qscale = 1.0f;
-    if constexpr (F8 && std::is_same_v<QT, __nv_bfloat16>) {
-      // bf16 q into fp16 range by a power of two (exact): |q| * qscale < 2^15.
-      amax = warp_max(amax);
-      if (amax > 0.0f && amax < INFINITY) {
-        int e = 0;
-        (void)frexpf(amax, &e);
-        qscale = ldexpf(1.0f, max(-100, min(100, 15 - e)));
-      }
-      score_scale = a.score_scale / qscale;
-    }
-#pragma unroll
-    for (int c = 0; c < KS; ++c) {
-      qf[c][0] = pack2<MT>(qv[c][0] * qscale, qv[c][1] * qscale);
-      qf[c][1] = pack2<MT>(qv[c][2] * qscale, qv[c][3] * qscale);
+      return;
     }
   }
 
-  const int32_t* bt = a.bt + int64_t{b} * a.bt_stride;
-  const uint8_t* kbase = a.k + kvh * a.k_sh;
-  const uint8_t* vbase = a.v + kvh * a.v_sh;
-  const uint32_t wsm = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * NST * STAGE;
-
-  // Warp tile i of this warp: tokens [start + (warp + i * kWarps) * kTW, +kTW). Lane l copies
-  // row l % 16 of K (l < 16) or V (l >= 16) with one bulk copy; rows past the end are not read
-  // (K rows are masked, V rows are zeroed so that 0 * garbage cannot make a NaN).
-  const uint32_t bars = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + bar_off(DK, DV, CB) + warp * NST * 8;
+  const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t wsm = sbase + warp * NST * STAGE;
+  // Per-warp stage barriers. `seq` counts the stages this warp has consumed over all its pieces:
+  // use q of the pipeline sits in stage q % NST, in phase (q / NST) & 1 of its barrier.
+  const uint32_t bars = sbase + bar_off(DK, DV, CB) + warp * NST * 8;
   if (lane == 0) {
     for (int st = 0; st < NST; ++st) mbar_init(bars + st * 8, kCpAsync ? 32 : 1);
     mbar_init_fence();
   }
   __syncwarp();
-  auto load = [&](int stage, int i) {
-    const int r = lane & (kTW - 1);
-    const bool is_v = lane >= kTW;
-    const int n0 = start + (warp + i * kWarps) * kTW;
-    const int nvalid = min(kTW, end - n0);
-    const uint32_t bar = bars + stage * 8;
-    if constexpr (kCpAsync) {
-      // Lane l finds the address of K row l (l < 16) or V row l - 16; the warp then copies the
-      // tile in 16-byte pieces, consecutive lanes on consecutive pieces of a row. Rows past the
-      // end are zero-filled (K rows are masked anyway).
-      const uint8_t* row = is_v ? vbase : kbase;
+  uint32_t seq = 0;
+
+  // One piece: tokens [start, end) (end > start) of request b for kv head kvh and head chunk hc.
+  // direct: o and lse are written; else fp32 partials at wo[head * wo_hs + d], wl[head * wl_hs].
+  auto piece = [&](int b, int kvh, int hc, int start, int end, bool direct, float* wo, int64_t wo_hs, float* wl,
+                   int64_t wl_hs) {
+    const int h0 = kvh * a.G + hc * kN;
+    const int ng = min(kN, a.G - hc * kN);  // heads written (kN - ng padding heads have q = 0)
+
+    // Q^T as mma B fragments (n = head gq). Column pair (tq) of k-step c holds head dims
+    //   16c + 2tq, +1 | 16c + 8 + 2tq, +1   (2-byte cache: ldmatrix pairs)
+    //   16c + 4tq, +1 | 16c + 4tq + 2, +3   (fp8 cache: 4 bytes per ldmatrix element pair)
+    uint32_t qf[KS][2];
+    float score_scale = a.score_scale;
+    {
+      float qv[KS][4];
+      const bool hv = gq < ng;
+      const uint8_t* qrow = a.q + b * a.q_sb + (h0 + (hv ? gq : 0)) * a.q_sh;
+      float amax = 0.0f;
+#pragma unroll
+      for (int c = 0; c < KS; ++c) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int d = F8 ? 16 * c + 4 * tq + j : 16 * c + 2 * tq + (j & 1) + 8 * (j >> 1);
+          qv[c][j] = hv ? q_to_float<QT>(qrow + int64_t{d} * sizeof(QT)) : 0.0f;
+          amax = fmaxf(amax, fabsf(qv[c][j]));
+        }
+      }
+      float qscale = 1.0f;
+      if constexpr (F8 && std::is_same_v<QT, __nv_bfloat16>) {
+        // bf16 q into fp16 range by a power of two (exact): |q| * qscale < 2^15.
+        amax = warp_max(amax);
+        if (amax > 0.0f && amax < INFINITY) {
+          int e = 0;
+          (void)frexpf(amax, &e);
+          qscale = ldexpf(1.0f, max(-100, min(100, 15 - e)));
+        }
+        score_scale = a.score_scale / qscale;
+      }
+#pragma unroll
+      for (int c = 0; c < KS; ++c) {
+        qf[c][0] = pack2<MT>(qv[c][0] * qscale, qv[c][1] * qscale);
+        qf[c][1] = pack2<MT>(qv[c][2] * qscale, qv[c][3] * qscale);
+      }
+    }
+
+    const int32_t* bt = a.bt + int64_t{b} * a.bt_stride;
+    const uint8_t* kbase = a.k + kvh * a.k_sh;
+    const uint8_t* vbase = a.v + kvh * a.v_sh;
+
+    // Warp tile i of this warp: tokens [start + (warp + i * kWarps) * kTW, +kTW). Lane l copies
+    // row l % 16 of K (l < 16) or V (l >= 16) with one bulk copy; rows past the end are not read
+    // (K rows are masked, V rows are zeroed so that 0 * garbage cannot make a NaN).
+    auto load = [&](int stage, int i) {
+      const int r = lane & (kTW - 1);
+      const bool is_v = lane >= kTW;
+      const int n0 = start + (warp + i * kWarps) * kTW;
+      const int nvalid = min(kTW, end - n0);
+      const uint32_t bar = bars + stage * 8;
+      if constexpr (kCpAsync) {
+        // Lane l finds the address of K row l (l < 16) or V row l - 16; the warp then copies the
+        // tile in 16-byte pieces, consecutive lanes on consecutive pieces of a row. Rows past the
+        // end are zero-filled (K rows are masked anyway).
+        const uint8_t* row = is_v ? vbase : kbase;
+        if (r < nvalid) {
+          const int n = n0 + r;
+          int pi, off;
+          if (a.p_shift >= 0) {
+            pi = n >> a.p_shift;
+            off = n & (a.P - 1);
+          } else {
+            pi = n / a.P;
+            off = n - pi * a.P;
+          }
+          const int64_t pg = __ldg(bt + pi);
+          row = is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
+        }
+        const uint32_t sk = wsm + stage * STAGE, sv = sk + kTW * RK;
+        const unsigned long long ra = reinterpret_cast<unsigned long long>(row);
+#pragma unroll
+        for (int j = 0; j < kTW * CK / 32; ++j) {
+          const int idx = lane + 32 * j, rr = idx / CK, c = idx - rr * CK;
+          const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, ra, rr));
+          cp_async16(sk + rr * RK + c * 16, src + (rr < nvalid ? c * 16 : 0), rr < nvalid);
+        }
+#pragma unroll
+        for (int j = 0; j < kTW * CV / 32; ++j) {
+          const int idx = lane + 32 * j, rr = idx / CV, c = idx - rr * CV;
+          const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, ra, kTW + rr));
+          cp_async16(sv + rr * RV + c * 16, src + (rr < nvalid ? c * 16 : 0), rr < nvalid);
+        }
+        cp_async_arrive(bar);
+        return;
+      }
+      if (lane == 0) {
+        proxy_fence();  // this stage's earlier generic reads (ordered by __syncwarp) before the async writes
+        mbar_arrive_tx(bar, static_cast<uint32_t>(nvalid * (DK + DV) * CB));
+      }
+      __syncwarp();
+      const uint32_t dst = wsm + stage * STAGE + (is_v ? kTW * RK + r * RV : r * RK);
       if (r < nvalid) {
         const int n = n0 + r;
         int pi, off;
@@ -363,218 +517,230 @@ __global__ void __launch_bounds__(kThreads) decode_paged_kernel(const Args a) {
           off = n - pi * a.P;
         }
         const int64_t pg = __ldg(bt + pi);
-        row = is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
+        const uint8_t* src =
+            is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
+        bulk_g2s(dst, src, static_cast<uint32_t>((is_v ? DV : DK) * CB), bar);
+      } else if (is_v) {
+        uint4* z = reinterpret_cast<uint4*>(smem + (dst - sbase));
+#pragma unroll
+        for (int j = 0; j < CV; ++j) z[j] = make_uint4(0, 0, 0, 0);
       }
-      const uint32_t sk = wsm + stage * STAGE, sv = sk + kTW * RK;
-      const unsigned long long ra = reinterpret_cast<unsigned long long>(row);
+    };
+
+    const int ntiles = (end - start + kTW - 1) / kTW;
+    const int nw = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;
 #pragma unroll
-      for (int j = 0; j < kTW * CK / 32; ++j) {
-        const int idx = lane + 32 * j, rr = idx / CK, c = idx - rr * CK;
-        const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, ra, rr));
-        cp_async16(sk + rr * RK + c * 16, src + (rr < nvalid ? c * 16 : 0), rr < nvalid);
+    for (int st = 0; st < NST - 1; ++st)
+      if (st < nw) load(static_cast<int>((seq + st) % NST), st);
+
+    // O^T accumulators: o[mt][0..1] = (dim dmap(mt, 0), heads 2tq, 2tq+1), o[mt][2..3] = dim dmap(mt, 1).
+    float o[MTV][4];
+#pragma unroll
+    for (int mt = 0; mt < MTV; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[mt][j] = 0.0f;
+    float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;  // heads 2tq, 2tq+1 (base-2 units)
+    const float cap = a.logit_cap;
+
+    for (int i = 0; i < nw; ++i) {
+      {
+        const int nx = i + NST - 1;
+        if (nx < nw) load(static_cast<int>((seq + nx) % NST), nx);
       }
-#pragma unroll
-      for (int j = 0; j < kTW * CV / 32; ++j) {
-        const int idx = lane + 32 * j, rr = idx / CV, c = idx - rr * CV;
-        const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, ra, kTW + rr));
-        cp_async16(sv + rr * RV + c * 16, src + (rr < nvalid ? c * 16 : 0), rr < nvalid);
-      }
-      cp_async_arrive(bar);
-      return;
-    }
-    if (lane == 0) {
-      proxy_fence();  // this stage's earlier generic reads (ordered by __syncwarp) before the async writes
-      mbar_arrive_tx(bar, static_cast<uint32_t>(nvalid * (DK + DV) * CB));
-    }
-    __syncwarp();
-    const uint32_t dst = wsm + stage * STAGE + (is_v ? kTW * RK + r * RV : r * RK);
-    if (r < nvalid) {
-      const int n = n0 + r;
-      int pi, off;
-      if (a.p_shift >= 0) {
-        pi = n >> a.p_shift;
-        off = n & (a.P - 1);
-      } else {
-        pi = n / a.P;
-        off = n - pi * a.P;
-      }
-      const int64_t pg = __ldg(bt + pi);
-      const uint8_t* src =
-          is_v ? vbase + pg * a.v_sp + int64_t{off} * a.v_st : kbase + pg * a.k_sp + int64_t{off} * a.k_st;
-      bulk_g2s(dst, src, static_cast<uint32_t>((is_v ? DV : DK) * CB), bar);
-    } else if (is_v) {
-      uint4* z = reinterpret_cast<uint4*>(smem + (dst - static_cast<uint32_t>(__cvta_generic_to_shared(smem))));
-#pragma unroll
-      for (int j = 0; j < CV; ++j) z[j] = make_uint4(0, 0, 0, 0);
-    }
-  };
+      const uint32_t use = seq + i;
+      const int stage = static_cast<int>(use % NST);
+      mbar_wait(bars + stage * 8, (use / NST) & 1u);
+      __syncwarp();
+      const uint32_t ks = wsm + stage * STAGE, vs = ks + kTW * RK;
+      const int n0 = start + (warp + i * kWarps) * kTW;
 
-  const int ntiles = (end - start + kTW - 1) / kTW;
-  const int nw = ntiles > warp ? (ntiles - warp + kWarps - 1) / kWarps : 0;
+      // S^T = K . Q^T: rows gq, gq + 8 (tokens), columns 2tq, 2tq+1 (heads).
+      float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      {
+        const uint32_t kaddr = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RK + 16 * (lane >> 4);
+        if constexpr (!F8) {
 #pragma unroll
-  for (int st = 0; st < NST - 1; ++st)
-    if (st < nw) load(st, st);
-
-  // O^T accumulators: o[mt][0..1] = (dim dmap(mt, 0), heads 2tq, 2tq+1), o[mt][2..3] = dim dmap(mt, 1).
-  float o[MTV][4];
+          for (int c = 0; c < KS; ++c) {
+            uint32_t af[4];
+            ldsm_x4(af, kaddr + c * 32);
+            mma16816<MT>(sc, af, qf[c][0], qf[c][1]);
+          }
+        } else {
 #pragma unroll
-  for (int mt = 0; mt < MTV; ++mt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) o[mt][j] = 0.0f;
-  float m0 = ninf, m1 = ninf, l0 = 0.0f, l1 = 0.0f;  // heads 2tq, 2tq+1 (base-2 units)
-  const float cap = a.logit_cap;
-
-  for (int i = 0; i < nw; ++i) {
-    {
-      const int nx = i + NST - 1;
-      if (nx < nw) load(nx % NST, nx);
-    }
-    mbar_wait(bars + (i % NST) * 8, static_cast<uint32_t>((i / NST) & 1));
-    __syncwarp();
-    const uint32_t ks = wsm + (i % NST) * STAGE, vs = ks + kTW * RK;
-    const int n0 = start + (warp + i * kWarps) * kTW;
-
-    // S^T = K . Q^T: rows gq, gq + 8 (tokens), columns 2tq, 2tq+1 (heads).
-    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    {
-      const uint32_t kaddr = ks + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RK + 16 * (lane >> 4);
-      if constexpr (!F8) {
-#pragma unroll
-        for (int c = 0; c < KS; ++c) {
-          uint32_t af[4];
-          ldsm_x4(af, kaddr + c * 32);
-          mma16816<MT>(sc, af, qf[c][0], qf[c][1]);
-        }
-      } else {
-#pragma unroll
-        for (int c = 0; c < KS; c += 2) {
-          uint32_t r[4], af[4];
-          ldsm_x4(r, kaddr + c * 16);
-          e4m3x4_to_f16(r[0], af[0], af[2]);
-          e4m3x4_to_f16(r[1], af[1], af[3]);
-          mma16816<MT>(sc, af, qf[c][0], qf[c][1]);
-          e4m3x4_to_f16(r[2], af[0], af[2]);
-          e4m3x4_to_f16(r[3], af[1], af[3]);
-          mma16816<MT>(sc, af, qf[c + 1][0], qf[c + 1][1]);
+          for (int c = 0; c < KS; c += 2) {
+            uint32_t r[4], af[4];
+            ldsm_x4(r, kaddr + c * 16);
+            e4m3x4_to_f16(r[0], af[0], af[2]);
+            e4m3x4_to_f16(r[1], af[1], af[3]);
+            mma16816<MT>(sc, af, qf[c][0], qf[c][1]);
+            e4m3x4_to_f16(r[2], af[0], af[2]);
+            e4m3x4_to_f16(r[3], af[1], af[3]);
+            mma16816<MT>(sc, af, qf[c + 1][0], qf[c + 1][1]);
+          }
         }
       }
-    }
 
-    // Online softmax per head over this tile (max across the 8 row groups of the warp).
-    float x[4];
+      // Online softmax per head over this tile (max across the 8 row groups of the warp).
+      float x[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float v = sc[j] * score_scale;
-      if (cap > 0.0f) v = cap * tanhf(v / cap);
-      x[j] = n0 + gq + 8 * (j >> 1) < end ? v * kLog2e : ninf;
-    }
-    float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
+      for (int j = 0; j < 4; ++j) {
+        float v = sc[j] * score_scale;
+        if (cap > 0.0f) v = cap * tanhf(v / cap);
+        x[j] = n0 + gq + 8 * (j >> 1) < end ? v * kLog2e : ninf;
+      }
+      float mx0 = fmaxf(x[0], x[2]), mx1 = fmaxf(x[1], x[3]);
 #pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: the tile has a valid token
-    const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    const float p0 = exp2f(x[0] - mn0), p1 = exp2f(x[1] - mn1), p2 = exp2f(x[2] - mn0), p3 = exp2f(x[3] - mn1);
-    l0 = l0 * al0 + (p0 + p2);
-    l1 = l1 * al1 + (p1 + p3);
-#pragma unroll
-    for (int mt = 0; mt < MTV; ++mt) {
-      o[mt][0] *= al0;
-      o[mt][1] *= al1;
-      o[mt][2] *= al0;
-      o[mt][3] *= al1;
-    }
-    // P^T as the B fragment: transpose the (token, head) pairs into (head, token) pairs.
-    const uint32_t pb0 = movmatrix_t(pack2<MT>(p0, p1));
-    const uint32_t pb1 = movmatrix_t(pack2<MT>(p2, p3));
-
-    // O^T += V^T . P^T
-    if constexpr (!F8) {
-      const uint32_t vaddr = vs + ((lane & 7) + 8 * (lane >> 4)) * RV + 16 * ((lane >> 3) & 1);
+      for (int off = 4; off < 32; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: the tile has a valid token
+      const float al0 = exp2f(m0 - mn0), al1 = exp2f(m1 - mn1);
+      m0 = mn0;
+      m1 = mn1;
+      const float p0 = exp2f(x[0] - mn0), p1 = exp2f(x[1] - mn1), p2 = exp2f(x[2] - mn0), p3 = exp2f(x[3] - mn1);
+      l0 = l0 * al0 + (p0 + p2);
+      l1 = l1 * al1 + (p1 + p3);
 #pragma unroll
       for (int mt = 0; mt < MTV; ++mt) {
-        uint32_t af[4];
-        ldsm_x4_t(af, vaddr + mt * 32);
-        mma16816<MT>(o[mt], af, pb0, pb1);
+        o[mt][0] *= al0;
+        o[mt][1] *= al1;
+        o[mt][2] *= al0;
+        o[mt][3] *= al1;
       }
-    } else {
-      const uint32_t vaddr = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RV + 16 * (lane >> 4);
-#pragma unroll
-      for (int mt = 0; mt < MTV; mt += 2) {
-        uint32_t r[4], af[4];
-        ldsm_x4_t(r, vaddr + mt * 16);
-        // r = bytes (tok 2tq, dim 2gq), (2tq, 2gq+1), (2tq+1, 2gq), (2tq+1, 2gq+1): pair by dim.
-        e4m3x4_to_f16(__byte_perm(r[0], 0, 0x3120), af[0], af[1]);
-        e4m3x4_to_f16(__byte_perm(r[1], 0, 0x3120), af[2], af[3]);
-        mma16816<MT>(o[mt], af, pb0, pb1);
-        e4m3x4_to_f16(__byte_perm(r[2], 0, 0x3120), af[0], af[1]);
-        e4m3x4_to_f16(__byte_perm(r[3], 0, 0x3120), af[2], af[3]);
-        mma16816<MT>(o[mt + 1], af, pb0, pb1);
-      }
-    }
-    __syncwarp();  // every lane is done with this stage before it is refilled
-  }
-#pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-  __syncthreads();  // every copy was waited for; the stages are reused for the merge below
+      // P^T as the B fragment: transpose the (token, head) pairs into (head, token) pairs.
+      const uint32_t pb0 = movmatrix_t(pack2<MT>(p0, p1));
+      const uint32_t pb1 = movmatrix_t(pack2<MT>(p2, p3));
 
-  // Merge the four warps: mo[warp][head][dim], ml[warp][head] = (m, l).
-  float* mo = reinterpret_cast<float*>(smem);
-  float* ml = mo + kWarps * kN * DV;
+      // O^T += V^T . P^T
+      if constexpr (!F8) {
+        const uint32_t vaddr = vs + ((lane & 7) + 8 * (lane >> 4)) * RV + 16 * ((lane >> 3) & 1);
 #pragma unroll
-  for (int mt = 0; mt < MTV; ++mt) {
+        for (int mt = 0; mt < MTV; ++mt) {
+          uint32_t af[4];
+          ldsm_x4_t(af, vaddr + mt * 32);
+          mma16816<MT>(o[mt], af, pb0, pb1);
+        }
+      } else {
+        const uint32_t vaddr = vs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RV + 16 * (lane >> 4);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int head = 2 * tq + (j & 1), hi = j >> 1;
-      const int d = F8 ? 16 * mt + 2 * gq + hi : 16 * mt + gq + 8 * hi;
-      mo[(warp * kN + head) * DV + d] = o[mt][j];
+        for (int mt = 0; mt < MTV; mt += 2) {
+          uint32_t r[4], af[4];
+          ldsm_x4_t(r, vaddr + mt * 16);
+          // r = bytes (tok 2tq, dim 2gq), (2tq, 2gq+1), (2tq+1, 2gq), (2tq+1, 2gq+1): pair by dim.
+          e4m3x4_to_f16(__byte_perm(r[0], 0, 0x3120), af[0], af[1]);
+          e4m3x4_to_f16(__byte_perm(r[1], 0, 0x3120), af[2], af[3]);
+          mma16816<MT>(o[mt], af, pb0, pb1);
+          e4m3x4_to_f16(__byte_perm(r[2], 0, 0x3120), af[0], af[1]);
+          e4m3x4_to_f16(__byte_perm(r[3], 0, 0x3120), af[2], af[3]);
+          mma16816<MT>(o[mt + 1], af, pb0, pb1);
+        }
+      }
+      __syncwarp();  // every lane is done with this stage before it is refilled
     }
-  }
-  if (gq == 0) {
-    ml[(warp * kN + 2 * tq) * 2] = m0;
-    ml[(warp * kN + 2 * tq) * 2 + 1] = l0;
-    ml[(warp * kN + 2 * tq + 1) * 2] = m1;
-    ml[(warp * kN + 2 * tq + 1) * 2 + 1] = l1;
-  }
-  __syncthreads();
-  for (int idx = tid; idx < ng * DV; idx += kThreads) {
-    const int head = idx / DV, d = idx - head * DV, h = h0 + head;
-    float M = ninf;
+    seq += static_cast<uint32_t>(nw);
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, ml[(w * kN + head) * 2]);
-    float L = 0.0f, acc = 0.0f;
+    for (int off = 4; off < 32; off <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    __syncthreads();  // every copy was waited for; the stages are reused for the merge below
+
+    // Merge the four warps: mo[warp][head][dim], ml[warp][head] = (m, l).
+    float* mo = reinterpret_cast<float*>(smem);
+    float* ml = mo + kWarps * kN * DV;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = ml[(w * kN + head) * 2];
-      if (mw != ninf) {  // a warp without tiles contributes nothing
-        const float e = exp2f(mw - M);
-        L += e * ml[(w * kN + head) * 2 + 1];
-        acc += e * mo[(w * kN + head) * DV + d];
+    for (int mt = 0; mt < MTV; ++mt) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int head = 2 * tq + (j & 1), hi = j >> 1;
+        const int d = F8 ? 16 * mt + 2 * gq + hi : 16 * mt + gq + 8 * hi;
+        mo[(warp * kN + head) * DV + d] = o[mt][j];
       }
     }
-    const float out = acc / L * a.v_scale;
-    const float lse = (M + log2f(L)) * kLn2;
-    if (a.S == 1) {
-      store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), out);
-      if (a.lse != nullptr && d == 0) a.lse[int64_t{b} * a.Hq + h] = lse;
-    } else {
-      const int64_t row = (int64_t{b} * a.Hq + h) * a.S + s;
-      a.ws_o[row * DV + d] = out;
-      if (d == 0) a.ws_lse[row] = lse;
+    if (gq == 0) {
+      ml[(warp * kN + 2 * tq) * 2] = m0;
+      ml[(warp * kN + 2 * tq) * 2 + 1] = l0;
+      ml[(warp * kN + 2 * tq + 1) * 2] = m1;
+      ml[(warp * kN + 2 * tq + 1) * 2 + 1] = l1;
     }
+    __syncthreads();
+    for (int idx = tid; idx < ng * DV; idx += kThreads) {
+      const int head = idx / DV, d = idx - head * DV, h = h0 + head;
+      float M = ninf;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) M = fmaxf(M, ml[(w * kN + head) * 2]);
+      float L = 0.0f, acc = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = ml[(w * kN + head) * 2];
+        if (mw != ninf) {  // a warp without tiles contributes nothing
+          const float e = exp2f(mw - M);
+          L += e * ml[(w * kN + head) * 2 + 1];
+          acc += e * mo[(w * kN + head) * DV + d];
+        }
+      }
+      const float out = acc / L * a.v_scale;
+      const float lse = (M + log2f(L)) * kLn2;
+      if (direct) {
+        store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), out);
+        if (a.lse != nullptr && d == 0) a.lse[int64_t{b} * a.Hq + h] = lse;
+      } else {
+        wo[head * wo_hs + d] = out;
+        if (d == 0) wl[head * wl_hs] = lse;
+      }
+    }
+    proxy_fence();    // the merge buffer's generic accesses before the next piece's bulk copies
+    __syncthreads();  // ... and every thread is done with it
+  };
+
+  if (!a.balanced) {
+    const int s = blockIdx.x % a.S, rest = blockIdx.x / a.S;
+    const int hc = rest % a.HC, kvh = rest / a.HC, b = blockIdx.y;
+    const int len = clamped_len(a, b);
+    const int chunk = (((len + a.S - 1) / a.S) + kT - 1) / kT * kT;
+    const int start = s * chunk;
+    const int end = min(len, start + chunk);
+    const int64_t row = (int64_t{b} * a.Hq + kvh * a.G + hc * kN) * a.S + s;
+    piece(b, kvh, hc, start, end, a.S == 1, a.ws_o + row * DV, int64_t{a.S} * DV, a.ws_lse + row, a.S);
+    return;
+  }
+
+  // Balanced schedule: the units of all requests laid end to end are cut into M equal ranges,
+  // one per group of IH CTAs (CTA = group * IH + ih serves kv head / head chunk ih), and each
+  // range is cut at request ends into pieces. The IH CTAs of a group run together on the same
+  // tokens, so they read the K/V pages of all heads at about the same time (whole DRAM rows of
+  // an NHD page), as the split schedule's neighbouring CTAs do.
+  int64_t total = 0, unused = 0;
+  unit_sums(a, 0, total, unused, s_red);
+  const int ih = static_cast<int>(blockIdx.x) % a.IH, grp = static_cast<int>(blockIdx.x) / a.IH;
+  const int ngrp = a.grid / a.IH;
+  const int64_t lo = range_lo(total, ngrp, grp), hi = grp + 1 < ngrp ? range_lo(total, ngrp, grp + 1) : total;
+  if (lo >= hi) return;
+  int64_t pre = 0;
+  int b = find_request(a, lo, pre, s_red, &s_found);
+  if (b < 0) return;  // not reached: lo < total
+  int nt = request_units(a, b);
+  int t = static_cast<int>(lo - pre);
+  const int kvh = ih / a.HC, hc = ih - kvh * a.HC;
+  for (int64_t pos = lo;;) {
+    const int t1 = static_cast<int>(min(int64_t{nt}, t + (hi - pos)));
+    const int64_t slot = (int64_t{b} + grp) * a.IH + ih;  // unique per (request, group): see the merge
+    piece(b, kvh, hc, t * kTW, min(clamped_len(a, b), t1 * kTW), t == 0 && t1 == nt, a.ws_o + slot * kN * DV, DV,
+          a.ws_lse + slot * kN, 1);
+    pos += t1 - t;
+    if (pos >= hi) break;
+    t = 0;
+    do {
+      nt = request_units(a, ++b);
+    } while (nt == 0);
   }
 }
 
 // LSE merge of the split partials, in split order; empty splits (-inf) contribute nothing.
 template <class QT>
 __global__ void __launch_bounds__(128) decode_paged_merge_kernel(const Args a, int dv) {
+  griddep_wait();
   const int b = blockIdx.y, h = blockIdx.x;
   const int64_t row = int64_t{b} * a.Hq + h;
   const float* lse_s = a.ws_lse + row * a.S;
@@ -594,6 +760,47 @@ __global__ void __launch_bounds__(128) decode_paged_merge_kernel(const Args a, i
     store_q<QT>(a.o + b * a.o_sb + h * a.o_sh + int64_t{d} * sizeof(QT), o);
   }
   if (threadIdx.x == 0 && a.lse != nullptr) a.lse[row] = M == ninf ? ninf : M + logf(W);
+}
+
+// Merge of the balanced schedule, one block per (head, request): an empty request gets o = 0 and
+// lse = -inf; a request held by one group was written by its CTAs; a request cut between groups
+// g0..g1 has its partials in slots (b + g) * IH + ih. Those are distinct: were (b, g) and
+// (b', g - (b' - b)) both pieces with b' > b, group g would start before request b ends and
+// group g - (b' - b) < g end after request b' starts, which is at or after request b's end.
+template <class QT>
+__global__ void __launch_bounds__(kThreads) decode_paged_merge_balanced_kernel(const Args a, int dv) {
+  __shared__ int64_t s_red[2 * kWarps];
+  const int b = blockIdx.y, h = blockIdx.x;
+  int64_t total = 0, before = 0;
+  unit_sums(a, b, total, before, s_red);
+  const int kvh = h / a.G, gi = h - kvh * a.G, hc = gi / kN, g = gi - hc * kN;
+  const int ih = kvh * a.HC + hc;
+  const int nt = request_units(a, b);
+  const int ngrp = a.grid / a.IH;
+  griddep_wait();
+  uint8_t* orow = a.o + b * a.o_sb + h * a.o_sh;
+  const float ninf = -INFINITY;
+  if (nt == 0) {
+    for (int d = threadIdx.x; d < dv; d += blockDim.x) store_q<QT>(orow + int64_t{d} * sizeof(QT), 0.0f);
+    if (threadIdx.x == 0 && a.lse != nullptr) a.lse[int64_t{b} * a.Hq + h] = ninf;
+    return;
+  }
+  const int g0 = range_owner(total, ngrp, before), g1 = range_owner(total, ngrp, before + nt - 1);
+  if (g0 == g1) return;
+  const int64_t slot0 = (int64_t{b} + g0) * a.IH + ih, step = int64_t{a.IH} * kN;  // floats between groups
+  const float* wl = a.ws_lse + slot0 * kN + g;
+  const float* wo = a.ws_o + (slot0 * kN + g) * dv;
+  const int ns = g1 - g0 + 1;
+  float M = ninf;
+  for (int s = 0; s < ns; ++s) M = fmaxf(M, wl[s * step]);
+  float W = 0.0f;
+  for (int s = 0; s < ns; ++s) W += expf(wl[s * step] - M);
+  for (int d = threadIdx.x; d < dv; d += blockDim.x) {
+    float o = 0.0f;
+    for (int s = 0; s < ns; ++s) o += expf(wl[s * step] - M) * wo[s * step * dv + d];
+    store_q<QT>(orow + int64_t{d} * sizeof(QT), o / W);
+  }
+  if (threadIdx.x == 0 && a.lse != nullptr) a.lse[int64_t{b} * a.Hq + h] = M + logf(W);
 }
 
 using KernelFn = void (*)(Args);

@@ -57,7 +57,7 @@ void run_gpu(const Problem& p, const Placed& pl, int splits, Output& out) {
   d.block_table = static_cast<const int32_t*>(bt.p);
   d.seq_lens = static_cast<const int32_t*>(lens.p);
   d.num_splits = splits == 0 ? decode_paged_choose_splits(d) : splits;
-  DevBuf ws(static_cast<size_t>(decode_paged_workspace_bytes(p.s.B, p.s.Hq, p.s.Dv, d.num_splits)));
+  DevBuf ws(static_cast<size_t>(decode_paged_workspace_bytes(d)));
   d.workspace = ws.p;
   d.workspace_bytes = static_cast<int64_t>(ws.n);
   ASSERT_TRUE(validate_decode_paged(d).ok()) << validate_decode_paged(d).to_string();
@@ -91,13 +91,22 @@ ProblemShape with_page(ProblemShape s, int page) {
 struct Case {
   const char* name;
   ProblemShape s;
-  int splits = 1;  ///< 0 = the launcher's choice
+  int splits = 1;  ///< 0 = the launcher's choice; kDecodePagedBalanced
   float cap = 0;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 class DecodePagedGpu : public ::testing::TestWithParam<Case> {};
+
+constexpr int kBal = kDecodePagedBalanced;
+
+/// Lengths 1..~600 of a batch, a few of them whole pages.
+std::vector<int32_t> batch_lens(int n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = i % 7 == 0 ? 16 * (i + 1) : 1 + (37 * i) % 600;
+  return v;
+}
 
 TEST_P(DecodePagedGpu, MatchesCpuTwinAndFillsPoisonedOutputs) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
@@ -107,7 +116,7 @@ TEST_P(DecodePagedGpu, MatchesCpuTwinAndFillsPoisonedOutputs) {
   Placed pl = place(p, KvLayout::kLayerNhd, 3, 1);
   Output gpu, cpu;
   ASSERT_NO_FATAL_FAILURE(run_gpu(p, pl, c.splits, gpu));
-  ASSERT_TRUE(run_cpu(p, pl, c.splits == 0 ? 1 : c.splits, cpu).ok());
+  ASSERT_TRUE(run_cpu(p, pl, c.splits == 0 ? 1 : c.splits, cpu).ok());  // balanced: unsplit
   std::vector<double> ro, rl;
   reference(p, ro, rl);
   // Both outputs are rounded to bf16 (fp16): within 2 ulps at |o| <= 1 of each other, and of
@@ -135,24 +144,35 @@ TEST_P(DecodePagedGpu, MatchesCpuTwinAndFillsPoisonedOutputs) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, DecodePagedGpu,
-    ::testing::Values(Case{"page24_splits2", with_page(shape(2, 8, 2, 128, 128, {100, 47}), 24), 2},
-                      Case{"gqa_group2", shape(2, 4, 2, 64, 128, {40, 77}), 2},
-                      Case{"gqa_group3_padded", shape(2, 6, 2, 128, 128, {33, 70})},
-                      Case{"group12_chunks", shape(1, 12, 1, 64, 64, {50}), 2},
-                      Case{"len_0_1_37_64", shape(4, 8, 2, 128, 128, {0, 1, 37, 64})},
-                      Case{"splits3_len0", shape(3, 8, 2, 128, 128, {0, 100, 1000}), 3},
-                      Case{"auto_splits", shape(2, 32, 8, 128, 128, {2049, 333}), 0},
-                      Case{"mha_group1", shape(2, 4, 4, 64, 64, {21, 50}), 2},
-                      Case{"gqa_group8", shape(2, 16, 2, 128, 128, {48, 5})},
-                      Case{"mqa_group16_headchunks", shape(2, 16, 1, 128, 128, {29, 300}), 2},
-                      Case{"dk192_dv128", shape(2, 8, 2, 192, 128, {45, 190}), 2},
-                      Case{"dk64_dv256", shape(2, 4, 2, 64, 256, {31, 16})},
-                      Case{"dk256_dv192", shape(1, 4, 1, 256, 192, {140}), 3},
-                      Case{"fp16", shape(2, 8, 2, 128, 128, {37, 90}, DType::kFP16, DType::kFP16), 2},
-                      Case{"fp8_bf16q", shape(2, 8, 2, 128, 128, {37, 270}, DType::kFP8E4M3), 2},
-                      Case{"fp8_fp16q_dk192", shape(2, 8, 2, 192, 128, {50, 3}, DType::kFP8E4M3, DType::kFP16)},
-                      Case{"fp8_dk64", shape(1, 8, 1, 64, 64, {77}, DType::kFP8E4M3)},
-                      Case{"logit_cap", shape(2, 8, 2, 128, 128, {37, 64}), 2, 0.5f}),
+    ::testing::Values(
+        Case{"page24_splits2", with_page(shape(2, 8, 2, 128, 128, {100, 47}), 24), 2},
+        Case{"gqa_group2", shape(2, 4, 2, 64, 128, {40, 77}), 2},
+        Case{"gqa_group3_padded", shape(2, 6, 2, 128, 128, {33, 70})},
+        Case{"group12_chunks", shape(1, 12, 1, 64, 64, {50}), 2},
+        Case{"len_0_1_37_64", shape(4, 8, 2, 128, 128, {0, 1, 37, 64})},
+        Case{"splits3_len0", shape(3, 8, 2, 128, 128, {0, 100, 1000}), 3},
+        Case{"auto_splits", shape(2, 32, 8, 128, 128, {2049, 333}), 0},
+        Case{"mha_group1", shape(2, 4, 4, 64, 64, {21, 50}), 2}, Case{"gqa_group8", shape(2, 16, 2, 128, 128, {48, 5})},
+        Case{"mqa_group16_headchunks", shape(2, 16, 1, 128, 128, {29, 300}), 2},
+        Case{"dk192_dv128", shape(2, 8, 2, 192, 128, {45, 190}), 2},
+        Case{"dk64_dv256", shape(2, 4, 2, 64, 256, {31, 16})}, Case{"dk256_dv192", shape(1, 4, 1, 256, 192, {140}), 3},
+        Case{"fp16", shape(2, 8, 2, 128, 128, {37, 90}, DType::kFP16, DType::kFP16), 2},
+        Case{"fp8_bf16q", shape(2, 8, 2, 128, 128, {37, 270}, DType::kFP8E4M3), 2},
+        Case{"fp8_fp16q_dk192", shape(2, 8, 2, 192, 128, {50, 3}, DType::kFP8E4M3, DType::kFP16)},
+        Case{"fp8_dk64", shape(1, 8, 1, 64, 64, {77}, DType::kFP8E4M3)},
+        Case{"logit_cap", shape(2, 8, 2, 128, 128, {37, 64}), 2, 0.5f},
+        // Balanced schedule: items cut between CTAs and CTAs holding several
+        // items, empty requests among them, head chunks, every cache dtype.
+        Case{"balanced_mixed_lens", shape(5, 8, 2, 128, 128, {0, 1, 700, 0, 2000}), kBal},
+        Case{"balanced_group12_chunks", shape(3, 12, 1, 64, 64, {50, 0, 900}), kBal},
+        Case{"balanced_fp8", shape(4, 8, 2, 128, 128, {37, 1500, 270, 0}, DType::kFP8E4M3), kBal},
+        Case{"balanced_fp8_fp16q_dk64_dv256", shape(2, 4, 2, 64, 256, {300, 17}, DType::kFP8E4M3, DType::kFP16), kBal},
+        Case{"balanced_dk192_dv128", shape(3, 8, 2, 192, 128, {45, 1900, 190}), kBal},
+        Case{"balanced_page24_fp16",
+             with_page(shape(3, 8, 2, 128, 128, {100, 47, 1000}, DType::kFP16, DType::kFP16), 24), kBal},
+        Case{"balanced_all_empty", shape(2, 8, 2, 128, 128, {0, 0}), kBal},
+        Case{"balanced_logit_cap", shape(2, 8, 2, 128, 128, {370, 64}), kBal, 0.5f},
+        Case{"balanced_batch64", shape(64, 32, 8, 128, 128, batch_lens(64)), kBal}),
     [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 void expect_identical(const Output& a, const Output& b, const std::string& what) {
@@ -164,7 +184,7 @@ TEST(DecodePagedGpuLayouts, LayerViewsAreBitIdenticalToContiguous) {
   if (!have_gpu()) GTEST_SKIP() << "no CUDA device";
   for (DType ct : {DType::kBF16, DType::kFP8E4M3}) {
     Problem p = make_problem(shape(3, 8, 2, 128, 128, {300, 0, 77}, ct));
-    for (int splits : {1, 3}) {
+    for (int splits : {1, 3, kBal}) {
       Output ref;
       ASSERT_NO_FATAL_FAILURE(run_gpu(p, place(p, KvLayout::kContiguous), splits, ref));
       for (KvLayout l : {KvLayout::kLayerNhd, KvLayout::kLayerHnd})
@@ -184,7 +204,7 @@ TEST(DecodePagedGpuLayouts, VAsSliceOfCombinedBufferIsBitIdentical) {
   ProblemShape s = shape(2, 8, 2, 192, 128, {45, 130});
   s.v_is_k_prefix = true;
   Problem p = make_problem(s);
-  for (int splits : {1, 2}) {
+  for (int splits : {1, 2, kBal}) {
     Output ref, comb;
     ASSERT_NO_FATAL_FAILURE(run_gpu(p, place(p, KvLayout::kContiguous), splits, ref));
     ASSERT_NO_FATAL_FAILURE(run_gpu(p, place(p, KvLayout::kCombined), splits, comb));

@@ -116,6 +116,18 @@ TEST(DecodePagedCpuLayouts, StridedViewsAreBitIdentical) {
   }
 }
 
+// The balanced schedule is a GPU work split: the CPU twin computes such a call unsplit.
+TEST(DecodePagedCpuLayouts, BalancedScheduleIsComputedUnsplit) {
+  Problem p = make_problem(shape(3, 8, 2, 128, 128, {37, 0, 170}));
+  const Placed pl = place(p, KvLayout::kLayerNhd, 3, 1);
+  Output one, bal;
+  ASSERT_TRUE(run_cpu(p, pl, 1, one).ok());
+  const Status st = run_cpu(p, pl, kDecodePagedBalanced, bal);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(bal.o, one.o);
+  EXPECT_EQ(std::memcmp(bal.lse.data(), one.lse.data(), one.lse.size() * 4), 0);
+}
+
 TEST(DecodePagedCpuLayouts, VAsSliceOfCombinedBuffer) {
   ProblemShape s = shape(2, 8, 2, 192, 128, {45, 16});
   s.v_is_k_prefix = true;
@@ -183,6 +195,9 @@ TEST(DecodePagedCpuValidate, RejectsBadInput) {
   d = f.d();
   d.num_splits = 4;
   expect_error(d, ErrorCode::kResourceExhausted, "workspace");
+  d = f.d();
+  d.num_splits = -2;
+  expect_error(d, ErrorCode::kInvalidArgument, "num_splits = -2");
   d = f.d();
   d.max_seq_len = 1000;
   expect_error(d, ErrorCode::kInvalidArgument, "max_seq_len");

@@ -256,7 +256,7 @@ inline Status run_cpu(const Problem& p, const Placed& pl, int splits, Output& ou
   d.block_table = p.block_table.data();
   d.seq_lens = p.lens.data();
   d.num_splits = splits;
-  std::vector<uint8_t> ws(static_cast<size_t>(decode_paged_workspace_bytes(p.s.B, p.s.Hq, p.s.Dv, splits)));
+  std::vector<uint8_t> ws(static_cast<size_t>(decode_paged_workspace_bytes(d)));
   d.workspace = ws.data();
   d.workspace_bytes = static_cast<int64_t>(ws.size());
   return decode_paged_cpu(d);

@@ -17,6 +17,16 @@
 // Split-KV: request b's tokens are cut into `num_splits` chunks of
 // decode_paged_split_chunk(len, S) tokens; each split produces (o_s, lse_s) and the splits are
 // merged by LSE. The CPU twin and the CUDA launcher follow the same split rule.
+//
+// Balanced schedule (num_splits = kDecodePagedBalanced): the device's resident CTA slots in
+// groups of Hkv * head-chunks CTAs (decode_paged_balanced_grid), the 16-token tiles of all
+// requests laid end to end and cut into one equal range per group, each CTA of a group serving
+// one kv head (and head chunk) of its range: every CTA reads the same number of K/V bytes
+// whatever the batch and lengths (no partial last wave), and the CTAs of a group read the same
+// pages together. A request held by one group is written directly; a request cut between groups
+// is merged by LSE. The CPU twin computes a balanced call unsplit (results agree within rounding).
+// On the H200 benchmark batches (uniform lengths) it ran 2-3 % slower than the best split count,
+// so the launcher does not choose it; it is for callers whose lengths vary widely.
 #include <cstdint>
 
 #include "kvferry/layouts/status.h"
@@ -28,6 +38,10 @@ namespace kvferry {
 constexpr int kDecodePagedTile = 64;
 /// Query heads one CTA serves at once (a larger GQA group is cut into chunks of this many).
 constexpr int kDecodePagedMaxGroup = 8;
+/// Tokens per unit of the balanced schedule (one warp tile).
+constexpr int kDecodePagedBalancedTile = 16;
+/// DecodePagedParams::num_splits value that selects the balanced schedule (CUDA; see above).
+constexpr int kDecodePagedBalanced = -1;
 
 /// Everything one decode call needs. Pointers are host memory for decode_paged_cpu and device
 /// memory for launch_decode_paged; the caller owns every buffer.
@@ -60,8 +74,10 @@ struct DecodePagedParams {
   float k_scale = 1.0f;    ///< fp8 K: k = e4m3 * k_scale (ignored otherwise)
   float v_scale = 1.0f;    ///< fp8 V: v = e4m3 * v_scale (ignored otherwise)
 
-  int num_splits = 1;           ///< >= 1; 0 lets the CUDA launcher choose (see decode_paged_choose_splits)
-  void* workspace = nullptr;    ///< split partials, decode_paged_workspace_bytes(); unused when num_splits == 1
+  /// >= 1 splits per request; kDecodePagedBalanced; 0 lets the CUDA launcher choose (see
+  /// decode_paged_choose_splits; the workspace must then fit its choice).
+  int num_splits = 1;
+  void* workspace = nullptr;    ///< split partials, decode_paged_workspace_bytes(p); unused when num_splits == 1
   int64_t workspace_bytes = 0;  ///< bytes available at `workspace`
 };
 
@@ -85,12 +101,30 @@ inline int64_t decode_paged_workspace_bytes(int64_t batch, int64_t q_heads, int6
   return batch * q_heads * num_splits * (dv + 1) * static_cast<int64_t>(sizeof(float));
 }
 
+/// Bytes of workspace of the balanced schedule on a grid of `grid` CTAs: fp32 partials of
+/// (items + grid) slots of kDecodePagedMaxGroup heads, items = batch * kv_heads * head chunks.
+inline int64_t decode_paged_balanced_workspace_bytes(int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t dv,
+                                                     int64_t grid) {
+  if (kv_heads < 1) return 0;
+  const int64_t chunks = (q_heads / kv_heads + kDecodePagedMaxGroup - 1) / kDecodePagedMaxGroup;
+  return (batch * kv_heads * chunks + grid) * kDecodePagedMaxGroup * (dv + 1) * static_cast<int64_t>(sizeof(float));
+}
+
+/// CTAs of a balanced call of `p` on the current device: a multiple of Hkv * head chunks within
+/// its resident CTA slots (fewer for small problems: at least 16 tiles per group by
+/// max_seq_len); 0 without CUDA.
+int decode_paged_balanced_grid(const DecodePagedParams& p);
+
+/// Workspace bytes a call of `p` needs for its p.num_splits (balanced: on the current device).
+int64_t decode_paged_workspace_bytes(const DecodePagedParams& p);
+
 /// CPU twin of launch_decode_paged: same contract, fp32 accumulation, same split rule and LSE
 /// merge. Also validates block ids and lengths. Writes every element of o (and lse).
 Status decode_paged_cpu(const DecodePagedParams& p);
 
 /// Number of splits the CUDA launcher picks for `p` on the current device (fills the SMs given
-/// B * Hkv * head chunks CTAs and max_seq_len); 1 without CUDA.
+/// B * Hkv * head chunks CTAs and max_seq_len; never the balanced schedule, which measured
+/// slower on uniform batches); 1 without CUDA.
 int decode_paged_choose_splits(const DecodePagedParams& p);
 
 }  // namespace kvferry
@@ -101,7 +135,7 @@ int decode_paged_choose_splits(const DecodePagedParams& p);
 namespace kvferry {
 /// Launches the decode on `stream` (asynchronous; buffers must stay alive until it completes).
 /// Does not re-validate: call validate_decode_paged once at the request boundary. Returns
-/// cudaErrorInvalidValue when num_splits > 1 and the workspace is too small.
+/// cudaErrorInvalidValue when the workspace is too small for num_splits (> 1 or balanced).
 cudaError_t launch_decode_paged(const DecodePagedParams& p, cudaStream_t stream);
 }  // namespace kvferry
 #endif
