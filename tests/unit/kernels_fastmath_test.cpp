@@ -1,9 +1,12 @@
-// The CUDA kernels' fast paths (amortised reciprocal division, scaled e4m3 dequantisation) give
+// The CUDA kernels' fast paths (certified one-multiply quantisation, scaled e4m3 dequantisation) give
 // the same bits as the scalar math of the CPU twins wherever their predicates accept the input.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <random>
+#include <vector>
+#include <cfloat>
+#include <cmath>
 
 #include "common/datapath_math.h"
 
@@ -14,73 +17,128 @@ using namespace kernels::detail;
 
 bool same_bits(float a, float b) { return float_bits(a) == float_bits(b); }
 
-void check_divisor(float s, std::mt19937& g, int samples) {
-  const Recip r = make_recip(s);
-  int64_t checked = 0;
-  for (int i = 0; i < samples; ++i) {
-    const float x = bits_float(static_cast<uint32_t>(g()));
-    if (!recip_fast(r, x)) continue;
-    ++checked;
-    ASSERT_TRUE(same_bits(div_recip(x, r), div_rn(x, s)))
-        << "x bits 0x" << std::hex << float_bits(x) << " s bits 0x" << float_bits(s);
+/// quant2_fast agrees with the exact e4m3(x / s) wherever it claims to; returns how often it
+/// claimed (the kernels' fast path rate).
+double check_quant(float s, const std::vector<float>& xs) {
+  const QDiv d = make_qdiv(s);
+  int64_t claimed = 0;
+  for (size_t i = 0; i + 1 < xs.size(); i += 2) {
+    uint32_t got = 0;
+    if (!d.fast || !quant2_fast(xs[i], xs[i + 1], d, &got)) continue;
+    ++claimed;
+    const uint32_t want = quant_e4m3(xs[i], s) | (static_cast<uint32_t>(quant_e4m3(xs[i + 1], s)) << 8);
+    EXPECT_EQ(got, want) << "x bits 0x" << std::hex << float_bits(xs[i]) << " 0x" << float_bits(xs[i + 1])
+                         << " s bits 0x" << float_bits(s);
+    if (got != want) return -1.0;
   }
-  if (r.kind != 0) {
-    EXPECT_GT(checked, 0);
-  }
+  return static_cast<double>(claimed) / static_cast<double>(xs.size() / 2);
 }
 
-TEST(KernelsFastMath, ReciprocalDivisionIsExact) {
+TEST(KernelsFastMath, FastQuantisationIsExact) {
   std::mt19937 g(11);
-  // The kernels' own divisors: tile scales amax/448 of bf16 amax values, fixed test scales, powers of two.
-  for (float s : {0.037f, 0.1f, 3.0f, 1.7f, 0.5f, 1.0f, 448.0f, 1.0f / 448.0f, 0x1p-60f, 0x1.fffffep60f, -0.3f})
-    check_divisor(s, g, 200000);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Every bit pattern class: random bits (NaN, inf, subnormals, huge), Gaussian data.
+  std::vector<float> bits(200000), gauss(200000);
+  for (float& x : bits) x = bits_float(static_cast<uint32_t>(g()));
+  for (float& x : gauss) x = normal(g);
+  for (float s : {0.037f, 0.1f, 3.0f, 1.7f, 0.5f, 1.0f, 448.0f, 1.0f / 448.0f, 0x1p-60f, 0x1.fffffep60f, -0.3f,
+                  0x1p-80f, 0x1.fffffep-80f, 0x1.fffffep79f, 0x1p80f}) {
+    EXPECT_GE(check_quant(s, bits), 0.0);
+    EXPECT_GE(check_quant(s, gauss), 0.0);
+  }
+  // The kernels' own divisors: tile scales amax/448 of Gaussian tiles; the fast path must be the rule.
   for (int k = 0; k < 300; ++k) {
-    const float amax = bf16_to_float(static_cast<uint16_t>(g() & 0x7fff));
-    check_divisor(ds_tile_scale(amax), g, 20000);
-    check_divisor(bits_float(static_cast<uint32_t>(g())), g, 20000);
-  }
-  // Quotients near binade edges and e4m3 rounding ties: x = s * m (m of few bits) and neighbours.
-  for (int k = 0; k < 2000; ++k) {
-    const float s = bits_float((static_cast<uint32_t>(g()) & 0x807fffffu) | ((100u + g() % 50u) << 23));
-    const Recip r = make_recip(s);
-    for (int m = 1; m < 64; ++m) {
-      const float x0 = s * (static_cast<float>(m) * 0.0625f);
-      for (int d = -2; d <= 2; ++d) {
-        const float x = bits_float(float_bits(x0) + static_cast<uint32_t>(d));
-        if (!recip_fast(r, x)) continue;
-        ASSERT_TRUE(same_bits(div_recip(x, r), div_rn(x, s)))
-            << "x bits 0x" << std::hex << float_bits(x) << " s bits 0x" << float_bits(s);
-      }
+    std::vector<float> tile(128);
+    float amax = 0.0f;
+    for (float& x : tile) {
+      x = bf16_to_float(float_to_bf16(normal(g) * 3.0f));
+      amax = std::fmax(amax, std::fabs(x));
     }
+    EXPECT_EQ(check_quant(ds_tile_scale(amax), tile), 1.0);
+    EXPECT_GE(check_quant(bits_float(static_cast<uint32_t>(g())), bits), 0.0);
   }
-  EXPECT_EQ(make_recip(bits_float(0x7fc00000u)).kind, 0);
-  EXPECT_EQ(make_recip(0.0f).kind, 0);
-  EXPECT_FALSE(recip_fast(make_recip(0.5f), bits_float(0x7fc00001u)));
-  EXPECT_TRUE(recip_fast(make_recip(0.3f), -0.0f));
-  EXPECT_TRUE(same_bits(div_recip(-0.0f, make_recip(0.3f)), -0.0f));
+  // Quotients at and next to every e4m3 rounding tie and binade edge: x = s * (tie +- a few ulps).
+  for (int k = 0; k < 400; ++k) {
+    const float s = bits_float((static_cast<uint32_t>(g()) & 0x807fffffu) | ((47u + g() % 160u) << 23));
+    std::vector<float> xs;
+    for (uint32_t b = 0; b < 0x7f; ++b) {
+      const float v = e4m3_to_float(static_cast<uint8_t>(b)), w = e4m3_to_float(static_cast<uint8_t>(b + 1));
+      for (float t : {v, 0.5f * (v + w)})
+        for (int dd = -3; dd <= 3; ++dd) {
+          const float x = bits_float(float_bits(t * s) + static_cast<uint32_t>(dd));
+          xs.push_back(x);
+          xs.push_back(-x);
+        }
+    }
+    EXPECT_GE(check_quant(s, xs), 0.0);
+  }
+  // NaN, infinities and overflowing quotients never take the fast path; signed zeros do.
+  uint32_t out = 0;
+  EXPECT_FALSE(quant2_fast(bits_float(0x7fc00000u), 1.0f, make_qdiv(0.5f), &out));
+  EXPECT_FALSE(quant2_fast(1.0f, bits_float(0xffc00001u), make_qdiv(0.5f), &out));
+  EXPECT_FALSE(quant2_fast(1.0f, INFINITY, make_qdiv(0.3f), &out));
+  EXPECT_FALSE(quant2_fast(0x1p100f, 1.0f, make_qdiv(0x1p-60f), &out));
+  ASSERT_TRUE(quant2_fast(-0.0f, 0.0f, make_qdiv(0.3f), &out));
+  EXPECT_EQ(out, 0x0080u);
+  EXPECT_FALSE(make_qdiv(0.0f).fast);
+  EXPECT_FALSE(make_qdiv(1e-40f).fast);
+  EXPECT_FALSE(make_qdiv(0x1p-81f).fast);
+  EXPECT_TRUE(make_qdiv(0x1p-80f).fast);
+  EXPECT_FALSE(make_qdiv(INFINITY).fast);
 }
 
-TEST(KernelsFastMath, ScaledDequantIsExact) {
-  std::mt19937 g(12);
-  std::vector<float> scales = {0.037f, 1.7f, 0.5f, 1.0f, 0x1.fffffep6f, FLT_MIN, 1e-40f, 0.0f, -2.5f};
-  for (int k = 0; k < 2000; ++k) scales.push_back(bits_float(static_cast<uint32_t>(g())));
-  for (float s : scales) {
-    const DqScale d = make_dq_scale(s);
-    if (!d.fast) {
-      EXPECT_FALSE(std::fabs(s) < 128.0f) << s;
-      continue;
-    }
-    for (uint32_t b = 0; b < 256; ++b) {
-      if ((b & 0x7fu) == 0x7fu) continue;
-      ASSERT_EQ(float_to_bf16(dq_fast(b, d)), dequant_bf16(static_cast<uint8_t>(b), s))
-          << "byte " << b << " s bits 0x" << std::hex << float_bits(s);
-    }
-  }
+TEST(KernelsFastMath, DequantScaleAndNanBytes) {
+  // The hardware e4m3 path is taken for finite scales only (checked bit for bit on the GPU by
+  // kernels_datapath_gpu_test); NaN bytes are recognised four at a time.
+  EXPECT_TRUE(make_dq_scale(0.037f).fast);
+  EXPECT_TRUE(make_dq_scale(0x1.fffffep127f).fast);
+  EXPECT_TRUE(make_dq_scale(-2.5f).fast);
+  EXPECT_FALSE(make_dq_scale(INFINITY).fast);
+  EXPECT_FALSE(make_dq_scale(bits_float(0x7fc00000u)).fast);
   EXPECT_TRUE(has_e4m3_nan(0x0000007fu));
   EXPECT_TRUE(has_e4m3_nan(0xff000000u));
   EXPECT_TRUE(has_e4m3_nan(0x017f0100u));
   EXPECT_FALSE(has_e4m3_nan(0x7e7e7e7eu));
   EXPECT_FALSE(has_e4m3_nan(0xfe80fe00u));
+}
+
+TEST(KernelsFastMath, FastScalesAreExact) {
+  // Tile and indexer amax values are maxima of bf16/fp16 magnitudes: every bf16 and fp16 value,
+  // plus random floats, give the scalar scales' bits.
+  std::vector<float> amax;
+  for (uint32_t h = 0; h < 0x8000u; ++h) {
+    amax.push_back(bf16_to_float(static_cast<uint16_t>(h)));
+    amax.push_back(fp16_to_float(static_cast<uint16_t>(h)));
+  }
+  std::mt19937 g(13);
+  for (int k = 0; k < 200000; ++k) amax.push_back(bits_float(static_cast<uint32_t>(g()) & 0x7fffffffu));
+  for (float a : amax) {
+    ASSERT_EQ(float_bits(ds_tile_scale_fast(a)), float_bits(ds_tile_scale(a))) << "amax bits 0x" << std::hex
+                                                                             << float_bits(a);
+    for (bool ue8m0 : {false, true})
+      ASSERT_EQ(float_bits(indexer_scale_fast(a, ue8m0)), float_bits(indexer_scale(a, ue8m0)))
+          << "amax bits 0x" << std::hex << float_bits(a);
+  }
+}
+
+TEST(KernelsFastMath, PowerOfTwoQuantisationIsExact) {
+  std::mt19937 g(14);
+  std::vector<float> xs(100000);
+  for (float& x : xs) x = bits_float(static_cast<uint32_t>(g()));
+  for (int k = -40; k <= 20; ++k) {
+    const float s = std::ldexp(1.0f, k);
+    ASSERT_TRUE(is_pow2_scale(s));
+    const QDiv d = make_qdiv(s);
+    for (size_t i = 0; i + 1 < xs.size(); i += 2) {
+      uint32_t got = 0;
+      if (!quant2_fast<true>(xs[i], xs[i + 1], d, &got)) continue;
+      ASSERT_EQ(got, quant_e4m3(xs[i], s) | (static_cast<uint32_t>(quant_e4m3(xs[i + 1], s)) << 8))
+          << "x bits 0x" << std::hex << float_bits(xs[i]) << " 0x" << float_bits(xs[i + 1]) << " s " << s;
+    }
+  }
+  EXPECT_FALSE(is_pow2_scale(3.0f));
+  EXPECT_FALSE(is_pow2_scale(-2.0f));
+  EXPECT_FALSE(is_pow2_scale(0x1p-90f));
 }
 
 }  // namespace

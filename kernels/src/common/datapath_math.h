@@ -104,71 +104,117 @@ KVFERRY_HOST_DEVICE float mul_rn(float a, float b) {
 #endif
 }
 
-/// A divisor with its reciprocal. kind 1: s = +-2^k with 1/s normal, so x * (1/s) is exactly
-/// x / s for every non-NaN x. kind 2: |s| in [2^-60, 2^61): y = RN(1/s) and two fma corrections
-/// (Markstein: q within 1 ulp and y within 1/2 ulp give the correctly rounded quotient) for x = 0
-/// or |x| in [2^-60, 2^61), where no step underflows or overflows. kind 0: no fast path.
-struct Recip {
+KVFERRY_HOST_DEVICE float recip_rn(float s) {
+#if defined(__CUDA_ARCH__)
+  return __frcp_rn(s);
+#else
+  return 1.0f / s;
+#endif
+}
+
+/// Two floats -> two e4m3 bytes (a in the low byte), saturating RNE; the packed hardware cvt on
+/// sm_89+, which equals to_e4m3 for every non-NaN input (a NaN gives 0x7f whatever its sign).
+KVFERRY_HOST_DEVICE uint32_t cvt_e4m3x2(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(KVFERRY_SOFT_FP8)
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+#else
+  const uint32_t lo = a != a ? 0x7fu : float_to_e4m3(a);
+  const uint32_t hi = b != b ? 0x7fu : float_to_e4m3(b);
+  return lo | (hi << 8);
+#endif
+}
+
+/// A quantisation divisor s with y = RN(1/s). fast: |s| in [2^-80, 2^80], where quot_fast below
+/// needs no per-value range check.
+struct QDiv {
   float s = 1.0f;
   float y = 1.0f;
-  int kind = 0;
+  bool fast = false;
 };
 
-KVFERRY_HOST_DEVICE bool fast_exponent(uint32_t bits) { return ((bits >> 23) & 0xffu) - 67u <= 120u; }
-
-KVFERRY_HOST_DEVICE Recip make_recip(float s) {
-  Recip r;
-  r.s = s;
-  const uint32_t u = float_bits(s);
-  const uint32_t e = (u >> 23) & 0xffu;
-  if ((u & 0x7fffffu) == 0 && e >= 1u && e <= 253u) {
-    r.kind = 1;
-    r.y = bits_float((u & 0x80000000u) | ((254u - e) << 23));
-  } else if (fast_exponent(u)) {
-    r.kind = 2;
-    r.y = div_rn(1.0f, s);
-  }
-  return r;
+KVFERRY_HOST_DEVICE QDiv make_qdiv(float s) {
+  QDiv d;
+  d.s = s;
+  const uint32_t e = (float_bits(s) >> 23) & 0xffu;
+  d.fast = e >= 47u && e <= 206u;
+  if (d.fast) d.y = recip_rn(s);
+  return d;
 }
 
-/// Whether div_recip(x, r) == div_rn(x, r.s) is guaranteed (and the quotient is not NaN).
-KVFERRY_HOST_DEVICE bool recip_fast(const Recip& r, float x) {
-  const uint32_t u = float_bits(x);
-  if (r.kind == 1) return (u & 0x7fffffffu) <= 0x7f800000u;
-  return r.kind == 2 && (fast_exponent(u) || (u & 0x7fffffffu) == 0);
-}
-
-KVFERRY_HOST_DEVICE float div_recip(float x, const Recip& r) {
-  const float q0 = mul_rn(x, r.y);
-  if (r.kind == 1) return q0;
-  const float r0 = fma_rn(-r.s, q0, x);
-  const float q1 = fma_rn(r0, r.y, q0);
-  const float r1 = fma_rn(-r.s, q1, x);
-  const float q2 = fma_rn(r1, r.y, q1);
+/// x / s through y: q0 = RN(x * y) is within 1.5 ulp, and two Markstein corrections (residual by
+/// fma, exact while q is within an ulp or so) give RN(x / s) wherever no step leaves the normal
+/// range. With d.fast that holds for every x with |x / s| >= 2^-11 that does not overflow; smaller
+/// quotients come out as tiny values of the right sign, which e4m3 rounds to the same signed zero
+/// as RN(x / s); overflow gives NaN (a 0x7f byte after the cvt); zero keeps its sign.
+KVFERRY_HOST_DEVICE float quot_fast(float x, const QDiv& d) {
+  const float q0 = mul_rn(x, d.y);
+  const float r0 = fma_rn(-d.s, q0, x);
+  const float q1 = fma_rn(r0, d.y, q0);
+  const float r1 = fma_rn(-d.s, q1, x);
+  const float q2 = fma_rn(r1, d.y, q1);
   return x == 0.0f ? q0 : q2;
 }
 
-/// A dequantisation scale: for |s| < 2^7 (finite), s * 2^120 is exact and
-/// bits(e4m3 byte b without its bias fix-up) * s2 == e4m3_to_float(b) * s for every non-NaN b.
+/// ds_tile_scale with the division by 448 done by quot_fast where that is exact (amax in
+/// [2^-90, 2^100], where no step leaves the normal range); equal to ds_tile_scale for every amax.
+KVFERRY_HOST_DEVICE float ds_tile_scale_fast(float amax) {
+  const uint32_t e = (float_bits(amax) >> 23) & 0xffu;
+  if (e < 37u || e > 226u || (float_bits(amax) >> 31) != 0u) return ds_tile_scale(amax);
+  QDiv d;
+  d.s = 448.0f;
+  d.y = recip_rn(448.0f);
+  d.fast = true;
+  return fmax_f(quot_fast(amax, d), FLT_MIN);
+}
+
+/// indexer_scale likewise (its amax is at least 1e-4 after the clamp).
+KVFERRY_HOST_DEVICE float indexer_scale_fast(float amax, bool ue8m0) {
+  const float a = fmax_f(amax, 1e-4f);
+  if (((float_bits(a) >> 23) & 0xffu) > 226u) return indexer_scale(amax, ue8m0);
+  QDiv d;
+  d.s = 448.0f;
+  d.y = recip_rn(448.0f);
+  d.fast = true;
+  float s = quot_fast(a, d);
+  if (ue8m0) {
+    uint32_t u = float_bits(s);
+    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
+    s = bits_float(u);
+  }
+  return s;
+}
+
+/// e4m3(x / s) for two values (a in the low byte) when d.fast; false (and the caller divides
+/// exactly) where a byte came out as the cvt's NaN code 0x7f: a NaN input or an overflow.
+/// kPow2: s is a power of two whose reciprocal y is exact, so x * y is x / s and RN(x * y) is
+/// RN(x / s) for every x (overflow saturates in the cvt exactly as the division would).
+template <bool kPow2 = false>
+KVFERRY_HOST_DEVICE bool quant2_fast(float a, float b, const QDiv& d, uint32_t* out) {
+  const uint32_t c =
+      kPow2 ? cvt_e4m3x2(mul_rn(a, d.y), mul_rn(b, d.y)) : cvt_e4m3x2(quot_fast(a, d), quot_fast(b, d));
+  *out = c;
+  return (((c & 0x7f7fu) + 0x0101u) & 0x8080u) == 0;
+}
+
+/// Whether s is a power of two with a normal reciprocal (then make_qdiv's y is exactly 1/s).
+KVFERRY_HOST_DEVICE bool is_pow2_scale(float s) {
+  const uint32_t u = float_bits(s);
+  const uint32_t e = (u >> 23) & 0xffu;
+  return (u & 0x807fffffu) == 0 && e >= 47u && e <= 206u;
+}
+
+/// A dequantisation scale; fast: finite, so the CUDA kernels' hardware e4m3 -> f16 conversion and
+/// one fp32 multiply give dequant_bf16's bits for every non-NaN byte.
 struct DqScale {
   float s = 1.0f;
-  float s2 = 0.0f;
   bool fast = false;
 };
 
 KVFERRY_HOST_DEVICE DqScale make_dq_scale(float s) {
   DqScale d;
   d.s = s;
-  d.fast = ((float_bits(s) >> 23) & 0xffu) <= 133u;
-  if (d.fast) d.s2 = mul_rn(s, 0x1p120f);
+  d.fast = (float_bits(s) & 0x7f800000u) != 0x7f800000u;
   return d;
-}
-
-/// e4m3_to_float(b) * s for a non-NaN byte b (b & 0x7f != 0x7f) when d.fast: the byte's
-/// exponent and mantissa placed in a float (value * 2^-120; subnormal e4m3 become subnormal
-/// floats, exactly) times s * 2^120, one rounding.
-KVFERRY_HOST_DEVICE float dq_fast(uint32_t b, const DqScale& d) {
-  return mul_rn(bits_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24)), d.s2);
 }
 
 /// Whether any of the 4 bytes of w is an e4m3 NaN (0x7f / 0xff).

@@ -5,10 +5,13 @@
 // launcher picks the engine that measured faster for its kernel (use_staged). Grids are one
 // resident wave looping grid-stride; 16-byte vector accesses; every entry addressed through the
 // view's strides in 64-bit (CacheRef::entry). The math gives the CPU twins' bits
-// (common/datapath_math.h): quantisation divides through an amortised exact reciprocal and
-// converts pairs with the packed e4m3 cvt, dequantisation multiplies once per value and packs
-// pairs to bf16; inputs outside those fast paths' exact range (NaN, extreme exponents) take the
-// scalar path, kept out of line.
+// (common/datapath_math.h): quantisation divides through the reciprocal with two Markstein
+// corrections (no per-value range checks: the scale's range is checked once, overflow and NaN
+// show up as the cvt's NaN code) and converts pairs with the packed e4m3 cvt; power-of-two scales
+// multiply once; dequantisation converts e4m3 pairs to f16 in hardware (exact), multiplies once
+// and packs pairs to bf16; every warp-wide store covers whole sectors; loop-invariant divisors
+// (block size, row chunks) divide by multiply-high. Inputs outside the fast paths' exact range
+// (NaN, extreme scales) take the scalar path, kept out of line.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -48,16 +51,39 @@ __device__ __forceinline__ H8 unpack(uint4 v) {
   return r;
 }
 
-/// q = a / b, r = a % b for a >= 0, b > 0: 32-bit division when both fit (64-bit division is a
-/// long software sequence that would dominate these memory-bound kernels).
-__device__ __forceinline__ void divmod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
-  if (((a | b) >> 32) == 0) {
-    const uint32_t q32 = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+/// A loop-invariant divisor d in [1, 2^31) with its Granlund-Montgomery multiplier: a / d for
+/// a < 2^32 costs a multiply-high, two adds and two shifts instead of a division sequence (these
+/// kernels divide token, slot and group indices by block and row sizes in their inner loops).
+/// Larger dividends (or divisors) take the plain 64-bit division.
+struct Div {
+  int64_t d = 1;
+  uint32_t m = 1, sh1 = 0, sh2 = 0;
+  bool fast = false;
+};
+__device__ __forceinline__ Div make_div(int64_t d) {
+  Div v;
+  v.d = d;
+  v.fast = d >= 1 && d < (int64_t{1} << 31);
+  if (v.fast) {
+    const uint32_t d32 = static_cast<uint32_t>(d);
+    const uint32_t l = d32 <= 1 ? 0u : 32u - static_cast<uint32_t>(__clz(d32 - 1));  // ceil(log2 d)
+    v.m = static_cast<uint32_t>((((uint64_t{1} << l) - d32) << 32) / d32) + 1u;
+    v.sh1 = l < 1 ? l : 1u;
+    v.sh2 = l < 1 ? 0u : l - 1u;
+  }
+  return v;
+}
+/// q = a / d, r = a % d for a >= 0.
+__device__ __forceinline__ void divmod(int64_t a, const Div& v, int64_t& q, int64_t& r) {
+  if (v.fast && (a >> 32) == 0) {
+    const uint32_t n = static_cast<uint32_t>(a);
+    const uint32_t t = __umulhi(n, v.m);
+    const uint32_t q32 = (t + ((n - t) >> v.sh1)) >> v.sh2;
     q = q32;
-    r = a - static_cast<int64_t>(q32) * b;
+    r = a - static_cast<int64_t>(q32) * v.d;
   } else {
-    q = a / b;
-    r = a - q * b;
+    q = a / v.d;
+    r = a - q * v.d;
   }
 }
 
@@ -91,11 +117,6 @@ unsigned grid_for(int64_t items, int64_t per_warp) {
 
 // ---- vector conversions: fast paths bit-identical to the scalar math, scalar fallback ----
 
-/// Two floats -> two e4m3 bytes (lo in the low byte); the same cvt as to_e4m3 for non-NaN input.
-__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
-}
-
 /// Two floats -> two bf16 (lo in the low half), RNE; equals float_to_bf16 for non-NaN input.
 __device__ __forceinline__ uint32_t cvt_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -111,26 +132,42 @@ __device__ __noinline__ uint32_t quant4_slow(float a, float b, float c, float d,
          (static_cast<uint32_t>(quant_e4m3(c, s)) << 16) | (static_cast<uint32_t>(quant_e4m3(d, s)) << 24);
 }
 
-/// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], r.s).
-__device__ __forceinline__ uint32_t quant4(const float* x, const Recip& r) {
-  bool fast = true;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) fast &= recip_fast(r, x[k]);
-  if (fast)
-    return cvt_e4m3x2(div_recip(x[0], r), div_recip(x[1], r)) |
-           (cvt_e4m3x2(div_recip(x[2], r), div_recip(x[3], r)) << 16);
-  return quant4_slow(x[0], x[1], x[2], x[3], r.s);
+/// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], d.s): quot_fast and the packed cvt, the exact
+/// division where quant2_fast declines.
+template <bool kPow2 = false>
+__device__ __forceinline__ uint32_t quant4(const float* x, const QDiv& d) {
+  uint32_t lo, hi;
+  const bool a = quant2_fast<kPow2>(x[0], x[1], d, &lo);
+  const bool b = quant2_fast<kPow2>(x[2], x[3], d, &hi);
+  if (d.fast & a & b) return lo | (hi << 16);
+  return quant4_slow(x[0], x[1], x[2], x[3], d.s);
 }
 
-__device__ __forceinline__ uint2 quant8(const float* x, const Recip& r) {
-  return make_uint2(quant4(x, r), quant4(x + 4, r));
+template <bool kPow2 = false>
+__device__ __forceinline__ uint2 quant8(const float* x, const QDiv& d) {
+  return make_uint2(quant4<kPow2>(x, d), quant4<kPow2>(x + 4, d));
 }
 
-/// 8 bf16/fp16 values -> floats.
-__device__ __forceinline__ void to_floats(uint4 v, bool bf16, float* x) {
-  const H8 h = unpack(v);
+template <bool kBf16>
+__device__ __forceinline__ float half_bits_to_float(uint16_t h) {
+  if constexpr (kBf16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
+  return __half2float(__ushort_as_half(h));
+}
+
+/// 8 bf16 (kBf16) or fp16 values -> floats (exact; the hardware conversion for fp16).
+template <bool kBf16>
+__device__ __forceinline__ void to_floats(uint4 v, float* x) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int k = 0; k < 8; ++k) x[k] = half_to_float(h.h[k], bf16);
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (kBf16) {
+      x[2 * k] = __uint_as_float(w[k] << 16);
+      x[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    } else {
+      x[2 * k] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[k])));
+      x[2 * k + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[k] >> 16)));
+    }
+  }
 }
 
 /// The scalar path of dequant4 (NaN bytes, large scales), out of line.
@@ -147,11 +184,23 @@ __device__ __noinline__ uint2 dequant4_slow(uint32_t w, float s, bool unscaled) 
 }
 
 /// 4 e4m3 bytes -> 4 bf16 (uint2): dequant_bf16(b, d.s), or e4m3_to_bf16(b) when kUnscaled (d.s = 1).
+/// The hardware e4m3x2 -> f16x2 conversion is exact (every e4m3 value is an fp16 value), so the
+/// fp32 product and its bf16 rounding are the scalar math's; NaN bytes and a non-finite scale take
+/// the scalar path (NaN payloads).
 template <bool kUnscaled = false>
 __device__ __forceinline__ uint2 dequant4(uint32_t w, const DqScale& d) {
-  if (d.fast && !has_e4m3_nan(w))
-    return make_uint2(cvt_bf16x2(dq_fast(w & 0xffu, d), dq_fast((w >> 8) & 0xffu, d)),
-                      cvt_bf16x2(dq_fast((w >> 16) & 0xffu, d), dq_fast(w >> 24, d)));
+  if (d.fast && !has_e4m3_nan(w)) {
+    const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    float2 a = __half22float2(__half2(lo)), b = __half22float2(__half2(hi));
+    if constexpr (!kUnscaled) {
+      a.x = mul_rn(a.x, d.s);
+      a.y = mul_rn(a.y, d.s);
+      b.x = mul_rn(b.x, d.s);
+      b.y = mul_rn(b.y, d.s);
+    }
+    return make_uint2(cvt_bf16x2(a.x, a.y), cvt_bf16x2(b.x, b.y));
+  }
   return dequant4_slow(w, d.s, kUnscaled);
 }
 
@@ -164,10 +213,14 @@ __device__ __forceinline__ uint4 dequant8(uint2 q, const DqScale& d) {
 // ---- warp-cooperative entry operations (lane in [0, 32)), split into a load and a store half so
 // a warp can issue the loads of several entries before it converts and stores any of them ----
 
-/// 576 bf16 (512 nope + 64 rope) as loaded for the bf16 -> 656 B conversion.
+/// 576 bf16 (512 nope + 64 rope) as loaded for the bf16 -> 656 B conversion: lane l takes values
+/// [16l, 16l + 16) (tile l / 8), lanes 0-7 also 8 rope values. (Lanes taking two 8-value runs
+/// 256 values apart, for 512-byte contiguous loads, measured slower on an H200: two tile maxima
+/// and scales per lane cost more than the L1 saves.)
 struct Bf16In {
   uint4 a = {}, b = {}, rope = {};
 };
+/// nope, rope: global or shared.
 __device__ __forceinline__ Bf16In load_bf16(const uint8_t* nope, const uint8_t* rope, int lane) {
   Bf16In in;
   in.a = ld_v16(nope + 32 * lane);
@@ -178,38 +231,44 @@ __device__ __forceinline__ Bf16In load_bf16(const uint8_t* nope, const uint8_t* 
 /// -> one 656 B entry.
 __device__ __forceinline__ void store_bf16_as_ds(const Bf16In& in, uint8_t* dst, int lane) {
   float x[16];
-  to_floats(in.a, true, x);
-  to_floats(in.b, true, x + 8);
+  to_floats<true>(in.a, x);
+  to_floats<true>(in.b, x + 8);
   float amax = 0.0f;
 #pragma unroll
   for (int k = 0; k < 16; ++k) amax = fmax_f(amax, abs_f(x[k]));
 #pragma unroll
   for (int m = 4; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
-  const float sc = ds_tile_scale(amax);
-  const Recip r = make_recip(sc);
+  const float sc = ds_tile_scale_fast(amax);
+  const QDiv r = make_qdiv(sc);
   const uint2 lo = quant8(x, r), hi = quant8(x + 8, r);
   st_v16(dst + 16 * lane, make_uint4(lo.x, lo.y, hi.x, hi.y));
   if ((lane & 7) == 0) *reinterpret_cast<float*>(dst + kMlaDsScaleOffset + 4 * (lane >> 3)) = sc;
   if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, in.rope);
 }
 
-/// One 656 B entry as loaded for the conversion to bf16.
+/// One 656 B entry as loaded for the conversion to bf16, so that every warp-wide store is 512
+/// contiguous bytes (stores that leave half of each sector to another instruction cost the L2
+/// twice): lane l takes values [8l, 8l + 8) and [256 + 8l, 256 + 8l + 8), whose tiles are l / 16
+/// and 2 + l / 16; lanes 0-7 also 8 rope values.
 struct DsIn {
-  uint4 q = {}, rope = {};
-  float sc = 0.0f;
+  uint2 q0 = {}, q1 = {};
+  uint4 rope = {};
+  float s0 = 0.0f, s1 = 0.0f;
 };
+/// src: a global or shared entry.
 __device__ __forceinline__ DsIn load_ds(const uint8_t* src, int lane) {
   DsIn in;
-  in.q = ld_v16(src + 16 * lane);
-  in.sc = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 4 * (lane >> 3));
+  in.q0 = ld_v8(src + 8 * lane);
+  in.q1 = ld_v8(src + 256 + 8 * lane);
+  in.s0 = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 4 * (lane >> 4));
+  in.s1 = *reinterpret_cast<const float*>(src + kMlaDsScaleOffset + 8 + 4 * (lane >> 4));
   if (lane < 8) in.rope = ld_v16(src + kMlaDsRopeOffset + 16 * lane);
   return in;
 }
 /// -> 576 bf16 (1152 B).
 __device__ __forceinline__ void store_ds_as_bf16(const DsIn& in, uint8_t* dst, int lane) {
-  const DqScale d = make_dq_scale(in.sc);
-  st_v16(dst + 32 * lane, dequant8(make_uint2(in.q.x, in.q.y), d));
-  st_v16(dst + 32 * lane + 16, dequant8(make_uint2(in.q.z, in.q.w), d));
+  st_v16(dst + 16 * lane, dequant8(in.q0, make_dq_scale(in.s0)));
+  st_v16(dst + 512 + 16 * lane, dequant8(in.q1, make_dq_scale(in.s1)));
   if (lane < 8) st_v16(dst + kMlaRank * 2 + 16 * lane, in.rope);
 }
 
@@ -314,14 +373,14 @@ __device__ __forceinline__ Slots<kN, T> load_slots(const T* slots, int64_t n0, i
 
 // ---- write_mla ----
 
-template <int kMode>
+template <int kMode, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel(const WriteMlaParams p) {
   constexpr int kU = kMode == 0 ? 2 : 1;  // tokens per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
+  const Div dbs = make_div(bs);
   const int64_t limit = p.cache.view.sizes[0] * bs;
-  const bool bf16 = p.input_dtype == DType::kBF16;
-  const Recip rc = make_recip(p.scale);
+  const QDiv rc = make_qdiv(p.scale);
   const int64_t items = (p.tokens + kU - 1) / kU;
   struct In {
     uint4 v[kU][3];
@@ -357,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
         for (int u = 0; u < kU; ++u) {
           if (!slot_ok(sl.s[u], limit)) continue;  // uniform over the warp
           int64_t blk, off;
-          divmod(sl.s[u], bs, blk, off);
+          divmod(sl.s[u], dbs, blk, off);
           uint8_t* dst = p.cache.entry(blk, off);
           if constexpr (kMode == 2) {
             Bf16In b;
@@ -374,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
                 st_v16(dst + 16 * g, in.v[u][k]);
               } else {
                 float x[8];
-                to_floats(in.v[u][k], bf16, x);
+                to_floats<kBf16>(in.v[u][k], x);
                 st_v8(dst + 8 * g, quant8(x, rc));
               }
             }
@@ -385,18 +444,19 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
 
 // ---- write_mha: an item is one token's K and V over 32 * kG 16-byte groups per plane ----
 
-template <bool kFp8>
+template <bool kFp8, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaParams p) {
   constexpr int kG = kFp8 ? 2 : 4;  // 16-byte groups per lane and plane in flight
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
+  const Div dbs = make_div(bs);
   const int64_t limit = kv.sizes[0] * bs;
   const int64_t gpd = d / 8, groups = h * gpd;
   const int64_t chunks = (groups + 32 * kG - 1) / (32 * kG);
+  const Div dchunks = make_div(chunks), dgpd = make_div(gpd);
   const int64_t eb = kFp8 ? 1 : 2;
-  const bool bf16 = p.input_dtype == DType::kBF16;
-  const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
+  const QDiv rk = make_qdiv(p.k_scale), rv = make_qdiv(p.v_scale);
   const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
   const int64_t items = p.tokens * chunks;
   struct In {
@@ -406,14 +466,14 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
       items,
       [&](int64_t i) {
         int64_t n = 0, c = 0;
-        if (i < items) divmod(i, chunks, n, c);
+        if (i < items) divmod(i, dchunks, n, c);
         return i < items ? p.slots[n] : int64_t{-1};
       },
       [&](int64_t i, int64_t) {
         In in = {};
         if (i >= items) return in;
         int64_t n, c;
-        divmod(i, chunks, n, c);
+        divmod(i, dchunks, n, c);
         const uint8_t* sk = static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2;
         const uint8_t* sv = static_cast<const uint8_t*>(p.value) + n * p.value_stride * 2;
 #pragma unroll
@@ -429,8 +489,8 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
       [&](int64_t i, int64_t s, const In& in) {
         if (!slot_ok(s, limit)) return;
         int64_t n, c, blk, off;
-        divmod(i, chunks, n, c);
-        divmod(s, bs, blk, off);
+        divmod(i, dchunks, n, c);
+        divmod(s, dbs, blk, off);
         uint8_t* ek = p.k_cache.entry(blk, off);
         uint8_t* ev = p.v_cache.entry(blk, off);
 #pragma unroll
@@ -438,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
           const int64_t g = c * 32 * kG + lane + 32 * k;
           if (g >= groups) continue;
           int64_t hh, kg;
-          divmod(g, gpd, hh, kg);
+          divmod(g, dgpd, hh, kg);
           uint8_t* dk = ek + hh * hsk + kg * 8 * eb;
           uint8_t* dv = ev + hh * hsv + kg * 8 * eb;
           if constexpr (!kFp8) {
@@ -446,9 +506,9 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
             st_v16(dv, in.b[k]);
           } else {
             float x[8];
-            to_floats(in.a[k], bf16, x);
+            to_floats<kBf16>(in.a[k], x);
             st_v8(dk, quant8(x, rk));
-            to_floats(in.b[k], bf16, x);
+            to_floats<kBf16>(in.b[k], x);
             st_v8(dv, quant8(x, rv));
           }
         }
@@ -458,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
 // ---- indexer: kVec-byte loads, 256 / kVec lanes per 128-value row (16 lanes and two rows per
 // warp access with 16-byte loads), kRows rows per item ----
 
-template <int kVec>
+template <int kVec, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const IndexerWriteParams p) {
   constexpr int kLanes = 2 * kIndexerHeadDim / kVec;  // lanes per row
   constexpr int kPer = 32 / kLanes;                   // rows per warp-wide access
@@ -468,8 +528,8 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const Indexe
   using Vec = std::conditional_t<kVec == 16, uint4, uint2>;
   const int lane = threadIdx.x & 31, hl = lane % kLanes, sub = lane / kLanes;
   const int64_t bs = p.cache.view.sizes[1];
+  const Div dbs = make_div(bs);
   const int64_t limit = p.cache.view.sizes[0] * bs;
-  const bool bf16 = p.input_dtype == DType::kBF16;
   const uint8_t* const k = static_cast<const uint8_t*>(p.k);
   const int64_t row_bytes = p.k_stride * 2;
   const int64_t items = (p.tokens + kRows - 1) / kRows;
@@ -506,22 +566,23 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const Indexe
           float amax = 0.0f;
 #pragma unroll
           for (int e = 0; e < kE; ++e) {
-            x[e] = half_to_float(hv[e], bf16);
+            x[e] = half_bits_to_float<kBf16>(hv[e]);
             amax = fmax_f(amax, abs_f(x[e]));
           }
 #pragma unroll
           for (int m = kLanes / 2; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
           if (slot_ok(sl.s[u], limit)) {
-            const float sc = indexer_scale(amax, p.ue8m0);
-            const Recip r = make_recip(sc);
+            const float sc = indexer_scale_fast(amax, p.ue8m0);
+            const QDiv r = make_qdiv(sc);
+            const bool pow2 = p.ue8m0 && is_pow2_scale(sc);
             int64_t blk, off;
-            divmod(sl.s[u], bs, blk, off);
+            divmod(sl.s[u], dbs, blk, off);
             uint8_t* block = p.cache.entry(blk, 0);
             uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
             if constexpr (kE == 8)
-              st_v8(vals, quant8(x, r));
+              st_v8(vals, pow2 ? quant8<true>(x, r) : quant8(x, r));
             else
-              *reinterpret_cast<uint32_t*>(vals) = quant4(x, r);
+              *reinterpret_cast<uint32_t*>(vals) = pow2 ? quant4<true>(x, r) : quant4(x, r);
             if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
           }
         }
@@ -549,12 +610,11 @@ struct Rows {
   const uint8_t* src[kR];
 };
 template <int kR>
-__device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, int64_t j0) {
+__device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, const Div& dbs, int64_t j0) {
   Rows<kR> out;
 #pragma unroll
   for (int u = 0; u < kR; ++u) out.src[u] = nullptr;
   if (j0 >= p.total_rows) return out;
-  const int64_t bs = p.cache.view.sizes[1];
   int64_t r = find_request(p.cu_seq_lens, p.batch, j0);
   int64_t tok[kR], col[kR], req[kR];
 #pragma unroll
@@ -566,7 +626,7 @@ __device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, int64_t j
     while (p.cu_seq_lens[r + 1] <= j) ++r;
     req[u] = r;
     const int64_t pos = j - p.cu_seq_lens[r] + (p.seq_starts ? p.seq_starts[r] : 0);
-    divmod(pos, bs, col[u], tok[u]);
+    divmod(pos, dbs, col[u], tok[u]);
   }
 #pragma unroll
   for (int u = 0; u < kR; ++u)
@@ -582,6 +642,7 @@ __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams 
   constexpr int kR = kMode == 0 ? 2 : 4;  // rows per item
   using Vec = std::conditional_t<kMode == 0, uint4, uint2>;
   const int lane = threadIdx.x & 31;
+  const Div dbs = make_div(p.cache.view.sizes[1]);
   const TensorView& v = p.cache.view;
   const int64_t eb = dtype_size(v.dtype);
   const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
@@ -593,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams 
     Vec x[kR][3];
   };
   pipeline(
-      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i / chunks * kR : p.total_rows); },
+      items, [&](int64_t i) { return locate_rows<kR>(p, dbs, i < items ? i / chunks * kR : p.total_rows); },
       [&](int64_t i, const Rows<kR>& r) {
         In in;
         const int64_t k0 = i % chunks * 96;
@@ -628,13 +689,14 @@ __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams 
 __global__ void __launch_bounds__(kThreads, 3) gather_ds_kernel(const GatherParams p) {
   constexpr int kR = 2;
   const int lane = threadIdx.x & 31;
+  const Div dbs = make_div(p.cache.view.sizes[1]);
   const int64_t dst_row = p.dst_stride * 2;
   const int64_t items = (p.total_rows + kR - 1) / kR;
   struct In {
     DsIn e[kR];
   };
   pipeline(
-      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i * kR : p.total_rows); },
+      items, [&](int64_t i) { return locate_rows<kR>(p, dbs, i < items ? i * kR : p.total_rows); },
       [&](int64_t, const Rows<kR>& r) {
         In in;
 #pragma unroll
@@ -655,12 +717,13 @@ template <int kVec>
 __global__ void __launch_bounds__(kThreads) gather_copy_narrow_kernel(const GatherParams p) {
   constexpr int kR = 4;
   const int lane = threadIdx.x & 31;
+  const Div dbs = make_div(p.cache.view.sizes[1]);
   const TensorView& v = p.cache.view;
   const int64_t eb = dtype_size(v.dtype);
   const int64_t n = v.sizes[2] * eb / kVec;
   const int64_t dst_row = p.dst_stride * eb;
   for (int64_t j0 = global_warp() * kR; j0 < p.total_rows; j0 += total_warps() * kR) {
-    const Rows<kR> r = locate_rows<kR>(p, j0);
+    const Rows<kR> r = locate_rows<kR>(p, dbs, j0);
     uint8_t* const out = static_cast<uint8_t*>(p.dst) + j0 * dst_row;
 #pragma unroll
     for (int u = 0; u < kR; ++u) {
@@ -683,6 +746,7 @@ __global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const Dequan
   constexpr int kR = 2;
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
+  const Div dbs = make_div(bs);
   const int64_t items = (p.count + kR - 1) / kR;
   struct In {
     DsIn e[kR];
@@ -695,7 +759,7 @@ __global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const Dequan
         for (int u = 0; u < kR; ++u) {
           if (!slot_ok(sl.s[u], limit)) continue;
           int64_t blk, off;
-          divmod(sl.s[u], bs, blk, off);
+          divmod(sl.s[u], dbs, blk, off);
           in.e[u] = load_ds(p.cache.entry(blk, off), lane);
         }
         return in;
@@ -715,7 +779,9 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) co
   constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
+  const Div dbs = make_div(bs);
   const int64_t entries = p.layers * p.count * bs;
+  const Div dcount = make_div(p.count);
   const int64_t items = (entries + kU - 1) / kU;
   const DqScale one = make_dq_scale(1.0f);
   struct Where {
@@ -740,8 +806,8 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) co
           const int64_t w = i * kU + u;
           if (w >= entries) continue;
           int64_t q, t, l, b;
-          divmod(w, bs, q, t);
-          divmod(q, p.count, l, b);
+          divmod(w, dbs, q, t);
+          divmod(q, dcount, l, b);
           const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
           const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
           a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
@@ -852,15 +918,15 @@ __device__ __forceinline__ uint8_t* ring_stage(uint8_t (*ring)[kStages][kBytes],
 }
 
 // write_mla: one token per item; stage = slot (16 B header), then 1024 B nope + 128 B rope.
-template <int kMode>
+template <int kMode, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteMlaParams p) {
   constexpr int kBytes = 16 + 1152;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
+  const Div dbs = make_div(bs);
   const int64_t limit = p.cache.view.sizes[0] * bs;
-  const bool bf16 = p.input_dtype == DType::kBF16;
-  const Recip rc = make_recip(p.scale);
+  const QDiv rc = make_qdiv(p.scale);
   staged(
       p.tokens, [](int64_t) { return NoIndex{}; },
       [&](int64_t n, int stage, NoIndex) {
@@ -877,15 +943,11 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
         const int64_t s = *reinterpret_cast<const int64_t*>(st);
         if (!slot_ok(s, limit)) return;
         int64_t blk, off;
-        divmod(s, bs, blk, off);
+        divmod(s, dbs, blk, off);
         uint8_t* dst = p.cache.entry(blk, off);
         const uint8_t* d = st + 16;
         if constexpr (kMode == 2) {
-          Bf16In in;
-          in.a = lds16(d + 32 * lane);
-          in.b = lds16(d + 32 * lane + 16);
-          if (lane < 8) in.rope = lds16(d + 1024 + 16 * lane);
-          store_bf16_as_ds(in, dst, lane);
+          store_bf16_as_ds(load_bf16(d, d + 1024, lane), dst, lane);
         } else {
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
@@ -895,7 +957,7 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
               st_v16(dst + 16 * g, lds16(d + 16 * g));
             } else {
               float x[8];
-              to_floats(lds16(d + 16 * g), bf16, x);
+              to_floats<kBf16>(lds16(d + 16 * g), x);
               st_v8(dst + 8 * g, quant8(x, rc));
             }
           }
@@ -904,19 +966,20 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
 }
 
 // write_mha: an item is one token's 32 16-byte groups of K and of V; stage = slot, K, V.
-template <bool kFp8>
+template <bool kFp8, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads) write_mha_staged_kernel(const WriteMhaParams p) {
   constexpr int kBytes = 16 + 1024;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
+  const Div dbs = make_div(bs);
   const int64_t limit = kv.sizes[0] * bs;
   const int64_t gpd = d / 8, groups = h * gpd;
   const int64_t chunks = (groups + 31) / 32;
+  const Div dchunks = make_div(chunks), dgpd = make_div(gpd);
   const int64_t eb = kFp8 ? 1 : 2;
-  const bool bf16 = p.input_dtype == DType::kBF16;
-  const Recip rk = make_recip(p.k_scale), rv = make_recip(p.v_scale);
+  const QDiv rk = make_qdiv(p.k_scale), rv = make_qdiv(p.v_scale);
   const int64_t hsk = p.k_cache.view.strides[2] * eb, hsv = p.v_cache.view.strides[2] * eb;
   const int64_t items = p.tokens * chunks;
   staged(
@@ -925,7 +988,7 @@ __global__ void __launch_bounds__(kThreads) write_mha_staged_kernel(const WriteM
         uint8_t* st = ring_stage(ring, stage);
         if (i >= items) return;
         int64_t n, c;
-        divmod(i, chunks, n, c);
+        divmod(i, dchunks, n, c);
         const int64_t g = c * 32 + lane;
         if (g < groups) {
           cp16(st + 16 + 16 * lane, static_cast<const uint8_t*>(p.key) + n * p.key_stride * 2 + 16 * g);
@@ -938,11 +1001,11 @@ __global__ void __launch_bounds__(kThreads) write_mha_staged_kernel(const WriteM
         const int64_t s = *reinterpret_cast<const int64_t*>(st);
         if (!slot_ok(s, limit)) return;
         int64_t n, c, blk, off, hh, kg;
-        divmod(i, chunks, n, c);
+        divmod(i, dchunks, n, c);
         const int64_t g = c * 32 + lane;
         if (g >= groups) return;
-        divmod(s, bs, blk, off);
-        divmod(g, gpd, hh, kg);
+        divmod(s, dbs, blk, off);
+        divmod(g, dgpd, hh, kg);
         uint8_t* dk = p.k_cache.entry(blk, off) + hh * hsk + kg * 8 * eb;
         uint8_t* dv = p.v_cache.entry(blk, off) + hh * hsv + kg * 8 * eb;
         const uint4 a = lds16(st + 16 + 16 * lane), b = lds16(st + 16 + 512 + 16 * lane);
@@ -951,23 +1014,24 @@ __global__ void __launch_bounds__(kThreads) write_mha_staged_kernel(const WriteM
           st_v16(dv, b);
         } else {
           float x[8];
-          to_floats(a, bf16, x);
+          to_floats<kBf16>(a, x);
           st_v8(dk, quant8(x, rk));
-          to_floats(b, bf16, x);
+          to_floats<kBf16>(b, x);
           st_v8(dv, quant8(x, rv));
         }
       });
 }
 
 // indexer (16-byte aligned rows): 4 rows per item; stage = 4 slots, then 4 x 256 B.
+template <bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads) indexer_write_staged_kernel(const IndexerWriteParams p) {
   constexpr int kRows = 4;
   constexpr int kBytes = 32 + kRows * 256;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31, hl = lane & 15, sub = lane >> 4;
   const int64_t bs = p.cache.view.sizes[1];
+  const Div dbs = make_div(bs);
   const int64_t limit = p.cache.view.sizes[0] * bs;
-  const bool bf16 = p.input_dtype == DType::kBF16;
   const int64_t row_bytes = p.k_stride * 2;
   const int64_t items = (p.tokens + kRows - 1) / kRows;
   staged(
@@ -1001,17 +1065,19 @@ __global__ void __launch_bounds__(kThreads) indexer_write_staged_kernel(const In
           float amax = 0.0f;
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            x[e] = half_to_float(hv.h[e], bf16);
+            x[e] = half_bits_to_float<kBf16>(hv.h[e]);
             amax = fmax_f(amax, abs_f(x[e]));
           }
 #pragma unroll
           for (int m = 8; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
           if (slot_ok(s, limit)) {
-            const float sc = indexer_scale(amax, p.ue8m0);
+            const float sc = indexer_scale_fast(amax, p.ue8m0);
+            const QDiv r = make_qdiv(sc);
             int64_t blk, off;
-            divmod(s, bs, blk, off);
+            divmod(s, dbs, blk, off);
             uint8_t* block = p.cache.entry(blk, 0);
-            st_v8(block + off * kIndexerHeadDim + 8 * hl, quant8(x, make_recip(sc)));
+            st_v8(block + off * kIndexerHeadDim + 8 * hl,
+                  p.ue8m0 && is_pow2_scale(sc) ? quant8<true>(x, r) : quant8(x, r));
             if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
           }
         }
@@ -1026,6 +1092,7 @@ __global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherPar
   constexpr int kBytes = 72 * kVec;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
+  const Div dbs = make_div(p.cache.view.sizes[1]);
   const TensorView& v = p.cache.view;
   const int64_t eb = dtype_size(v.dtype);
   const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
@@ -1034,7 +1101,7 @@ __global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherPar
   const int64_t items = p.total_rows * chunks;
   const DqScale dq = make_dq_scale(p.scale);
   staged(
-      items, [&](int64_t i) { return locate_rows<1>(p, i < items ? i / chunks : p.total_rows); },
+      items, [&](int64_t i) { return locate_rows<1>(p, dbs, i < items ? i / chunks : p.total_rows); },
       [&](int64_t i, int stage, const Rows<1>& r) {
         uint8_t* st = ring_stage(ring, stage);
         if (!r.src[0]) return;
@@ -1067,10 +1134,11 @@ __global__ void __launch_bounds__(kThreads) gather_ds_staged_kernel(const Gather
   constexpr int kBytes = kR * kMlaDsBytes;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
+  const Div dbs = make_div(p.cache.view.sizes[1]);
   const int64_t dst_row = p.dst_stride * 2;
   const int64_t items = (p.total_rows + kR - 1) / kR;
   staged(
-      items, [&](int64_t i) { return locate_rows<kR>(p, i < items ? i * kR : p.total_rows); },
+      items, [&](int64_t i) { return locate_rows<kR>(p, dbs, i < items ? i * kR : p.total_rows); },
       [&](int64_t, int stage, const Rows<kR>& r) {
         uint8_t* st = ring_stage(ring, stage);
 #pragma unroll
@@ -1082,12 +1150,7 @@ __global__ void __launch_bounds__(kThreads) gather_ds_staged_kernel(const Gather
 #pragma unroll
         for (int u = 0; u < kR; ++u) {
           if (i * kR + u >= p.total_rows) continue;
-          const uint8_t* e = st + u * kMlaDsBytes;
-          DsIn in;
-          in.q = lds16(e + 16 * lane);
-          in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
-          if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
-          store_ds_as_bf16(in, static_cast<uint8_t*>(p.dst) + (i * kR + u) * dst_row, lane);
+          store_ds_as_bf16(load_ds(st + u * kMlaDsBytes, lane), static_cast<uint8_t*>(p.dst) + (i * kR + u) * dst_row, lane);
         }
       });
 }
@@ -1098,6 +1161,7 @@ __global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const De
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1], limit = p.cache.view.sizes[0] * bs;
+  const Div dbs = make_div(bs);
   const int64_t items = (p.count + kR - 1) / kR;
   staged(
       items, [&](int64_t i) { return load_slots<kR>(p.slots, i * kR, p.count); },
@@ -1108,7 +1172,7 @@ __global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const De
           if (lane == 0) reinterpret_cast<int64_t*>(st)[u] = sl.s[u];
           if (!slot_ok(sl.s[u], limit)) continue;
           int64_t blk, off;
-          divmod(sl.s[u], bs, blk, off);
+          divmod(sl.s[u], dbs, blk, off);
           warp_cp16(st + 16 + u * kMlaDsBytes, p.cache.entry(blk, off), kMlaDsBytes / 16, lane);
         }
       },
@@ -1117,12 +1181,7 @@ __global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const De
 #pragma unroll
         for (int u = 0; u < kR; ++u) {
           if (!slot_ok(reinterpret_cast<const int64_t*>(st)[u], limit)) continue;
-          const uint8_t* e = st + 16 + u * kMlaDsBytes;
-          DsIn in;
-          in.q = lds16(e + 16 * lane);
-          in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
-          if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
-          store_ds_as_bf16(in, static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
+          store_ds_as_bf16(load_ds(st + 16 + u * kMlaDsBytes, lane), static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
         }
       });
 }
@@ -1136,7 +1195,9 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
+  const Div dbs = make_div(bs);
   const int64_t entries = p.layers * p.count * bs;
+  const Div dcount = make_div(p.count);
   const int64_t items = (entries + kU - 1) / kU;
   const DqScale one = make_dq_scale(1.0f);
   struct Where {
@@ -1156,8 +1217,8 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
           const int64_t w = i * kU + u;
           if (w >= entries) continue;
           int64_t q, t, l, b;
-          divmod(w, bs, q, t);
-          divmod(q, p.count, l, b);
+          divmod(w, dbs, q, t);
+          divmod(q, dcount, l, b);
           const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
           const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
           a.src[u] = p.src.entry(sb, t) + l * p.src_layer_stride;
@@ -1197,17 +1258,9 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
             const bool ok = store_ds_as_fp8(in, dst, lane);
             if (!ok && lane == 0 && p.not_lossless) p.not_lossless[reinterpret_cast<const int64_t*>(st)[2 * u + 1]] = 1;
           } else if constexpr (kKind == 2) {
-            Bf16In in;
-            in.a = lds16(e + 32 * lane);
-            in.b = lds16(e + 32 * lane + 16);
-            if (lane < 8) in.rope = lds16(e + kMlaRank * 2 + 16 * lane);
-            store_bf16_as_ds(in, dst, lane);
+            store_bf16_as_ds(load_bf16(e, e + kMlaRank * 2, lane), dst, lane);
           } else {
-            DsIn in;
-            in.q = lds16(e + 16 * lane);
-            in.sc = *reinterpret_cast<const float*>(e + kMlaDsScaleOffset + 4 * (lane >> 3));
-            if (lane < 8) in.rope = lds16(e + kMlaDsRopeOffset + 16 * lane);
-            store_ds_as_bf16(in, dst, lane);
+            store_ds_as_bf16(load_ds(e, lane), dst, lane);
           }
         }
       });
@@ -1215,9 +1268,8 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
 
 /// KVFERRY_DATAPATH_ENGINE=direct|staged forces one engine for every kernel (benchmarks, diagnosis);
 /// unset, each launcher takes its default: the engine that measured faster on an H200 (kvferry-bench
-/// kernels, both engines in one run): staged for write_mla fp8 / fp8_ds, the indexer and the
-/// 576 <-> 656 conversions, direct for the copies, the gathers, dequant_paged, write_mha and the
-/// bf16 <-> 656 conversions.
+/// kernels, both engines in one run): staged for the 576 <-> 656 and 656 -> bf16 conversions,
+/// direct for the writers, the indexer, the gathers, dequant_paged and bf16 -> 656.
 bool use_staged(bool by_default) {
   static const int forced = [] {
     const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
@@ -1242,12 +1294,16 @@ cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream)
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const bool sg = use_staged(p.mode != MlaWriteMode::kCopy);
+  const bool sg = use_staged(false);
+  const bool bf16 = p.input_dtype == DType::kBF16;
   switch (p.mode) {
     case MlaWriteMode::kCopy:
       return sg ? go<write_mla_staged_kernel<0>>(p, p.tokens, 1, stream)
                 : go<write_mla_kernel<0>>(p, p.tokens, 2, stream);
     case MlaWriteMode::kFp8:
+      if (!bf16)
+        return sg ? go<write_mla_staged_kernel<1, false>>(p, p.tokens, 1, stream)
+                  : go<write_mla_kernel<1, false>>(p, p.tokens, 1, stream);
       return sg ? go<write_mla_staged_kernel<1>>(p, p.tokens, 1, stream)
                 : go<write_mla_kernel<1>>(p, p.tokens, 1, stream);
     case MlaWriteMode::kFp8Ds:
@@ -1260,18 +1316,28 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
   const bool sg = use_staged(false);
-  if (p.k_cache.view.dtype == DType::kFP8E4M3)
+  if (p.k_cache.view.dtype == DType::kFP8E4M3) {
+    if (p.input_dtype != DType::kBF16)
+      return sg ? go<write_mha_staged_kernel<true, false>>(p, p.tokens, 1, stream)
+                : go<write_mha_kernel<true, false>>(p, p.tokens, 1, stream);
     return sg ? go<write_mha_staged_kernel<true>>(p, p.tokens, 1, stream)
               : go<write_mha_kernel<true>>(p, p.tokens, 1, stream);
+  }
   return sg ? go<write_mha_staged_kernel<false>>(p, p.tokens, 1, stream)
             : go<write_mha_kernel<false>>(p, p.tokens, 1, stream);
 }
 
 cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  if (!aligned(p.k, 16) || (p.k_stride * 2) % 16 != 0) return go<indexer_write_kernel<8>>(p, p.tokens, 2, stream);
-  return use_staged(true) ? go<indexer_write_staged_kernel>(p, p.tokens, 4, stream)
-                          : go<indexer_write_kernel<16>>(p, p.tokens, 4, stream);
+  const bool bf16 = p.input_dtype == DType::kBF16;
+  if (!aligned(p.k, 16) || (p.k_stride * 2) % 16 != 0)
+    return bf16 ? go<indexer_write_kernel<8>>(p, p.tokens, 2, stream)
+                : go<indexer_write_kernel<8, false>>(p, p.tokens, 2, stream);
+  if (!bf16)
+    return use_staged(false) ? go<indexer_write_staged_kernel<false>>(p, p.tokens, 4, stream)
+                             : go<indexer_write_kernel<16, false>>(p, p.tokens, 4, stream);
+  return use_staged(false) ? go<indexer_write_staged_kernel<true>>(p, p.tokens, 4, stream)
+                           : go<indexer_write_kernel<16>>(p, p.tokens, 4, stream);
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
@@ -1310,7 +1376,7 @@ cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t strea
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t n = p.layers * p.count * p.src.view.sizes[1];
   if (n == 0) return cudaSuccess;
-  const bool sg = use_staged(p.kind == ConvertKind::kFp8ToDs || p.kind == ConvertKind::kDsToFp8);
+  const bool sg = use_staged(p.kind != ConvertKind::kBf16ToDs);
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
       return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
