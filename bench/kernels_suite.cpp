@@ -3,6 +3,7 @@
 // the same run; on a contiguous per-layer cache and on a layer view of a block-major buffer.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -117,7 +118,12 @@ int run_kernels(const Options& opts) {
     rep.add({"device-to-device copy", d2d, "GB/s", d2d, "itself", true, 0, "read + write"});
   }
 
-  for (int cross = 0; cross < 2; ++cross) {
+  // KVFERRY_BENCH_VIEWS (diagnosis): the order of the two passes, e.g. "10" runs the cross-layer
+  // pass first, "010" the contiguous pass again after it.
+  const char* views_env = std::getenv("KVFERRY_BENCH_VIEWS");
+  const std::string views = views_env && *views_env ? views_env : "01";
+  for (char view_c : views) {
+    const int cross = view_c == '1' ? 1 : 0;
     const int64_t layers = cross ? xl : 1, layer = cross ? xl / 2 : 0;
     const std::string view = cross ? " L" + std::to_string(xl) + "/" + std::to_string(layer) : " contiguous";
     // Tokens so that a launch moves about `moved` bytes (`moved_per_token` each) while the

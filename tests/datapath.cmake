@@ -8,6 +8,14 @@ if(KVFERRY_WITH_CUDA)
   kvferry_add_gtest(kernels_datapath_gpu_test LABEL gpu TIMEOUT 300
     SOURCES gpu/kernels_datapath_gpu_test.cpp
     LIBS kvferry::kernels)
+  # The same tests with every engine forced (the default picks one per kernel), so each engine's
+  # kernels stay bit-identical to the CPU twins whichever one a launcher picks.
+  foreach(engine direct staged flat)
+    gtest_discover_tests(kernels_datapath_gpu_test
+      TEST_SUFFIX .${engine}
+      DISCOVERY_TIMEOUT 60
+      PROPERTIES LABELS gpu TIMEOUT 300 ENVIRONMENT KVFERRY_DATAPATH_ENGINE=${engine})
+  endforeach()
   kvferry_add_gtest(kernels_fp8_exhaustive_test LABEL gpu
     SOURCES gpu/kernels_fp8_exhaustive_test.cu
     LIBS kvferry::kernels)

@@ -589,6 +589,80 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const Indexe
       });
 }
 
+/// The indexer for 16-byte aligned rows: 8 lanes per 128-value row (each two 16-byte runs 64
+/// values apart, so 8 lanes read and write one contiguous run of the row), 4 rows per warp-wide
+/// access, 8 rows per item. Twice the values per lane of a 16-lane layout halve the per-row
+/// work (maximum, scale, reciprocal, slot division) per value, which bound that kernel's issue rate.
+template <bool kBf16 = true>
+__global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_kernel(const IndexerWriteParams p) {
+  constexpr int kOps = 2, kRows = 4 * kOps;
+  const int lane = threadIdx.x & 31, hl = lane & 7, sub = lane >> 3;
+  const int64_t bs = p.cache.view.sizes[1];
+  const Div dbs = make_div(bs);
+  const int64_t limit = p.cache.view.sizes[0] * bs;
+  const uint8_t* const k = static_cast<const uint8_t*>(p.k);
+  const int64_t row_bytes = p.k_stride * 2;
+  const int64_t items = (p.tokens + kRows - 1) / kRows;
+  struct In {
+    uint4 a[kOps], b[kOps];
+  };
+  pipeline(
+      items,
+      [&](int64_t i) {
+        Slots<kOps, int64_t> o;
+#pragma unroll
+        for (int u = 0; u < kOps; ++u) {
+          const int64_t n = i * kRows + 4 * u + sub;
+          o.s[u] = n < p.tokens ? p.slots[n] : -1;
+        }
+        return o;
+      },
+      [&](int64_t i, const Slots<kOps, int64_t>&) {
+        In in;
+#pragma unroll
+        for (int u = 0; u < kOps; ++u) {
+          const int64_t n = i * kRows + 4 * u + sub;
+          in.a[u] = in.b[u] = uint4{};
+          if (n < p.tokens) {
+            in.a[u] = ld_v16(k + n * row_bytes + 16 * hl);
+            in.b[u] = ld_v16(k + n * row_bytes + 128 + 16 * hl);
+          }
+        }
+        return in;
+      },
+      [&](int64_t, const Slots<kOps, int64_t>& sl, const In& in) {
+#pragma unroll
+        for (int u = 0; u < kOps; ++u) {
+          float x[16];
+          to_floats<kBf16>(in.a[u], x);
+          to_floats<kBf16>(in.b[u], x + 8);
+          float amax = 0.0f;
+#pragma unroll
+          for (int e = 0; e < 16; ++e) amax = fmax_f(amax, abs_f(x[e]));
+#pragma unroll
+          for (int m = 4; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
+          if (!slot_ok(sl.s[u], limit)) continue;
+          const float sc = indexer_scale_fast(amax, p.ue8m0);
+          const bool pow2 = p.ue8m0 && is_pow2_scale(sc);
+          QDiv r;
+          if (pow2) {  // the exact reciprocal of a power of two, without the division
+            r.s = sc;
+            r.y = bits_float(((254u - ((float_bits(sc) >> 23) & 0xffu)) << 23));
+            r.fast = true;
+          } else {
+            r = make_qdiv(sc);
+          }
+          int64_t blk, off;
+          divmod(sl.s[u], dbs, blk, off);
+          uint8_t* block = p.cache.entry(blk, 0);
+          uint8_t* vals = block + off * kIndexerHeadDim + 8 * hl;
+          st_v8(vals, pow2 ? quant8<true>(x, r) : quant8(x, r));
+          st_v8(vals + 64, pow2 ? quant8<true>(x + 8, r) : quant8(x + 8, r));
+          if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
+        }
+      });
+}
+
 // ---- gathers ----
 
 __device__ __forceinline__ int64_t find_request(const int32_t* cu, int64_t batch, int64_t j) {
@@ -638,8 +712,8 @@ __device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, const Div
 /// Raw copy (16-byte vectors) and fp8 -> bf16: an item is kR consecutive rows x up to 96 vectors
 /// of each (rows longer than that take several items).
 template <int kMode>
-__global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams p) {
-  constexpr int kR = kMode == 0 ? 2 : 4;  // rows per item
+__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) gather_kernel(const GatherParams p) {
+  constexpr int kR = 2;  // rows per item
   using Vec = std::conditional_t<kMode == 0, uint4, uint2>;
   const int lane = threadIdx.x & 31;
   const Div dbs = make_div(p.cache.view.sizes[1]);
@@ -848,6 +922,121 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) co
           }
         }
       });
+}
+
+// ---- flat conversions: one thread per 16-byte chunk of the destination entry, so every
+// warp-wide store is 512 contiguous bytes of a page and loads are as wide as the source allows;
+// kU chunks per thread and trip, all loads issued before any store. For the format changes whose
+// output chunks need no reduction over the entry (576 -> 656, 656 -> 576, 656 -> bf16). ----
+
+template <int kKind>
+struct FlatShape;
+template <>
+struct FlatShape<0> {  // 576 -> 656: 32 nope chunks, 1 scale chunk, 8 rope chunks
+  static constexpr int kChunks = kMlaDsBytes / 16;
+};
+template <>
+struct FlatShape<1> {  // 656 -> 576: 32 nope chunks, 4 rope chunks
+  static constexpr int kChunks = kMlaFp8Bytes / 16;
+};
+template <>
+struct FlatShape<3> {  // 656 -> bf16: 64 nope chunks, 8 rope chunks
+  static constexpr int kChunks = kMlaDim * 2 / 16;
+};
+
+template <int kKind>
+__global__ void __launch_bounds__(kThreads, kKind == 1 ? 3 : 4) convert_flat_kernel(const ConvertParams p) {
+  constexpr int kU = 4;
+  constexpr int64_t kC = FlatShape<kKind>::kChunks;
+  const int64_t bs = p.src.view.sizes[1];
+  const Div dbs = make_div(bs), dcount = make_div(p.count), dc = make_div(kC);
+  const int64_t total = p.layers * p.count * bs * kC;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const DqScale one = make_dq_scale(1.0f);
+  for (int64_t g0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g0 < total; g0 += kU * step) {
+    uint4 v[kU], w[kU];
+    uint8_t* dst[kU];
+    int jj[kU];
+    int64_t bb[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int64_t g = g0 + u * step;
+      v[u] = w[u] = uint4{};
+      dst[u] = nullptr;
+      jj[u] = 0;
+      bb[u] = 0;
+      if (g >= total) continue;
+      int64_t e, j, q, t, l, b;
+      divmod(g, dc, e, j);
+      divmod(e, dbs, q, t);
+      divmod(q, dcount, l, b);
+      const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
+      const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
+      const uint8_t* src = p.src.entry(sb, t) + l * p.src_layer_stride;
+      dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride + 16 * j;
+      jj[u] = static_cast<int>(j);
+      bb[u] = b;
+      if constexpr (kKind == 0) {
+        if (j < 32) {
+          v[u] = ld_v16(src + 16 * j);
+        } else if (j > 32) {
+          const uint2 r = ld_v8(src + kMlaRank + 8 * (j - 33));
+          v[u].x = r.x;
+          v[u].y = r.y;
+        }
+      } else if constexpr (kKind == 1) {
+        if (j < 32) {
+          v[u] = ld_v16(src + 16 * j);
+          if (j == 0) w[u] = ld_v16(src + kMlaDsScaleOffset);
+        } else {
+          v[u] = ld_v16(src + kMlaDsRopeOffset + 32 * (j - 32));
+          w[u] = ld_v16(src + kMlaDsRopeOffset + 32 * (j - 32) + 16);
+        }
+      } else {
+        if (j < 64) {
+          const uint2 r = ld_v8(src + 8 * j);
+          v[u].x = r.x;
+          v[u].y = r.y;
+          v[u].z = *reinterpret_cast<const uint32_t*>(src + kMlaDsScaleOffset + 4 * (j >> 4));
+        } else {
+          v[u] = ld_v16(src + kMlaDsRopeOffset + 16 * (j - 64));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (!dst[u]) continue;
+      const int j = jj[u];
+      if constexpr (kKind == 0) {
+        if (j < 32)
+          st_v16(dst[u], v[u]);
+        else if (j == 32)
+          st_v16(dst[u], make_uint4(kOneF32Bits, kOneF32Bits, kOneF32Bits, kOneF32Bits));
+        else
+          st_v16(dst[u], dequant8<true>(make_uint2(v[u].x, v[u].y), one));
+      } else if constexpr (kKind == 1) {
+        if (j < 32) {
+          st_v16(dst[u], v[u]);
+          if (j == 0 && (w[u].x != kOneF32Bits || w[u].y != kOneF32Bits || w[u].z != kOneF32Bits ||
+                         w[u].w != kOneF32Bits) && p.not_lossless)
+            p.not_lossless[bb[u]] = 1;
+        } else {
+          bool ok = true;
+          const uint32_t a = bf16x2_to_e4m3x2_exact(v[u].x, ok) | (bf16x2_to_e4m3x2_exact(v[u].y, ok) << 16);
+          const uint32_t c = bf16x2_to_e4m3x2_exact(v[u].z, ok) | (bf16x2_to_e4m3x2_exact(v[u].w, ok) << 16);
+          const uint32_t d = bf16x2_to_e4m3x2_exact(w[u].x, ok) | (bf16x2_to_e4m3x2_exact(w[u].y, ok) << 16);
+          const uint32_t f = bf16x2_to_e4m3x2_exact(w[u].z, ok) | (bf16x2_to_e4m3x2_exact(w[u].w, ok) << 16);
+          st_v16(dst[u], make_uint4(a, c, d, f));
+          if (!ok && p.not_lossless) p.not_lossless[bb[u]] = 1;
+        }
+      } else {
+        if (j < 64)
+          st_v16(dst[u], dequant8(make_uint2(v[u].x, v[u].y), make_dq_scale(__uint_as_float(v[u].z))));
+        else
+          st_v16(dst[u], v[u]);
+      }
+    }
+  }
 }
 
 // ---- staged engine: each warp streams its items through a ring of kStages shared-memory stages
@@ -1270,18 +1459,31 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
 /// unset, each launcher takes its default: the engine that measured faster on an H200 (kvferry-bench
 /// kernels, both engines in one run): staged for the 576 <-> 656 and 656 -> bf16 conversions,
 /// direct for the writers, the indexer, the gathers, dequant_paged and bf16 -> 656.
-bool use_staged(bool by_default) {
+int forced_engine() {
   static const int forced = [] {
     const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
     if (!v) return -1;
     if (std::strcmp(v, "staged") == 0) return 1;
     if (std::strcmp(v, "direct") == 0) return 0;
+    if (std::strcmp(v, "flat") == 0) return 2;
     return -1;
   }();
-  return forced < 0 ? by_default : forced == 1;
+  return forced;
+}
+
+bool use_staged(bool by_default) {
+  const int forced = forced_engine();
+  return forced < 0 || forced == 2 ? by_default : forced == 1;
 }
 
 bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0; }
+
+/// Launches a flat kernel over `chunks` thread-sized chunks (4 per thread and trip).
+template <auto kK, class P>
+cudaError_t go_flat(const P& p, int64_t chunks, cudaStream_t stream) {
+  kK<<<grid_for<kK>(chunks, 32 * 4), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 /// Launches kernel kK over `items` work items, `per_warp` per warp and trip.
 template <auto kK, class P>
@@ -1335,9 +1537,9 @@ cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t strea
                 : go<indexer_write_kernel<8, false>>(p, p.tokens, 2, stream);
   if (!bf16)
     return use_staged(false) ? go<indexer_write_staged_kernel<false>>(p, p.tokens, 4, stream)
-                             : go<indexer_write_kernel<16, false>>(p, p.tokens, 4, stream);
+                             : go<indexer_write_wide_kernel<false>>(p, p.tokens, 8, stream);
   return use_staged(false) ? go<indexer_write_staged_kernel<true>>(p, p.tokens, 4, stream)
-                           : go<indexer_write_kernel<16>>(p, p.tokens, 4, stream);
+                           : go<indexer_write_wide_kernel<true>>(p, p.tokens, 8, stream);
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
@@ -1360,7 +1562,7 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
       return go<gather_copy_narrow_kernel<1>>(p, n, 4, stream);
     }
     case GatherMode::kDequantFp8:
-      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 4, stream);
+      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 2, stream);
     case GatherMode::kDequantDs:
       return sg ? go<gather_ds_staged_kernel>(p, n, 2, stream) : go<gather_ds_kernel>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
@@ -1377,14 +1579,18 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t n = p.layers * p.count * p.src.view.sizes[1];
   if (n == 0) return cudaSuccess;
   const bool sg = use_staged(p.kind != ConvertKind::kBf16ToDs);
+  const bool flat = forced_engine() < 0 || forced_engine() == 2;
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
+      if (flat) return go_flat<convert_flat_kernel<0>>(p, n * FlatShape<0>::kChunks, stream);
       return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
     case ConvertKind::kDsToFp8:
+      if (flat) return go_flat<convert_flat_kernel<1>>(p, n * FlatShape<1>::kChunks, stream);
       return sg ? go<convert_staged_kernel<1>>(p, n, 2, stream) : go<convert_kernel<1>>(p, n, 2, stream);
     case ConvertKind::kBf16ToDs:
       return sg ? go<convert_staged_kernel<2>>(p, n, 1, stream) : go<convert_kernel<2>>(p, n, 1, stream);
     case ConvertKind::kDsToBf16:
+      if (flat) return go_flat<convert_flat_kernel<3>>(p, n * FlatShape<3>::kChunks, stream);
       return sg ? go<convert_staged_kernel<3>>(p, n, 2, stream) : go<convert_kernel<3>>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
