@@ -1,8 +1,11 @@
 // The device's float -> e4m3 conversion used by the data-path kernels (hardware cvt on sm_89+)
 // against layouts' float_to_e4m3 (what the CPU twins use) for all 2^32 float bit patterns; the
-// kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, and the amortised
-// reciprocal division against __fdiv_rn, for every float dividend and a set of divisors.
+// kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, the one-multiply
+// quantisation (quant2_fast) against e4m3 of __fdiv_rn for every float dividend and a set of
+// divisors, and the hardware e4m3x2 -> f16x2 conversion against e4m3_to_float for every byte pair.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -47,7 +50,7 @@ TEST(KernelsGpuFp8, DeviceConversionMatchesHostForAllFloats) {
 
 __global__ void compare_fast_paths(float s, unsigned long long* mismatches, unsigned* first) {
   const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
-  const kernels::detail::Recip r = kernels::detail::make_recip(s);
+  const kernels::detail::QDiv d = kernels::detail::make_qdiv(s);
   unsigned long long local = 0;
   for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t{1} << 32);
        i += stride) {
@@ -59,8 +62,18 @@ __global__ void compare_fast_paths(float s, unsigned long long* mismatches, unsi
       memcpy(&u, &h, 4);
       bad |= u != (float_to_bf16(x) | (static_cast<uint32_t>(float_to_bf16(-x)) << 16));
     }
-    if (kernels::detail::recip_fast(r, x))
-      bad |= float_bits(kernels::detail::div_recip(x, r)) != float_bits(__fdiv_rn(x, s));
+    uint32_t q = 0;
+    if (d.fast && kernels::detail::quant2_fast(x, -x, d, &q))
+      bad |= q != (kernels::detail::to_e4m3(__fdiv_rn(x, s)) |
+                   (static_cast<uint32_t>(kernels::detail::to_e4m3(__fdiv_rn(-x, s))) << 8));
+    if (i < 65536u) {
+      const uint8_t b0 = static_cast<uint8_t>(i), b1 = static_cast<uint8_t>(i >> 8);
+      if ((b0 & 0x7fu) != 0x7fu && (b1 & 0x7fu) != 0x7fu) {
+        const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(i), __NV_E4M3);
+        const float2 f = __half22float2(__half2(r));
+        bad |= float_bits(f.x) != float_bits(e4m3_to_float(b0)) || float_bits(f.y) != float_bits(e4m3_to_float(b1));
+      }
+    }
     if (bad) {
       ++local;
       atomicMin(first, static_cast<unsigned>(i));
@@ -75,7 +88,7 @@ TEST(KernelsGpuFp8, FastPathsMatchScalarMathForAllFloats) {
   unsigned* first = nullptr;
   ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
   ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
-  for (float s : {0.037f, 0.1f, 3.0f, 0.5f, 1.0f / 448.0f, 0.01171875f / 448.0f, 2.3e-9f, 7.7e13f}) {
+  for (float s : {0.037f, 0.1f, 3.0f, 0.5f, 1.0f / 448.0f, 0.01171875f / 448.0f, 2.3e-9f, 7.7e13f, 0x1p-80f, 0x1.fffffep79f}) {
     *count = 0;
     *first = 0xffffffffu;
     compare_fast_paths<<<1024, 256>>>(s, count, first);
