@@ -10,7 +10,7 @@ if(KVFERRY_WITH_CUDA)
     LIBS kvferry::kernels)
   # The same tests with every engine forced (the default picks one per kernel), so each engine's
   # kernels stay bit-identical to the CPU twins whichever one a launcher picks.
-  foreach(engine direct staged flat)
+  foreach(engine direct staged)
     gtest_discover_tests(kernels_datapath_gpu_test
       TEST_SUFFIX .${engine}
       DISCOVERY_TIMEOUT 60

@@ -374,7 +374,7 @@ __device__ __forceinline__ Slots<kN, T> load_slots(const T* slots, int64_t n0, i
 // ---- write_mla ----
 
 template <int kMode, bool kBf16 = true>
-__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel(const WriteMlaParams p) {
+__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 4) write_mla_kernel(const WriteMlaParams p) {
   constexpr int kU = kMode == 0 ? 2 : 1;  // tokens per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
@@ -924,121 +924,6 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2 : 3) co
       });
 }
 
-// ---- flat conversions: one thread per 16-byte chunk of the destination entry, so every
-// warp-wide store is 512 contiguous bytes of a page and loads are as wide as the source allows;
-// kU chunks per thread and trip, all loads issued before any store. For the format changes whose
-// output chunks need no reduction over the entry (576 -> 656, 656 -> 576, 656 -> bf16). ----
-
-template <int kKind>
-struct FlatShape;
-template <>
-struct FlatShape<0> {  // 576 -> 656: 32 nope chunks, 1 scale chunk, 8 rope chunks
-  static constexpr int kChunks = kMlaDsBytes / 16;
-};
-template <>
-struct FlatShape<1> {  // 656 -> 576: 32 nope chunks, 4 rope chunks
-  static constexpr int kChunks = kMlaFp8Bytes / 16;
-};
-template <>
-struct FlatShape<3> {  // 656 -> bf16: 64 nope chunks, 8 rope chunks
-  static constexpr int kChunks = kMlaDim * 2 / 16;
-};
-
-template <int kKind>
-__global__ void __launch_bounds__(kThreads, kKind == 1 ? 3 : 4) convert_flat_kernel(const ConvertParams p) {
-  constexpr int kU = 4;
-  constexpr int64_t kC = FlatShape<kKind>::kChunks;
-  const int64_t bs = p.src.view.sizes[1];
-  const Div dbs = make_div(bs), dcount = make_div(p.count), dc = make_div(kC);
-  const int64_t total = p.layers * p.count * bs * kC;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const DqScale one = make_dq_scale(1.0f);
-  for (int64_t g0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g0 < total; g0 += kU * step) {
-    uint4 v[kU], w[kU];
-    uint8_t* dst[kU];
-    int jj[kU];
-    int64_t bb[kU];
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      const int64_t g = g0 + u * step;
-      v[u] = w[u] = uint4{};
-      dst[u] = nullptr;
-      jj[u] = 0;
-      bb[u] = 0;
-      if (g >= total) continue;
-      int64_t e, j, q, t, l, b;
-      divmod(g, dc, e, j);
-      divmod(e, dbs, q, t);
-      divmod(q, dcount, l, b);
-      const int64_t sb = p.src_blocks ? p.src_blocks[b] : b;
-      const int64_t db = p.dst_blocks ? p.dst_blocks[b] : b;
-      const uint8_t* src = p.src.entry(sb, t) + l * p.src_layer_stride;
-      dst[u] = p.dst.entry(db, t) + l * p.dst_layer_stride + 16 * j;
-      jj[u] = static_cast<int>(j);
-      bb[u] = b;
-      if constexpr (kKind == 0) {
-        if (j < 32) {
-          v[u] = ld_v16(src + 16 * j);
-        } else if (j > 32) {
-          const uint2 r = ld_v8(src + kMlaRank + 8 * (j - 33));
-          v[u].x = r.x;
-          v[u].y = r.y;
-        }
-      } else if constexpr (kKind == 1) {
-        if (j < 32) {
-          v[u] = ld_v16(src + 16 * j);
-          if (j == 0) w[u] = ld_v16(src + kMlaDsScaleOffset);
-        } else {
-          v[u] = ld_v16(src + kMlaDsRopeOffset + 32 * (j - 32));
-          w[u] = ld_v16(src + kMlaDsRopeOffset + 32 * (j - 32) + 16);
-        }
-      } else {
-        if (j < 64) {
-          const uint2 r = ld_v8(src + 8 * j);
-          v[u].x = r.x;
-          v[u].y = r.y;
-          v[u].z = *reinterpret_cast<const uint32_t*>(src + kMlaDsScaleOffset + 4 * (j >> 4));
-        } else {
-          v[u] = ld_v16(src + kMlaDsRopeOffset + 16 * (j - 64));
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      if (!dst[u]) continue;
-      const int j = jj[u];
-      if constexpr (kKind == 0) {
-        if (j < 32)
-          st_v16(dst[u], v[u]);
-        else if (j == 32)
-          st_v16(dst[u], make_uint4(kOneF32Bits, kOneF32Bits, kOneF32Bits, kOneF32Bits));
-        else
-          st_v16(dst[u], dequant8<true>(make_uint2(v[u].x, v[u].y), one));
-      } else if constexpr (kKind == 1) {
-        if (j < 32) {
-          st_v16(dst[u], v[u]);
-          if (j == 0 && (w[u].x != kOneF32Bits || w[u].y != kOneF32Bits || w[u].z != kOneF32Bits ||
-                         w[u].w != kOneF32Bits) && p.not_lossless)
-            p.not_lossless[bb[u]] = 1;
-        } else {
-          bool ok = true;
-          const uint32_t a = bf16x2_to_e4m3x2_exact(v[u].x, ok) | (bf16x2_to_e4m3x2_exact(v[u].y, ok) << 16);
-          const uint32_t c = bf16x2_to_e4m3x2_exact(v[u].z, ok) | (bf16x2_to_e4m3x2_exact(v[u].w, ok) << 16);
-          const uint32_t d = bf16x2_to_e4m3x2_exact(w[u].x, ok) | (bf16x2_to_e4m3x2_exact(w[u].y, ok) << 16);
-          const uint32_t f = bf16x2_to_e4m3x2_exact(w[u].z, ok) | (bf16x2_to_e4m3x2_exact(w[u].w, ok) << 16);
-          st_v16(dst[u], make_uint4(a, c, d, f));
-          if (!ok && p.not_lossless) p.not_lossless[bb[u]] = 1;
-        }
-      } else {
-        if (j < 64)
-          st_v16(dst[u], dequant8(make_uint2(v[u].x, v[u].y), make_dq_scale(__uint_as_float(v[u].z))));
-        else
-          st_v16(dst[u], v[u]);
-      }
-    }
-  }
-}
-
 // ---- staged engine: each warp streams its items through a ring of kStages shared-memory stages
 // with cp.async, kStages - 1 items ahead, so bytes in flight no longer cost registers; it then
 // converts from shared memory and stores. Index loads (where a source address needs one) run one
@@ -1459,31 +1344,18 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
 /// unset, each launcher takes its default: the engine that measured faster on an H200 (kvferry-bench
 /// kernels, both engines in one run): staged for the 576 <-> 656 and 656 -> bf16 conversions,
 /// direct for the writers, the indexer, the gathers, dequant_paged and bf16 -> 656.
-int forced_engine() {
+bool use_staged(bool by_default) {
   static const int forced = [] {
     const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
     if (!v) return -1;
     if (std::strcmp(v, "staged") == 0) return 1;
     if (std::strcmp(v, "direct") == 0) return 0;
-    if (std::strcmp(v, "flat") == 0) return 2;
     return -1;
   }();
-  return forced;
-}
-
-bool use_staged(bool by_default) {
-  const int forced = forced_engine();
-  return forced < 0 || forced == 2 ? by_default : forced == 1;
+  return forced < 0 ? by_default : forced == 1;
 }
 
 bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) == 0; }
-
-/// Launches a flat kernel over `chunks` thread-sized chunks (4 per thread and trip).
-template <auto kK, class P>
-cudaError_t go_flat(const P& p, int64_t chunks, cudaStream_t stream) {
-  kK<<<grid_for<kK>(chunks, 32 * 4), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
 
 /// Launches kernel kK over `items` work items, `per_warp` per warp and trip.
 template <auto kK, class P>
@@ -1579,18 +1451,14 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t n = p.layers * p.count * p.src.view.sizes[1];
   if (n == 0) return cudaSuccess;
   const bool sg = use_staged(p.kind != ConvertKind::kBf16ToDs);
-  const bool flat = forced_engine() < 0 || forced_engine() == 2;
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
-      if (flat) return go_flat<convert_flat_kernel<0>>(p, n * FlatShape<0>::kChunks, stream);
       return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
     case ConvertKind::kDsToFp8:
-      if (flat) return go_flat<convert_flat_kernel<1>>(p, n * FlatShape<1>::kChunks, stream);
       return sg ? go<convert_staged_kernel<1>>(p, n, 2, stream) : go<convert_kernel<1>>(p, n, 2, stream);
     case ConvertKind::kBf16ToDs:
       return sg ? go<convert_staged_kernel<2>>(p, n, 1, stream) : go<convert_kernel<2>>(p, n, 1, stream);
     case ConvertKind::kDsToBf16:
-      if (flat) return go_flat<convert_flat_kernel<3>>(p, n * FlatShape<3>::kChunks, stream);
       return sg ? go<convert_staged_kernel<3>>(p, n, 2, stream) : go<convert_kernel<3>>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
