@@ -374,7 +374,7 @@ __device__ __forceinline__ Slots<kN, T> load_slots(const T* slots, int64_t n0, i
 // ---- write_mla ----
 
 template <int kMode, bool kBf16 = true>
-__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 4) write_mla_kernel(const WriteMlaParams p) {
+__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel(const WriteMlaParams p) {
   constexpr int kU = kMode == 0 ? 2 : 1;  // tokens per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
@@ -712,8 +712,8 @@ __device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, const Div
 /// Raw copy (16-byte vectors) and fp8 -> bf16: an item is kR consecutive rows x up to 96 vectors
 /// of each (rows longer than that take several items).
 template <int kMode>
-__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) gather_kernel(const GatherParams p) {
-  constexpr int kR = 2;  // rows per item
+__global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams p) {
+  constexpr int kR = kMode == 0 ? 2 : 4;  // rows per item
   using Vec = std::conditional_t<kMode == 0, uint4, uint2>;
   const int lane = threadIdx.x & 31;
   const Div dbs = make_div(p.cache.view.sizes[1]);
@@ -1434,7 +1434,7 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
       return go<gather_copy_narrow_kernel<1>>(p, n, 4, stream);
     }
     case GatherMode::kDequantFp8:
-      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 2, stream);
+      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 4, stream);
     case GatherMode::kDequantDs:
       return sg ? go<gather_ds_staged_kernel>(p, n, 2, stream) : go<gather_ds_kernel>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
