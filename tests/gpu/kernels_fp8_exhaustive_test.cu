@@ -88,7 +88,8 @@ TEST(KernelsGpuFp8, FastPathsMatchScalarMathForAllFloats) {
   unsigned* first = nullptr;
   ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
   ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
-  for (float s : {0.037f, 0.1f, 3.0f, 0.5f, 1.0f / 448.0f, 0.01171875f / 448.0f, 2.3e-9f, 7.7e13f, 0x1p-80f, 0x1.fffffep79f}) {
+  for (float s :
+       {0.037f, 0.1f, 3.0f, 0.5f, 1.0f / 448.0f, 0.01171875f / 448.0f, 2.3e-9f, 7.7e13f, 0x1p-80f, 0x1.fffffep79f}) {
     *count = 0;
     *first = 0xffffffffu;
     compare_fast_paths<<<1024, 256>>>(s, count, first);

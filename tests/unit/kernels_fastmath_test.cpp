@@ -113,8 +113,8 @@ TEST(KernelsFastMath, FastScalesAreExact) {
   std::mt19937 g(13);
   for (int k = 0; k < 200000; ++k) amax.push_back(bits_float(static_cast<uint32_t>(g()) & 0x7fffffffu));
   for (float a : amax) {
-    ASSERT_EQ(float_bits(ds_tile_scale_fast(a)), float_bits(ds_tile_scale(a))) << "amax bits 0x" << std::hex
-                                                                             << float_bits(a);
+    ASSERT_EQ(float_bits(ds_tile_scale_fast(a)), float_bits(ds_tile_scale(a)))
+        << "amax bits 0x" << std::hex << float_bits(a);
     for (bool ue8m0 : {false, true})
       ASSERT_EQ(float_bits(indexer_scale_fast(a, ue8m0)), float_bits(indexer_scale(a, ue8m0)))
           << "amax bits 0x" << std::hex << float_bits(a);

@@ -190,8 +190,7 @@ KVFERRY_HOST_DEVICE float indexer_scale_fast(float amax, bool ue8m0) {
 /// RN(x / s) for every x (overflow saturates in the cvt exactly as the division would).
 template <bool kPow2 = false>
 KVFERRY_HOST_DEVICE bool quant2_fast(float a, float b, const QDiv& d, uint32_t* out) {
-  const uint32_t c =
-      kPow2 ? cvt_e4m3x2(mul_rn(a, d.y), mul_rn(b, d.y)) : cvt_e4m3x2(quot_fast(a, d), quot_fast(b, d));
+  const uint32_t c = kPow2 ? cvt_e4m3x2(mul_rn(a, d.y), mul_rn(b, d.y)) : cvt_e4m3x2(quot_fast(a, d), quot_fast(b, d));
   *out = c;
   return (((c & 0x7f7fu) + 0x0101u) & 0x8080u) == 0;
 }

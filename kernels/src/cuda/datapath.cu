@@ -1224,7 +1224,8 @@ __global__ void __launch_bounds__(kThreads) gather_ds_staged_kernel(const Gather
 #pragma unroll
         for (int u = 0; u < kR; ++u) {
           if (i * kR + u >= p.total_rows) continue;
-          store_ds_as_bf16(load_ds(st + u * kMlaDsBytes, lane), static_cast<uint8_t*>(p.dst) + (i * kR + u) * dst_row, lane);
+          store_ds_as_bf16(load_ds(st + u * kMlaDsBytes, lane), static_cast<uint8_t*>(p.dst) + (i * kR + u) * dst_row,
+                           lane);
         }
       });
 }
@@ -1255,7 +1256,8 @@ __global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const De
 #pragma unroll
         for (int u = 0; u < kR; ++u) {
           if (!slot_ok(reinterpret_cast<const int64_t*>(st)[u], limit)) continue;
-          store_ds_as_bf16(load_ds(st + 16 + u * kMlaDsBytes, lane), static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
+          store_ds_as_bf16(load_ds(st + 16 + u * kMlaDsBytes, lane),
+                           static_cast<uint8_t*>(p.dst) + (i * kR + u) * p.dst_stride * 2, lane);
         }
       });
 }
