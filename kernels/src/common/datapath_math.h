@@ -83,10 +83,12 @@ KVFERRY_HOST_DEVICE bool bf16_to_e4m3_exact(uint16_t h, uint8_t* out) {
 
 constexpr uint32_t kOneF32Bits = 0x3f800000u;
 
-// ---- amortised exact division and scaled dequantisation (the CUDA kernels' fast paths) ----
-// Both give the same bits as div_rn / dequant_bf16 on the inputs their *_fast predicate accepts;
-// the kernels take the scalar path for the rest (NaN, extreme exponents). CPU twins do not use
-// them; tests/unit/kernels_fastmath_test.cpp checks the equalities on the host.
+// ---- the CUDA kernels' fast paths: quantisation through a reciprocal with Markstein corrections,
+// exact one-multiply division by powers of two, scales divided by 448 the same way ----
+// Each gives the scalar math's bits (quant_e4m3, ds_tile_scale, indexer_scale) wherever it
+// reports success; the kernels take the scalar path for the rest (NaN, overflow, extreme scales).
+// CPU twins do not use them; tests/unit/kernels_fastmath_test.cpp checks the equalities on the
+// host and tests/gpu/kernels_fp8_exhaustive_test.cu for every float on the device.
 
 KVFERRY_HOST_DEVICE float fma_rn(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
