@@ -19,6 +19,10 @@
 #include "kvferry/kernels/write.h"
 #include "kvferry/layouts/kv_cache_spec.h"
 
+#if defined(KVFERRY_WITH_CUDA)
+#include "shape_ceiling.h"
+#endif
+
 namespace kvferry::bench {
 namespace {
 
@@ -116,6 +120,32 @@ int run_kernels(const Options& opts) {
         st, reps, [&] { return cudaMemcpyAsync(b.p, a.p, n, cudaMemcpyDeviceToDevice, st); }, &ok);
     d2d = 2.0 * static_cast<double>(n) / t / 1e9;
     rep.add({"device-to-device copy", d2d, "GB/s", d2d, "itself", true, 0, "read + write"});
+  }
+
+  // What each traffic shape allows on this GPU: plain coalesced streams reading and writing in the
+  // data-path kernels' proportions (quantising writers shrink about 2:1, dequantising gathers
+  // expand about 1:2), as ratios to the same D2D copy. Informational: the target stays the D2D copy.
+  {
+    struct Shape {
+      const char* name;
+      int reads, writes;
+    };
+    for (const Shape sh :
+         {Shape{"ceiling: stream read 1 : write 1", 1, 1}, Shape{"ceiling: stream read 1 : write 2", 1, 2},
+          Shape{"ceiling: stream read 2 : write 1", 2, 1}}) {
+      const int64_t units = static_cast<int64_t>(moved / (16.0 * (sh.reads + sh.writes))) / 32 * 32;
+      Dev a(static_cast<size_t>(units * 16 * sh.reads)), b(static_cast<size_t>(units * 16 * sh.writes));
+      if (!a.p || !b.p) return 1;
+      bool ok = true;
+      const double t = time_launch(
+          st, reps, [&] { return launch_shape_stream(a.p, b.p, units, sh.reads, sh.writes, st); }, &ok);
+      if (!ok) {
+        rep.note(std::string(sh.name) + ": launch failed");
+        continue;
+      }
+      rep.add({sh.name, 16.0 * static_cast<double>(units * (sh.reads + sh.writes)) / t / 1e9, "GB/s", d2d, "d2d copy",
+               true, 0, "what the shape allows"});
+    }
   }
 
   // KVFERRY_BENCH_VIEWS (diagnosis): the order of the two passes, e.g. "10" runs the cross-layer
