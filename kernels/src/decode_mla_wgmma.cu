@@ -63,7 +63,10 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int sr
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // Generic-proxy writes (cp.async, st.shared) become visible to the tensor cores' async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -84,7 +87,10 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
@@ -132,8 +138,10 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// 16 e4m3 bytes -> 16 bf16 (times `s`, rounded once from fp32), two 16-byte stores. With s = 1 the
-// product is exact, so mla_fp8 and mla_fp8_ds with unit scales fill the tile with the same bits.
+// 16 e4m3 bytes -> 16 bf16 (times `s` when SCALED, rounded once from fp32), two 16-byte stores.
+// mla_fp8 skips the multiply: a product by 1 is exact, so mla_fp8 and mla_fp8_ds with unit scales
+// fill the tile with the same bits.
+template <bool SCALED>
 __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0, uint8_t* d1) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[8];
@@ -144,7 +152,7 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0,
       const __half2_raw hr =
           __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
       const float2 f = __half22float2(__half2(hr));
-      out[2 * i + h] = pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
+      out[2 * i + h] = SCALED ? pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s)) : pack_bf16(f.x, f.y);
     }
   }
   *reinterpret_cast<uint4*>(d0) = make_uint4(out[0], out[1], out[2], out[3]);
@@ -237,8 +245,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KPa
   };
   // Tile t ready for the tensor cores: its copies landed (all but the newest cp.async group), fp8
   // converted into bf16 buffer t % 2, then made visible to the async proxy and to every thread.
-  auto prepare = [&](int t) {
-    cp_async_wait1();
+  auto prepare = [&]<int kPending>(int t) {
+    cp_async_wait<kPending>();
     if constexpr (FMT != kFmtBf16) {
       const uint8_t* raw = sRaw + (t % NR) * (kN * RAW);
       uint8_t* dst = sK + (t % NB) * kTileBytes;
@@ -246,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KPa
         for (int c = tid; c < kN * CH; c += kThreads) {  // 36 raw chunks per row -> bf16 chunks 2c, 2c+1
           const int r = c / CH, col = c % CH;
           const uint4 v = *reinterpret_cast<const uint4*>(raw + r * RAW + col * 16);
-          convert16(v, 1.0f, dst + swz<kN>(r, 2 * col), dst + swz<kN>(r, 2 * col + 1));
+          convert16<false>(v, 1.0f, dst + swz<kN>(r, 2 * col), dst + swz<kN>(r, 2 * col + 1));
         }
       } else {
         constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
@@ -256,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KPa
           if (col < kMlaRank / 16) {
             const float s = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
             const uint4 v = *reinterpret_cast<const uint4*>(row + col * 16);
-            convert16(v, s, dst + swz<kN>(r, 2 * col), dst + swz<kN>(r, 2 * col + 1));
+            convert16<true>(v, s, dst + swz<kN>(r, 2 * col), dst + swz<kN>(r, 2 * col + 1));
           } else {
             const int rc = col - kMlaRank / 16;
             *reinterpret_cast<uint4*>(dst + swz<kN>(r, kMlaRank * 2 / 16 + rc)) =
@@ -294,18 +302,25 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KPa
   const float4* s_other = sS + ((1 - wg) * 4 + wl) * 4 * 32 + lane;
 
   // After S(t) completed: full S from the two partials, online softmax (log2 domain; rows g and g+8
-  // of this warp's 16), P into A fragments, accumulators rescaled (P.V(t-1) has completed too).
-  auto softmax = [&](int t) {
+  // of this warp's 16), P(t) into the A fragments `pn`; returns the factors the accumulators must
+  // be scaled by once P.V(t-1) has completed.
+  auto softmax = [&](int t, uint32_t(&pn)[2][4], float& al0, float& al1) {
+    // The S accumulators are only read here (copied after the wait by volatile moves that cannot be
+    // hoisted above it): an ordinary write to them while P.V(t-1) is in flight would make the
+    // compiler serialize every wgmma.
+    float x[16];
 #pragma unroll
-    for (int n = 0; n < 4; ++n) s_mine[n * 32] = make_float4(s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3]);
+    for (int i = 0; i < 16; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s_mine[n * 32] = make_float4(x[4 * n], x[4 * n + 1], x[4 * n + 2], x[4 * n + 3]);
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       const float4 u = s_other[n * 32];
-      s[4 * n] += u.x;
-      s[4 * n + 1] += u.y;
-      s[4 * n + 2] += u.z;
-      s[4 * n + 3] += u.w;
+      x[4 * n] += u.x;
+      x[4 * n + 1] += u.y;
+      x[4 * n + 2] += u.z;
+      x[4 * n + 3] += u.w;
     }
     const int tok0 = start + t * kN;
     float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -314,45 +329,65 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KPa
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int tok = tok0 + n * 8 + tq * 2 + (e & 1);
-        s[4 * n + e] = tok < end ? s[4 * n + e] * p.scale_log2 : -INFINITY;
+        x[4 * n + e] = tok < end ? x[4 * n + e] * p.scale_log2 : -INFINITY;
       }
-      mx0 = fmaxf(mx0, fmaxf(s[4 * n], s[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+      mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
+      mx1 = fmaxf(mx1, fmaxf(x[4 * n + 2], x[4 * n + 3]));
     }
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
     const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);  // finite: every tile has a valid token
-    const float al0 = exp2f(m0 - nm0), al1 = exp2f(m1 - nm1);
+    al0 = exp2f(m0 - nm0);
+    al1 = exp2f(m1 - nm1);
     m0 = nm0;
     m1 = nm1;
     float rs0 = 0.0f, rs1 = 0.0f;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      s[4 * n] = exp2f(s[4 * n] - nm0);
-      s[4 * n + 1] = exp2f(s[4 * n + 1] - nm0);
-      s[4 * n + 2] = exp2f(s[4 * n + 2] - nm1);
-      s[4 * n + 3] = exp2f(s[4 * n + 3] - nm1);
-      rs0 += s[4 * n] + s[4 * n + 1];
-      rs1 += s[4 * n + 2] + s[4 * n + 3];
+      x[4 * n] = exp2f(x[4 * n] - nm0);
+      x[4 * n + 1] = exp2f(x[4 * n + 1] - nm0);
+      x[4 * n + 2] = exp2f(x[4 * n + 2] - nm1);
+      x[4 * n + 3] = exp2f(x[4 * n + 3] - nm1);
+      rs0 += x[4 * n] + x[4 * n + 1];
+      rs1 += x[4 * n + 2] + x[4 * n + 3];
     }
     l0 = l0 * al0 + rs0;
     l1 = l1 * al1 + rs1;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      pa[i][0] = pack_bf16(s[8 * i], s[8 * i + 1]);
-      pa[i][1] = pack_bf16(s[8 * i + 2], s[8 * i + 3]);
-      pa[i][2] = pack_bf16(s[8 * i + 4], s[8 * i + 5]);
-      pa[i][3] = pack_bf16(s[8 * i + 6], s[8 * i + 7]);
+      pn[i][0] = pack_bf16(x[8 * i], x[8 * i + 1]);
+      pn[i][1] = pack_bf16(x[8 * i + 2], x[8 * i + 3]);
+      pn[i][2] = pack_bf16(x[8 * i + 4], x[8 * i + 5]);
+      pn[i][3] = pack_bf16(x[8 * i + 6], x[8 * i + 7]);
     }
+  };
+  // Once the row maxima stop growing the factors are exactly 1 and multiplying by them changes no
+  // bit, so a warp whose rows all kept their maxima skips the 128 multiplies.
+  auto rescale = [&](float al0, float al1) {
+    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      acc[4 * n] *= al0;
-      acc[4 * n + 1] *= al0;
-      acc[4 * n + 2] *= al1;
-      acc[4 * n + 3] *= al1;
+      for (int n = 0; n < 32; ++n) {
+        acc[4 * n] *= al0;
+        acc[4 * n + 1] *= al0;
+        acc[4 * n + 2] *= al1;
+        acc[4 * n + 3] *= al1;
+      }
     }
+  };
+  auto fence_pa = [&]() {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
+  };
+  // V columns [256 wg, +256) = column blocks 4 wg .. 4 wg + 3 (lbo apart), tokens 16 j .. 16 j + 15.
+  auto issue_pv = [&](int t) {
+    const uint32_t vtile = k_u32 + (t % NB) * kTileBytes + wg * 4 * (kN * 128);
+    wgmma_pv(acc, pa[0], make_desc(vtile, kN * 128, 1024));
+    wgmma_pv(acc, pa[1], make_desc(vtile + 16 * 128, kN * 128, 1024));
+    wgmma_commit();
   };
 
   load_tile(0, fetch_blk(0));
@@ -360,34 +395,35 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KPa
   if (ntiles > 1) load_tile(1, fetch_blk(1));
   cp_async_commit();  // group 1: tile 1 (maybe empty; every step commits one group)
   int32_t next_blk = fetch_blk(2);
-  prepare(0);
+  prepare.template operator()<1>(0);
   issue_qk(0);
-  wgmma_wait0();
-  fence_regs(s);
-  softmax(0);
+  wgmma_wait<0>();
+  {
+    float al0, al1;
+    softmax(0, pa, al0, al1);  // the accumulators are still 0
+  }
 
-  // V columns [256 wg, +256) = column blocks 4 wg .. 4 wg + 3 (lbo apart), tokens 16 j .. 16 j + 15.
-  for (int t = 0; t < ntiles; ++t) {
-    const uint32_t vtile = k_u32 + (t % NB) * kTileBytes + wg * 4 * (kN * 128);
-    wgmma_fence();
-    wgmma_pv(acc, pa[0], make_desc(vtile, kN * 128, 1024));
-    wgmma_pv(acc, pa[1], make_desc(vtile + 16 * 128, kN * 128, 1024));
-    wgmma_commit();
-    if (t + 2 < ntiles) load_tile(t + 2, next_blk);
-    cp_async_commit();
-    next_blk = fetch_blk(t + 3);
-    if (t + 1 < ntiles) {
-      prepare(t + 1);
-      issue_qk(t + 1);
+  {
+    // Tile t+1 is converted (or awaited) while the tensor cores run P.V(t).
+    for (int t = 0; t < ntiles; ++t) {
+      wgmma_fence();
+      issue_pv(t);
+      if (t + 2 < ntiles) load_tile(t + 2, next_blk);
+      cp_async_commit();
+      if (t + 1 < ntiles) {
+        prepare.template operator()<1>(t + 1);
+        issue_qk(t + 1);
+      }
+      next_blk = fetch_blk(t + 3);  // after the proxy fence, which would wait for this load
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_pa();
+      if (t + 1 < ntiles) {
+        float al0, al1;
+        softmax(t + 1, pa, al0, al1);
+        rescale(al0, al1);
+      }
     }
-    wgmma_wait0();
-    fence_regs(acc);
-    fence_regs(s);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
-    if (t + 1 < ntiles) softmax(t + 1);
   }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
