@@ -193,9 +193,9 @@ int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
 
 int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   if (p.mma == 1 || p.mma == 2) return p.mma;
-  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma vs mma.sync: 128 heads bf16 314 vs
-  // 413 us, mla_fp8 351 vs 476, mla_fp8_ds 402 vs 508; 16 heads (padded to 64 rows) bf16 162 vs
-  // 95, mla_fp8 180 vs 127: wgmma where a CTA has 64 real heads.
+  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma vs mma.sync: 128 heads bf16 281 vs
+  // 417 us, mla_fp8 351 vs 476, mla_fp8_ds 402 vs 508; 16 heads (padded to 64 rows) bf16 147 vs
+  // 96, mla_fp8 180 vs 127: wgmma where a CTA has 64 real heads.
   return p.heads >= 64 ? 2 : 1;
 }
 
@@ -205,7 +205,7 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
   if (decode_mla_resolved_mma(p) == 2) {
-    // One CTA per SM (~200-227 KiB of shared memory: Q, K tile stages, S exchange).
+    // One CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange).
     const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
     const int64_t cap = std::clamp<int64_t>(max_tokens / 128, 1, kDecodeMlaMaxSplits);
     int32_t best = 1;
