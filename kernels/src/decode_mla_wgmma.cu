@@ -12,14 +12,14 @@
 //       m64n256k16 with P as the register A operand (the S accumulator layout is the A fragment
 //       layout) and 128 fp32 accumulators per thread.
 // The P.V of tile t is in flight while tile t+1 is awaited (or converted) and its S issued.
-// Tiles reach shared memory in one of two ways:
-//  - bf16 cache (decode_mla_ws_kernel): a third, producer warpgroup (few registers, setmaxnreg)
-//    copies tiles with cp.async into three stages and hands them over through full/empty
-//    mbarriers, so no consumer thread spends issue slots or stalls on loads.
-//  - fp8 caches (decode_mla_wgmma_kernel): raw rows land by cp.async in three raw stages and all
-//    256 consumer threads convert a tile to bf16 (exact for e4m3; mla_fp8_ds multiplies by its
-//    tile scale in fp32 and rounds once) while the tensor cores run the previous tile's P.V. A
-//    producer warpgroup converting alone measured slower.
+// A third, producer warpgroup (56 registers via setmaxnreg; the math warpgroups get 224) feeds the
+// tiles through full/empty mbarriers, so no math thread spends issue slots or stalls on loads:
+//  - bf16 cache: it copies each tile with cp.async straight into the swizzled layout (three
+//    stages, one tile ahead of the one it publishes).
+//  - fp8 caches: one producer warp lands the raw rows by bulk copies (one per token, two raw
+//    stages); the 256 math threads convert a tile to bf16 (exact for e4m3; mla_fp8_ds multiplies
+//    by its tile scale in fp32 and rounds once) while the tensor cores run the previous tile's P.V.
+//    The producer converting alone measured slower (its 128 threads are too few).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -35,7 +35,6 @@ namespace {
 
 constexpr int kN = 32;                        // tokens per K tile
 constexpr int kM = 64;                        // head rows per CTA (the wgmma M)
-constexpr int kThreads = 256;                 // two warpgroups
 constexpr int kChunks = kMlaDim * 2 / 16;     // 16-byte chunks of a bf16 row (72)
 constexpr int kCb = kMlaDim / 64;             // column blocks of 64 bf16 = one 128-byte row (9)
 constexpr int kQBytes = kCb * kM * 128;       // 73728
@@ -43,31 +42,21 @@ constexpr int kTileBytes = kCb * kN * 128;    // 36864
 constexpr int kSBytes = 2 * 4 * 4 * 32 * 16;  // S partials: [warpgroup][warp][n8 tile][lane] float4
 constexpr int kQkSteps = kMlaDim / 16 / 2;    // k16 steps of S per warpgroup (18)
 
-template <int FMT>
-struct WFmt;
-template <>
-struct WFmt<kFmtFp8> {
-  static constexpr int kRaw = kMlaFp8Bytes;
-};
-template <>
-struct WFmt<kFmtDs> {
-  static constexpr int kRaw = kMlaDsBytes;
-};
-
-// bf16 cache: a third (producer) warpgroup copies the tiles into three stages; two exchange
-// buffers (by tile parity) and six mbarriers.
+// Two math warpgroups and a producer warpgroup. Shared memory: Q, bf16 tile stages (three for a
+// bf16 cache; two for fp8 caches, plus two raw stages), two S exchange buffers, six mbarriers
+// (200-221 KiB: one CTA per SM).
 constexpr int kProducerThreads = 128;
 constexpr int kWsThreads = 2 * 128 + kProducerThreads;
 constexpr int kWsStages = 3;
-constexpr int ws_smem_bytes() { return 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 64; }
-// fp8 caches: two bf16 tile buffers and three raw stages.
-constexpr int kFp8Bufs = 2, kFp8RawStages = 3;
-
 template <int FMT>
-constexpr int wg_smem_bytes() {
-  return 1024 + kQBytes + kFp8Bufs * kTileBytes + kFp8RawStages * kN * WFmt<FMT>::kRaw + kSBytes;
+constexpr int entry_bytes() {
+  return FMT == kFmtBf16 ? kMlaBf16Bytes : FMT == kFmtFp8 ? kMlaFp8Bytes : kMlaDsBytes;
 }
-
+template <int FMT>
+constexpr int ws_smem_bytes() {
+  return FMT == kFmtBf16 ? 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 64
+                         : 1024 + kQBytes + 2 * kTileBytes + 2 * kN * entry_bytes<FMT>() + 2 * kSBytes + 64;
+}
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -102,6 +91,15 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 }
 __device__ __forceinline__ void mbar_fence_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One bulk copy (the TMA engine) of `bytes` completing on mbarrier `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -191,321 +189,18 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0,
 }
 
 template <int FMT, bool SPLIT>
-__global__ void __launch_bounds__(kThreads, 1) decode_mla_wgmma_kernel(const KParams p) {
+__global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(FMT != kFmtBf16, "the bf16 cache runs decode_mla_ws_kernel");
-  constexpr int RAW = WFmt<FMT>::kRaw, NB = kFp8Bufs, NR = kFp8RawStages;
-  constexpr int CH = RAW / 16;  // 16-byte chunks of a cache entry
+  constexpr bool kBf = FMT == kFmtBf16;
+  constexpr int NB = kBf ? kWsStages : 2, NR = kBf ? 0 : 2, RAW = entry_bytes<FMT>();
+  constexpr int NRS = NR > 0 ? NR : 1;  // raw stages as a divisor (unused for bf16)
   extern __shared__ uint8_t smem_dyn[];
   // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
   uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
   uint8_t* sQ = smem;
   uint8_t* sK = sQ + kQBytes;
-  uint8_t* sRaw = sK + NB * kTileBytes;
-  float4* sS = reinterpret_cast<float4*>(sRaw + NR * kN * RAW);
-
-  const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int len = p.seq_lens[b];
-  const int chunk = ((len + p.splits - 1) / p.splits + kN - 1) / kN * kN;
-  const int start = split * chunk;
-  const int end = min(len, start + chunk);
-  const int head0 = hg * hb;
-
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    for (int i = tid; i < hb; i += kThreads) {
-      if (SPLIT)
-        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
-      else
-        p.lse[static_cast<int64_t>(b) * p.heads + head0 + i] = -INFINITY;
-    }
-    if (!SPLIT)
-      for (int i = tid; i < hb * kMlaRank / 8; i += kThreads)
-        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
-            make_uint4(0, 0, 0, 0);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
-
-  {  // Q rows of this head group, swizzled; rows past the heads are zero
-    const uint8_t* qsrc = reinterpret_cast<const uint8_t*>(p.q + (static_cast<int64_t>(b) * p.heads + head0) * kMlaDim);
-    const uint32_t q_u32 = smem_u32(sQ);
-    for (int c = tid; c < kM * kChunks; c += kThreads) {
-      const int r = c / kChunks, col = c % kChunks;
-      cp_async16(q_u32 + swz<kM>(r, col), r < hb ? qsrc + r * (kMlaDim * 2) + col * 16 : qsrc, r < hb ? 16 : 0);
-    }
-  }
-
-  const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
-  // Lane i of every warp: the block of token i of tile t (read one tile ahead of the copies).
-  auto fetch_blk = [&](int t) -> int32_t {
-    const int tok = start + t * kN + lane;
-    return t < ntiles && tok < end ? table[tok / p.page] : 0;
-  };
-  // Raw tile t into its stage (rows of RAW bytes). Rows past the end are zero-filled: their bytes may be anything (even
-  // NaN) and V is multiplied by p = 0, which would keep a NaN.
-  auto load_tile = [&](int t, int32_t lane_blk) {
-    const int tok = start + t * kN + lane;
-    const uint8_t* rb = nullptr;
-    if (tok < end)
-      rb = p.cache + static_cast<int64_t>(lane_blk) * p.block_stride +
-           static_cast<int64_t>(tok % p.page) * p.token_stride;
-    const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
-    {
-      const uint32_t dst = smem_u32(sRaw + (t % NR) * (kN * RAW));
-      constexpr int kItems = kN * CH;
-#pragma unroll
-      for (int i = 0; i < (kItems + kThreads - 1) / kThreads; ++i) {
-        const int c = tid + i * kThreads;
-        const int r = min(c / CH, kN - 1), col = c % CH;
-        const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, r));
-        if (c < kItems) cp_async16(dst + r * RAW + col * 16, src ? src + col * 16 : p.cache, src ? 16 : 0);
-      }
-    }
-  };
-  // Tile t ready for the tensor cores: its copies landed (all but the newest cp.async group),
-  // converted into bf16 buffer t % 2, then made visible to the async proxy and to every thread.
-  auto prepare = [&]<int kPending>(int t) {
-    cp_async_wait<kPending>();
-    {
-      const uint8_t* raw = sRaw + (t % NR) * (kN * RAW);
-      uint8_t* dst = sK + (t % NB) * kTileBytes;
-      if constexpr (FMT == kFmtFp8) {
-        for (int c = tid; c < kN * CH; c += kThreads) {  // 36 raw chunks per row -> bf16 chunks 2c, 2c+1
-          const int r = c / CH, col = c % CH;
-          const uint4 v = *reinterpret_cast<const uint4*>(raw + r * RAW + col * 16);
-          convert16<false>(v, 1.0f, dst + swz<kN>(r, 2 * col), dst + swz<kN>(r, 2 * col + 1));
-        }
-      } else {
-        constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
-        for (int c = tid; c < kN * kPer; c += kThreads) {
-          const int r = c / kPer, col = c % kPer;
-          const uint8_t* row = raw + r * RAW;
-          if (col < kMlaRank / 16) {
-            const float s = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
-            const uint4 v = *reinterpret_cast<const uint4*>(row + col * 16);
-            convert16<true>(v, s, dst + swz<kN>(r, 2 * col), dst + swz<kN>(r, 2 * col + 1));
-          } else {
-            const int rc = col - kMlaRank / 16;
-            *reinterpret_cast<uint4*>(dst + swz<kN>(r, kMlaRank * 2 / 16 + rc)) =
-                *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16);
-          }
-        }
-      }
-    }
-    fence_proxy_async();
-    __syncthreads();
-  };
-
-  const uint32_t q_u32 = smem_u32(sQ), k_u32 = smem_u32(sK);
-  float s[16];
-  // Issues S(t) (partial over this warpgroup's half of the depth) into s.
-  auto issue_qk = [&](int t) {
-    const uint32_t tile = k_u32 + (t % NB) * kTileBytes;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kQkSteps; ++kk) {
-      const int ks = wg * kQkSteps + kk;
-      const uint32_t off = (ks & 3) * 32;  // k16 step inside the 128-byte row
-      wgmma_qk(s, make_desc(q_u32 + (ks >> 2) * (kM * 128) + off, 16, 1024),
-               make_desc(tile + (ks >> 2) * (kN * 128) + off, 16, 1024), kk > 0);
-    }
-    wgmma_commit();
-  };
-
-  float acc[128];
-#pragma unroll
-  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  uint32_t pa[2][4];
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-  float4* s_mine = sS + (wg * 4 + wl) * 4 * 32 + lane;
-  const float4* s_other = sS + ((1 - wg) * 4 + wl) * 4 * 32 + lane;
-
-  // After S(t) completed: full S from the two partials, online softmax (log2 domain; rows g and g+8
-  // of this warp's 16), P(t) into the A fragments `pn`; returns the factors the accumulators must
-  // be scaled by once P.V(t-1) has completed.
-  auto softmax = [&](int t, uint32_t(&pn)[2][4], float& al0, float& al1) {
-    // The S accumulators are only read here (copied after the wait by volatile moves that cannot be
-    // hoisted above it): an ordinary write to them while P.V(t-1) is in flight would make the
-    // compiler serialize every wgmma.
-    float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
-#pragma unroll
-    for (int n = 0; n < 4; ++n) s_mine[n * 32] = make_float4(x[4 * n], x[4 * n + 1], x[4 * n + 2], x[4 * n + 3]);
-    __syncthreads();
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const float4 u = s_other[n * 32];
-      x[4 * n] += u.x;
-      x[4 * n + 1] += u.y;
-      x[4 * n + 2] += u.z;
-      x[4 * n + 3] += u.w;
-    }
-    const int tok0 = start + t * kN;
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int tok = tok0 + n * 8 + tq * 2 + (e & 1);
-        x[4 * n + e] = tok < end ? x[4 * n + e] * p.scale_log2 : -INFINITY;
-      }
-      mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(x[4 * n + 2], x[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);  // finite: every tile has a valid token
-    al0 = exp2f(m0 - nm0);
-    al1 = exp2f(m1 - nm1);
-    m0 = nm0;
-    m1 = nm1;
-    float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      x[4 * n] = exp2f(x[4 * n] - nm0);
-      x[4 * n + 1] = exp2f(x[4 * n + 1] - nm0);
-      x[4 * n + 2] = exp2f(x[4 * n + 2] - nm1);
-      x[4 * n + 3] = exp2f(x[4 * n + 3] - nm1);
-      rs0 += x[4 * n] + x[4 * n + 1];
-      rs1 += x[4 * n + 2] + x[4 * n + 3];
-    }
-    l0 = l0 * al0 + rs0;
-    l1 = l1 * al1 + rs1;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      pn[i][0] = pack_bf16(x[8 * i], x[8 * i + 1]);
-      pn[i][1] = pack_bf16(x[8 * i + 2], x[8 * i + 3]);
-      pn[i][2] = pack_bf16(x[8 * i + 4], x[8 * i + 5]);
-      pn[i][3] = pack_bf16(x[8 * i + 6], x[8 * i + 7]);
-    }
-  };
-  // Once the row maxima stop growing the factors are exactly 1 and multiplying by them changes no
-  // bit, so a warp whose rows all kept their maxima skips the 128 multiplies.
-  auto rescale = [&](float al0, float al1) {
-    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        acc[4 * n] *= al0;
-        acc[4 * n + 1] *= al0;
-        acc[4 * n + 2] *= al1;
-        acc[4 * n + 3] *= al1;
-      }
-    }
-  };
-  auto fence_pa = [&]() {
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
-  };
-  // V columns [256 wg, +256) = column blocks 4 wg .. 4 wg + 3 (lbo apart), tokens 16 j .. 16 j + 15.
-  auto issue_pv = [&](int t) {
-    const uint32_t vtile = k_u32 + (t % NB) * kTileBytes + wg * 4 * (kN * 128);
-    wgmma_pv(acc, pa[0], make_desc(vtile, kN * 128, 1024));
-    wgmma_pv(acc, pa[1], make_desc(vtile + 16 * 128, kN * 128, 1024));
-    wgmma_commit();
-  };
-
-  load_tile(0, fetch_blk(0));
-  cp_async_commit();  // group 0: Q and tile 0
-  if (ntiles > 1) load_tile(1, fetch_blk(1));
-  cp_async_commit();  // group 1: tile 1 (maybe empty; every step commits one group)
-  int32_t next_blk = fetch_blk(2);
-  prepare.template operator()<1>(0);
-  issue_qk(0);
-  wgmma_wait<0>();
-  {
-    float al0, al1;
-    softmax(0, pa, al0, al1);  // the accumulators are still 0
-  }
-
-  {
-    // Tile t+1 is converted (or awaited) while the tensor cores run P.V(t).
-    for (int t = 0; t < ntiles; ++t) {
-      wgmma_fence();
-      issue_pv(t);
-      if (t + 2 < ntiles) load_tile(t + 2, next_blk);
-      cp_async_commit();
-      if (t + 1 < ntiles) {
-        prepare.template operator()<1>(t + 1);
-        issue_qk(t + 1);
-      }
-      next_blk = fetch_blk(t + 3);  // after the proxy fence, which would wait for this load
-      wgmma_wait<0>();
-      fence_regs(acc);
-      fence_pa();
-      if (t + 1 < ntiles) {
-        float al0, al1;
-        softmax(t + 1, pa, al0, al1);
-        rescale(al0, al1);
-      }
-    }
-  }
-
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
-  const int r0 = wl * 16 + g, r1 = r0 + 8;
-  const int col0 = wg * 256 + tq * 2;
-  if constexpr (SPLIT) {
-    const int64_t base = (static_cast<int64_t>(b) * p.splits + split) * p.heads + head0;
-    if (r0 < hb) {
-      float* o0 = p.part_o + (base + r0) * kMlaRank + col0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<float2*>(o0 + n * 8) = make_float2(acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
-      if (wg == 0 && tq == 0) p.part_lse[base + r0] = lse0;
-    }
-    if (r1 < hb) {
-      float* o1 = p.part_o + (base + r1) * kMlaRank + col0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<float2*>(o1 + n * 8) = make_float2(acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
-      if (wg == 0 && tq == 0) p.part_lse[base + r1] = lse1;
-    }
-  } else {
-    const int64_t base = static_cast<int64_t>(b) * p.heads + head0;
-    if (r0 < hb) {
-      uint16_t* o0 = p.o + (base + r0) * kMlaRank + col0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<uint32_t*>(o0 + n * 8) = pack_bf16(acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
-      if (wg == 0 && tq == 0) p.lse[base + r0] = lse0;
-    }
-    if (r1 < hb) {
-      uint16_t* o1 = p.o + (base + r1) * kMlaRank + col0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<uint32_t*>(o1 + n * 8) = pack_bf16(acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
-      if (wg == 0 && tq == 0) p.lse[base + r1] = lse1;
-    }
-  }
-#else
-  __trap();  // built without sm_90a: launch_wgmma is never chosen for such a build (see decode_mla.cu)
-#endif
-}
-
-template <int FMT, bool SPLIT>
-__global__ void __launch_bounds__(kWsThreads, 1) decode_mla_ws_kernel(const KParams p) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(FMT == kFmtBf16, "the fp8 caches run decode_mla_wgmma_kernel");
-  constexpr int NB = kWsStages;
-  extern __shared__ uint8_t smem_dyn[];
-  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
-  uint8_t* sQ = smem;
-  uint8_t* sK = sQ + kQBytes;
-  float4* sS = reinterpret_cast<float4*>(sK + NB * kTileBytes);  // two exchange buffers (by tile parity)
+  uint8_t* sRaw = sK + NB * kTileBytes;                          // fp8: raw stages
+  float4* sS = reinterpret_cast<float4*>(sRaw + NR * kN * RAW);  // two exchange buffers (by tile parity)
   const uint32_t bars = smem_u32(sS) + 2 * kSBytes;              // full[3], empty[3] mbarriers
   auto full_bar = [&](int i) { return bars + 8 * i; };
   auto empty_bar = [&](int i) { return bars + 24 + 8 * i; };
@@ -536,8 +231,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_ws_kernel(const KPar
   const int ntiles = (end - start + kN - 1) / kN;
 
   if (tid == 0) {
-    for (int i = 0; i < NB; ++i) {
-      mbar_init(full_bar(i), kProducerThreads);
+    for (int i = 0; i < (kBf ? NB : NR); ++i) {  // fp8: full/empty of the raw stages
+      mbar_init(full_bar(i), kBf ? kProducerThreads : 1);
       mbar_init(empty_bar(i), 8);  // lane 0 of each consumer warp
     }
     mbar_fence_init();
@@ -555,7 +250,26 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_ws_kernel(const KPar
       const int tok = start + t * kN + lane;
       return t < ntiles && tok < end ? table[tok / p.page] : 0;
     };
-    {
+    if constexpr (!kBf) {
+      // fp8: one warp issues a bulk copy per token of each raw tile; the math warpgroups convert.
+      if (warp == 8) {
+        int32_t blk = fetch_blk(0);
+        for (int t = 0; t < ntiles; ++t) {
+          const int32_t nblk = fetch_blk(t + 1);
+          if (t >= NR) mbar_wait(empty_bar(t % NRS), (t / NRS - 1) & 1);
+          const int tok0 = start + t * kN, nvalid = min(kN, end - tok0);
+          const uint32_t bar = full_bar(t % NRS);
+          if (lane == 0) mbar_expect_tx(bar, static_cast<uint32_t>(nvalid * RAW));
+          __syncwarp();
+          if (lane < nvalid)
+            bulk_g2s(smem_u32(sRaw + (t % NRS) * (kN * RAW) + lane * RAW),
+                     p.cache + static_cast<int64_t>(blk) * p.block_stride +
+                         static_cast<int64_t>((tok0 + lane) % p.page) * p.token_stride,
+                     RAW, bar);
+          blk = nblk;
+        }
+      }
+    } else {
       int32_t blk = fetch_blk(0);
       for (int t = 0; t <= ntiles; ++t) {
         if (t < ntiles) {
@@ -719,7 +433,58 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_ws_kernel(const KPar
     wgmma_commit();
   };
 
-  mbar_wait(full_bar(0), 0);
+  // fp8: raw tile t (landed by bulk copies) converted into bf16 buffer t % 2 by all 256 math
+  // threads, made visible to the async proxy, raw stage handed back. Rows past the end are zero.
+  auto convert_tile = [&](int t) {
+    mbar_wait(full_bar(t % NRS), (t / NRS) & 1);
+    const int nvalid = min(kN, end - (start + t * kN));
+    const uint8_t* raw = sRaw + (t % NRS) * (kN * RAW);
+    uint8_t* dst = sK + (t % NB) * kTileBytes;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    if constexpr (FMT == kFmtFp8) {
+      constexpr int CH = RAW / 16;
+      for (int c = tid; c < kN * CH; c += 256) {  // 36 raw chunks per row -> bf16 chunks 2c, 2c+1
+        const int r = c / CH, col = c % CH;
+        uint8_t* d0 = dst + swz<kN>(r, 2 * col);
+        uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
+        if (r < nvalid) {
+          convert16<false>(*reinterpret_cast<const uint4*>(raw + r * RAW + col * 16), 1.0f, d0, d1);
+        } else {
+          *reinterpret_cast<uint4*>(d0) = zero;
+          *reinterpret_cast<uint4*>(d1) = zero;
+        }
+      }
+    } else if constexpr (FMT == kFmtDs) {
+      constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
+      for (int c = tid; c < kN * kPer; c += 256) {
+        const int r = c / kPer, col = c % kPer;
+        const uint8_t* row = raw + r * RAW;
+        if (col < kMlaRank / 16) {
+          uint8_t* d0 = dst + swz<kN>(r, 2 * col);
+          uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
+          if (r < nvalid) {
+            const float sc = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
+            convert16<true>(*reinterpret_cast<const uint4*>(row + col * 16), sc, d0, d1);
+          } else {
+            *reinterpret_cast<uint4*>(d0) = zero;
+            *reinterpret_cast<uint4*>(d1) = zero;
+          }
+        } else {
+          const int rc = col - kMlaRank / 16;
+          *reinterpret_cast<uint4*>(dst + swz<kN>(r, kMlaRank * 2 / 16 + rc)) =
+              r < nvalid ? *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16) : zero;
+        }
+      }
+    }
+    fence_proxy_async();
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    if (lane == 0) mbar_arrive(empty_bar(t % NRS));
+  };
+
+  if constexpr (kBf)
+    mbar_wait(full_bar(0), 0);
+  else
+    convert_tile(0);
   issue_qk(0);
   wgmma_wait<0>();
   {
@@ -730,14 +495,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_ws_kernel(const KPar
     wgmma_fence();
     issue_pv(t);
     if (t + 1 < ntiles) {
-      mbar_wait(full_bar((t + 1) % NB), ((t + 1) / NB) & 1);
+      if constexpr (kBf)
+        mbar_wait(full_bar((t + 1) % NB), ((t + 1) / NB) & 1);
+      else
+        convert_tile(t + 1);  // while the tensor cores run P.V(t)
       issue_qk(t + 1);
     }
     wgmma_wait<0>();
     fence_regs(acc);
     fence_pa();
     __syncwarp();
-    if (lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
+    if (kBf && lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
     if (t + 1 < ntiles) {
       float al0, al1;
       softmax(t + 1, pa, al0, al1);
@@ -795,23 +563,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_ws_kernel(const KPar
 template <int FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
-  // Measured on an H200 at 128 heads: the producer warpgroup wins for the bf16 cache (281 vs 314
-  // us), whose tiles only need copying; for the fp8 caches its 128 threads convert too slowly
-  // (mla_fp8 399 vs 351 us, mla_fp8_ds 480 vs 402), so there all 256 threads convert between
-  // their own tensor-core steps.
-  if constexpr (FMT == kFmtBf16) {
-    constexpr int smem = ws_smem_bytes();
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(decode_mla_ws_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (attr != cudaSuccess) return attr;
-    decode_mla_ws_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
-  } else {
-    constexpr int smem = wg_smem_bytes<FMT>();
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(decode_mla_wgmma_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (attr != cudaSuccess) return attr;
-    decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kThreads, smem, stream>>>(k);
-  }
+  constexpr int smem = ws_smem_bytes<FMT>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(decode_mla_wgmma_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
