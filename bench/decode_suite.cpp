@@ -188,10 +188,11 @@ int run_decode(const Options& opts) {
       // DESIGN.md §8 targets (H200): bf16 100 / 135 us, fp8 caches 70 / 120 us at 16 / 128 heads.
       const double target_us = kind == FormatKind::kMlaBf16 ? (heads == 16 ? 100 : 135) : (heads == 16 ? 70 : 120);
       double t_flat = 0;
-      for (int run = 0; run < 4; ++run) {
-        // run 0: contiguous, 1: layer view (both with the auto loader and warp layout), 2:
-        // contiguous with the loader that auto did not pick, 3: contiguous with the warps per 16
-        // heads that auto did not pick (for comparison)
+      const double flops = 2.0 * kBatch * heads * kTokens * (kMlaDim + kMlaRank);
+      for (int run = 0; run < 3; ++run) {
+        // run 0: contiguous, 1: layer view (both with the auto path: tensor-core kernel, loader and
+        // warp layout), 2: contiguous with the tensor-core kernel that auto did not pick (for
+        // comparison, with its own auto knobs)
         const int cross = run == 1;
         DecodeMlaParams p;
         p.format = f;
@@ -211,10 +212,9 @@ int run_decode(const Options& opts) {
         p.workspace = d_work;
         p.workspace_bytes = work_bytes;
         p.loader = 0;
-        const int chosen = decode_mla_resolved_loader(p);
-        if (run == 2) p.loader = 3 - chosen;
+        if (run == 2) p.mma = 3 - decode_mla_resolved_mma(p);
+        const int mma = decode_mla_wgmma_available() ? decode_mla_resolved_mma(p) : 1;
         const int loader = decode_mla_resolved_loader(p);
-        if (run == 3) p.group_warps = 6 - decode_mla_resolved_group_warps(p);
         const int warps = decode_mla_resolved_group_warps(p);
         const Status v = validate_decode_mla(p);
         if (!v.ok()) {
@@ -236,17 +236,21 @@ int run_decode(const Options& opts) {
         if (run == 0) t_flat = us;
         Row r;
         r.name = f.name() + " h" + std::to_string(heads) + (cross ? " layer 3 of 8" : " contiguous") +
-                 (run == 2 ? (loader == 1 ? " bulk" : " cp.async") : "") +
-                 (run == 3 ? " " + std::to_string(warps) + " warps/16h" : "");
+                 (run == 2 ? (mma == 2 ? " wgmma" : " mma.sync") : "");
         r.value = us;
         r.unit = "us";
         r.limit = floor_us;
         r.limit_name = "KV bytes at D2D rate";
         r.higher_is_better = false;
         r.target = kv_bytes / kH200CopyRate * 1e6 / target_us;
-        char note[128];
-        std::snprintf(note, sizeof note, "%.0f GB/s, splits %d, %s, %d warps/16h, H200 target %.0f us",
-                      kv_bytes / us * 1e-3, splits, loader == 1 ? "bulk" : "cp.async", warps, target_us);
+        char note[192];
+        if (mma == 2)
+          std::snprintf(note, sizeof note, "%.0f GB/s, %.0f TFLOP/s, splits %d, wgmma, H200 target %.0f us",
+                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us);
+        else
+          std::snprintf(
+              note, sizeof note, "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync %s %d warps/16h, H200 target %.0f us",
+              kv_bytes / us * 1e-3, flops / us * 1e-6, splits, loader == 1 ? "bulk" : "cp.async", warps, target_us);
         r.note = note;
         report.add(r);
         if (cross) {

@@ -81,6 +81,7 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
   if (p.loader < 0 || p.loader > 2) return bad("loader = " + std::to_string(p.loader) + " is not 0, 1 or 2");
   if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4)
     return bad("group_warps = " + std::to_string(p.group_warps) + " is not 0, 2 or 4");
+  if (p.mma < 0 || p.mma > 2) return bad("mma = " + std::to_string(p.mma) + " is not 0, 1 or 2");
   if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
     return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
                std::to_string(kDecodeMlaMaxSplits) + "]");
@@ -190,11 +191,36 @@ int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
   return fp8 && p.heads <= 32 ? 4 : 2;
 }
 
+int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
+  if (p.mma == 1 || p.mma == 2) return p.mma;
+  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma vs mma.sync: 128 heads bf16 275 vs
+  // 412 us, mla_fp8 340 vs 475, mla_fp8_ds 381 vs 508; 16 heads (padded to 64 rows) bf16 144 vs
+  // 95, mla_fp8 176 vs 127, mla_fp8_ds 198 vs 142: wgmma where a CTA has 64 real heads.
+  return p.heads >= 64 ? 2 : 1;
+}
+
 int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   if (p.num_splits > 0) return p.num_splits;
   if (p.batch <= 0 || sm_count <= 0) return 1;
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
+  if (decode_mla_resolved_mma(p) == 2) {
+    // One CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange).
+    const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
+    const int64_t cap = std::clamp<int64_t>(max_tokens / 128, 1, kDecodeMlaMaxSplits);
+    int32_t best = 1;
+    double best_cost = 1e30;
+    for (int32_t s = 1; s <= cap; ++s) {
+      const int64_t ctas = static_cast<int64_t>(p.batch) * groups * s;
+      const double waves = static_cast<double>((ctas + sm_count - 1) / sm_count);
+      const double cost = waves / s + 0.01 * s;
+      if (cost < best_cost) {
+        best_cost = cost;
+        best = s;
+      }
+    }
+    return best;
+  }
   // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with two,
   // and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange of
   // NW * 2 KiB per 16 heads; 228 KiB per SM).

@@ -15,10 +15,16 @@
 
 #include <cmath>
 
+#include "decode_mla_internal.h"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry {
 namespace {
+
+using mla_detail::kFmtBf16;
+using mla_detail::kFmtDs;
+using mla_detail::kFmtFp8;
+using mla_detail::KParams;
 
 constexpr int kTileN = 32;                      // tokens per K tile
 constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
@@ -30,8 +36,6 @@ template <int NW>
 constexpr int group_s_bytes() {
   return NW * 4 * 32 * 16;
 }
-
-enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
 
 template <int FMT>
 struct Fmt;
@@ -46,25 +50,6 @@ struct Fmt<kFmtFp8> {
 template <>
 struct Fmt<kFmtDs> {
   static constexpr int kRaw = kMlaDsBytes;
-};
-
-struct KParams {
-  const uint8_t* cache;  // region base + view offset
-  int64_t block_stride;  // bytes
-  int64_t token_stride;  // bytes
-  int32_t page;
-  const uint16_t* q;
-  const int32_t* table;
-  int64_t table_stride;
-  const int32_t* seq_lens;
-  int32_t heads;
-  int32_t splits;
-  float scale_log2;  // sm_scale * k_scale * log2(e)
-  float vscale;      // k_scale for mla_fp8, else 1
-  uint16_t* o;
-  float* lse;
-  float* part_o;    // [batch, splits, heads, 512]
-  float* part_lse;  // [batch, splits, heads]
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -578,7 +563,26 @@ cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, int nw, cudaStrea
   return nw == 4 ? launch_nw<FMT, 4>(k, batch, bulk, stream) : launch_nw<FMT, 2>(k, batch, bulk, stream);
 }
 
+// The wgmma kernel exists only in sm_90a code (KVFERRY_MLA_WGMMA, set by kernels/decode_mla.cmake
+// when CMAKE_CUDA_ARCHITECTURES lists 90a) and runs only on a device of compute capability 9.0.
+bool wgmma_available() {
+#if defined(KVFERRY_MLA_WGMMA)
+  static const bool ok = [] {
+    int dev = 0, major = 0, minor = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess && major == 9 &&
+           minor == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+bool decode_mla_wgmma_available() { return wgmma_available(); }
 
 int32_t decode_mla_splits(const DecodeMlaParams& p) {
   if (p.num_splits > 0) return p.num_splits;
@@ -624,12 +628,24 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   const bool bulk = decode_mla_resolved_loader(p) == 1;
   if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4) return cudaErrorInvalidValue;
   const int nw = decode_mla_resolved_group_warps(p);
+  if (p.mma < 0 || p.mma > 2) return cudaErrorInvalidValue;
+  const int fmt = p.format.kind == FormatKind::kMlaBf16    ? kFmtBf16
+                  : p.format.kind == FormatKind::kMlaFp8   ? kFmtFp8
+                  : p.format.kind == FormatKind::kMlaFp8Ds ? kFmtDs
+                                                           : -1;
+  if (fmt < 0) return cudaErrorInvalidValue;
   cudaError_t err;
-  switch (p.format.kind) {
-    case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, nw, stream); break;
-    case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, nw, stream); break;
-    case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, nw, stream); break;
-    default: return cudaErrorInvalidValue;
+  const int mma = p.mma == 0 && !wgmma_available() ? 1 : decode_mla_resolved_mma(p);
+  if (mma == 2) {
+    if (!wgmma_available()) return cudaErrorInvalidDeviceFunction;
+    err = mla_detail::launch_wgmma(k, fmt, p.batch, stream);
+  } else {
+    switch (p.format.kind) {
+      case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, nw, stream); break;
+      case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, nw, stream); break;
+      case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, nw, stream); break;
+      default: return cudaErrorInvalidValue;
+    }
   }
   if (err != cudaSuccess || splits == 1) return err;
   decode_mla_merge<<<static_cast<unsigned>(p.batch) * p.heads, 128, 0, stream>>>(k);

@@ -1,7 +1,7 @@
-// launch_decode_mla on a GPU: against the CPU twin (relative L2 error <= 1e-2), a per-layer view of
-// block-major buffers of 3 and 61 layers bit-identical to a contiguous cache, an mla_fp8 cache and
-// the same cache requantized to mla_fp8_ds (scales 1.0) bit-identical, outputs poisoned before
-// each run and checked fully written. Inputs are fresh random each run (the seed is printed).
+// launch_decode_mla on a GPU (both tensor-core paths, mma.sync and wgmma): against the CPU twin (relative L2 error <=
+// 1e-2), a per-layer view of block-major buffers of 3 and 61 layers bit-identical to a contiguous cache, an mla_fp8
+// cache and the same cache requantized to mla_fp8_ds (scales 1.0) bit-identical, outputs poisoned before each run and
+// checked fully written. Inputs are fresh random each run (the seed is printed).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -46,9 +46,10 @@ struct Out {
 };
 
 // Runs the GPU kernel on the case with `splits` (0 = auto), K-tile `loader` (0 auto, 1 bulk
-// copies, 2 cp.async) and `group_warps` (0 auto, 2, 4); poisons o and lse first and fails the test when anything was
-// left unwritten (a NaN remains).
-void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_warps = 0) {
+// copies, 2 cp.async), `group_warps` (0 auto, 2, 4) and tensor-core path `mma` (0 auto, 1
+// mma.sync, 2 wgmma); poisons o and lse first and fails the test when anything was left unwritten
+// (a NaN remains).
+void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_warps = 0, int mma = 1) {
   const size_t no = static_cast<size_t>(c.batch()) * c.heads * kMlaRank, nl = static_cast<size_t>(c.batch()) * c.heads;
   DevBuf region(c.region.size()), q(c.q.size() * 2), table(c.table.size() * 4), lens(c.lens.size() * 4), o(no * 2),
       lse(nl * 4);
@@ -67,6 +68,7 @@ void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_w
   p.num_splits = splits;
   p.loader = loader;
   p.group_warps = group_warps;
+  p.mma = mma;
   const Status v = validate_decode_mla(p);
   ASSERT_TRUE(v.ok()) << v.to_string();
   const size_t ws = decode_mla_workspace_bytes(p.batch, p.heads, decode_mla_splits(p));
@@ -118,13 +120,23 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
   c.build();
   Out ref;
   run_cpu(c, &ref);
-  for (int run = 0; run < 18; ++run) {
-    // Every (splits, loader) pair with both warp layouts.
-    const int splits = run % 3 == 0 ? 1 : run % 3 == 1 ? 0 : 7, loader = run / 3 % 3, warps = run < 9 ? 2 : 4;
+  for (int run = 0; run < 22; ++run) {
+    // mma.sync: every (splits, loader) pair with both warp layouts; then wgmma with each splits
+    // choice, and the auto path.
+    const int splits = run % 3 == 0   ? 1
+                       : run % 3 == 1 ? 0
+                                      : 7,
+              loader = run < 18 ? run / 3 % 3 : 0,
+              warps = run < 9    ? 2
+                      : run < 18 ? 4
+                                 : 0,
+              mma = run < 18   ? 1
+                    : run < 21 ? 2
+                               : 0;
     SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader) + " group_warps " +
-                 std::to_string(warps));
+                 std::to_string(warps) + " mma " + std::to_string(mma));
     Out got;
-    run_gpu(c, splits, &got, loader, warps);
+    run_gpu(c, splits, &got, loader, warps, mma);
     if (HasFatalFailure()) return;
     for (int b = 0; b < c.batch(); ++b) {
       double num = 0, den = 0;
@@ -161,7 +173,8 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   for (int fmt : {0, 1, 2}) {
     for (int heads : {16, 128}) {
-      for (int warps : {2, 4}) {
+      for (int warps : {2, 4, 0}) {  // 0: the wgmma kernel (group_warps does not apply)
+        const int mma = warps == 0 ? 2 : 1;
         MlaCase flat;
         flat.format = format_of(fmt);
         flat.heads = heads;
@@ -170,8 +183,8 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
         flat.seed = seed + fmt;
         flat.build();
         Out a, a1;
-        run_gpu(flat, 0, &a, 1, warps);
-        run_gpu(flat, 0, &a1, 2, warps);
+        run_gpu(flat, 0, &a, 1, warps, mma);
+        run_gpu(flat, 0, &a1, 2, warps, mma);
         if (HasFatalFailure()) return;
         // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
         expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
@@ -183,11 +196,11 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
             v.build();
             ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
             Out b;
-            run_gpu(v, 0, &b, layers == 61 ? 2 : 1, warps);
+            run_gpu(v, 0, &b, layers == 61 ? 2 : 1, warps, mma);
             if (HasFatalFailure()) return;
             const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
                                      std::to_string(layer) + " of " + std::to_string(layers) + " group_warps " +
-                                     std::to_string(warps);
+                                     std::to_string(warps) + " mma " + std::to_string(mma);
             expect_bit_identical(a, b, what.c_str());
           }
         }
@@ -235,16 +248,22 @@ TEST(DecodeMlaGpuFormats, Fp8AndRequantizedDsBitIdentical) {
       c.build();
       const MlaCase d = requantize_to_ds(c);
       for (int splits : {0, 1, 5}) {
-        Out a, b, a1, b1;
+        Out a, b, a1, b1, w, wd, au, aud;
         run_gpu(c, splits, &a, 1);
         run_gpu(d, splits, &b, 1);
         run_gpu(c, splits, &a1, 2);
         run_gpu(d, splits, &b1, 2);
+        run_gpu(c, splits, &w, 0, 0, 2);
+        run_gpu(d, splits, &wd, 0, 0, 2);
+        run_gpu(c, splits, &au, 0, 0, 0);
+        run_gpu(d, splits, &aud, 0, 0, 0);
         if (HasFatalFailure()) return;
         const std::string what = "heads " + std::to_string(heads) + " splits " + std::to_string(splits);
         expect_bit_identical(a, b, what.c_str());
         expect_bit_identical(a1, b1, (what + " cp.async loader").c_str());
         expect_bit_identical(a, a1, (what + " loaders").c_str());
+        expect_bit_identical(w, wd, (what + " wgmma").c_str());
+        expect_bit_identical(au, aud, (what + " auto path").c_str());
       }
     }
   }

@@ -219,6 +219,11 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   }
   {
     DecodeMlaParams x = p;
+    x.mma = 3;
+    expect_error(x, "mma");
+  }
+  {
+    DecodeMlaParams x = p;
     x.region_bytes -= 16;
     expect_error(x, "region");
   }
@@ -256,6 +261,39 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
     x.cache.sizes[0] = 1;
     expect_error(x, "16-byte");
   }
+}
+
+TEST(DecodeMlaPath, AutoPicksWgmmaForSixtyFourHeadCtasOnly) {
+  DecodeMlaParams p;
+  for (EntryFormat f : {EntryFormat::mla_bf16(), EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds()}) {
+    p.format = f;
+    for (int heads : {16, 32, 64, 128}) {
+      p.heads = heads;
+      p.mma = 0;
+      EXPECT_EQ(heads >= 64 ? 2 : 1, decode_mla_resolved_mma(p)) << f.name() << " heads " << heads;
+      p.mma = 1;
+      EXPECT_EQ(1, decode_mla_resolved_mma(p));
+      p.mma = 2;
+      EXPECT_EQ(2, decode_mla_resolved_mma(p));
+    }
+  }
+}
+
+TEST(DecodeMlaPath, WgmmaSplitsFillOneCtaPerSm) {
+  MlaCase c;
+  c.heads = 128;
+  c.page = 64;
+  c.lens = {64};
+  c.build();
+  std::vector<uint16_t> o(1);
+  std::vector<float> lse(1);
+  DecodeMlaParams p = c.params(o.data(), lse.data());
+  p.batch = 64;
+  p.block_table_stride = 4096 / 64;  // auto splits only look at the longest possible request
+  // 64 requests x 2 head groups = 128 CTAs: one wave on 132 SMs, no split needed.
+  EXPECT_EQ(1, decode_mla_auto_splits(p, 132));
+  p.heads = 64;  // 64 CTAs: two splits fill the machine
+  EXPECT_EQ(2, decode_mla_auto_splits(p, 132));
 }
 
 }  // namespace

@@ -25,14 +25,26 @@
 // first ceil(seq_lens[b] / page) entries of row b are read; seq_lens [batch] int32.
 // heads is one of 16, 32, 64, 128; any page size >= 1 (16, 32 and 64 are the tested ones).
 //
-// The GPU splits every request's tokens into num_splits chunks (split-KV), one CTA per (request,
-// split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
-// copies or cp.async, double-buffered) for all its heads; 2 or 4 warps share 16 heads, splitting
-// the QK depth (partial S tiles added in a fixed order) and the output columns; Q K^T and P V run
-// on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation) with an online softmax, and a
-// second kernel merges the splits' (o, lse) pairs. At 128 heads two CTAs (64 heads each, adjacent in the grid so the
-// second read of a tile is an L2 hit) share each tile: one CTA cannot hold the fp32 accumulators
-// of 128 heads x 512 columns (256 KiB, an SM's whole register file). The CPU twin computes in float64.
+// The GPU splits every request's tokens into num_splits chunks (split-KV) and runs one of two
+// split kernels (DecodeMlaParams::mma), then a second kernel that merges the splits' (o, lse)
+// pairs. Both compute in fp32 with an online softmax and bf16 tensor-core operands (fp8 caches are
+// converted to exact bf16 in shared memory, once per CTA for all its heads):
+//  - wgmma (Hopper, sm_90a; chosen at >= 64 heads): one CTA per (request, split, 64 heads) with
+//    two math warpgroups. Q stays in shared memory; each 32-token K tile is brought in once in
+//    the 128-byte-swizzled layout that serves both as the K-major operand of Q K^T and as the
+//    transposed V operand of P V. A third, producer warpgroup feeds the tiles (mbarrier
+//    hand-over): a bf16 cache by cp.async straight into that layout, fp8 caches by bulk copies
+//    of the raw rows, which the math warpgroups convert while the tensor cores run the previous
+//    tile. Warpgroup w computes the partial S over half of the 576 depth (m64n32k16), the two
+//    halves are exchanged through shared memory and added (in either order the same bits), and
+//    it owns 256 output columns (m64n256k16, P from registers). At 128 heads two CTAs (adjacent
+//    in the grid, so the second read of a tile is an L2 hit) share each tile: the fp32
+//    accumulators of 128 heads x 512 columns (256 KiB) exceed an SM's registers.
+//  - mma.sync (m16n8k16; chosen at <= 32 heads, where it measured faster): one CTA per (request,
+//    split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
+//    copies or cp.async, double-buffered) for all its heads; 2 or 4 warps share 16 heads,
+//    splitting the QK depth (partial S tiles added in a fixed order) and the output columns.
+// The CPU twin computes in float64.
 #include <cstddef>
 #include <cstdint>
 
@@ -79,6 +91,12 @@ struct DecodeMlaParams {
   /// more threads share it), 2 otherwise. Both give results within the same bounds; a call's
   /// choice is deterministic (bit-identical reruns, layer views and fp8 vs fp8_ds).
   int32_t group_warps = 0;
+  /// Tensor-core path: 1 = the mma.sync kernel (any head count up to 64 per CTA, the knobs above
+  /// apply), 2 = the Hopper wgmma kernel (64 heads per CTA, fewer padded; needs sm_90a code and a
+  /// compute capability 9.0 device; loader and group_warps are ignored), 0 = auto: wgmma where it
+  /// measured faster on an H200 (see decode_mla_resolved_mma), falling back to 1 where it is not
+  /// available. A call's choice is deterministic; both paths keep the bit-identity promises.
+  int32_t mma = 0;
 };
 
 constexpr int kDecodeMlaMaxSplits = 64;
@@ -105,11 +123,18 @@ int32_t decode_mla_resolved_loader(const DecodeMlaParams& p);
 /// The warps per 16 heads (2 or 4) a launch with `p` uses.
 int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p);
 
+/// The tensor-core path (1 mma.sync, 2 wgmma) an auto or explicit `p.mma` selects on a device
+/// where wgmma is available.
+int32_t decode_mla_resolved_mma(const DecodeMlaParams& p);
+
 /// The number of splits an auto (num_splits == 0) launch uses on a device with `sm_count` SMs,
 /// given the longest possible request (block_table_stride * page tokens).
 int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count);
 
 #if defined(KVFERRY_WITH_CUDA)
+/// Whether this build and the current device run the wgmma kernel (sm_90a code, compute 9.0).
+bool decode_mla_wgmma_available();
+
 /// Resolves p.num_splits (auto -> decode_mla_auto_splits on the current device).
 int32_t decode_mla_splits(const DecodeMlaParams& p);
 

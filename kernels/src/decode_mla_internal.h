@@ -1,0 +1,37 @@
+#pragma once
+// What the two CUDA translation units of the MLA decode share: the kernels' parameter block and the
+// entry point of the Hopper (wgmma) split kernel. Private to kernels/src.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kvferry::mla_detail {
+
+enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
+
+struct KParams {
+  const uint8_t* cache;  // region base + view offset
+  int64_t block_stride;  // bytes
+  int64_t token_stride;  // bytes
+  int32_t page;
+  const uint16_t* q;
+  const int32_t* table;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  int32_t heads;
+  int32_t splits;
+  float scale_log2;  // sm_scale * k_scale * log2(e)
+  float vscale;      // k_scale for mla_fp8, else 1
+  uint16_t* o;
+  float* lse;
+  float* part_o;    // [batch, splits, heads, 512]
+  float* part_lse;  // [batch, splits, heads]
+};
+
+/// Launches the wgmma split kernel (one CTA of two warpgroups per request, split and 64 heads;
+/// fewer heads are padded to 64 rows) for cache format `fmt`. Writes o/lse with one split, the
+/// fp32 partials otherwise (the caller merges). Needs a device of compute capability 9.0 and code
+/// built for sm_90a.
+cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream);
+
+}  // namespace kvferry::mla_detail

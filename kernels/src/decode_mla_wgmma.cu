@@ -1,0 +1,590 @@
+// Hopper MLA decode split kernels (contract in decode_mla.h): warpgroup MMA (wgmma, sm_90a).
+//
+// One CTA per (64 heads, split, request); fewer heads are padded to 64 rows (zero Q rows, never
+// written out). Two consumer warpgroups do the math; Q (64 x 576 bf16) stays in shared memory and
+// every 32-token K tile is brought in once for all 64 heads. Tiles and Q are stored as nine column
+// blocks of 64 values, 128-byte rows with the 128-byte swizzle, so the same bytes are the K-major B
+// operand of S = Q K^T and the N-major (transposed) B operand of O = P V.
+//   S:  warpgroup w computes the partial S over depth [288 w, +288) (18 x m64n32k16, A = Q and B
+//       = K from shared memory); the two partials are exchanged through shared memory and added
+//       (a + b == b + a, so both warpgroups hold the same S bits).
+//   P.V: both run the same online softmax; warpgroup w owns output columns [256 w, +256): 2 x
+//       m64n256k16 with P as the register A operand (the S accumulator layout is the A fragment
+//       layout) and 128 fp32 accumulators per thread.
+// The P.V of tile t is in flight while tile t+1 is awaited (or converted) and its S issued.
+// A third, producer warpgroup (56 registers via setmaxnreg; the math warpgroups get 224) feeds the
+// tiles through full/empty mbarriers, so no math thread spends issue slots or stalls on loads:
+//  - bf16 cache: it copies each tile with cp.async straight into the swizzled layout (three
+//    stages, one tile ahead of the one it publishes).
+//  - fp8 caches: one producer warp lands the raw rows by bulk copies (one per token, two raw
+//    stages); the 256 math threads convert a tile to bf16 (exact for e4m3; mla_fp8_ds multiplies
+//    by its tile scale in fp32 and rounds once) while the tensor cores run the previous tile's P.V.
+//    The producer converting alone measured slower (its 128 threads are too few).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "decode_mla_internal.h"
+#include "kvferry/kernels/decode_mla.h"
+
+namespace kvferry::mla_detail {
+namespace {
+
+constexpr int kN = 32;                        // tokens per K tile
+constexpr int kM = 64;                        // head rows per CTA (the wgmma M)
+constexpr int kChunks = kMlaDim * 2 / 16;     // 16-byte chunks of a bf16 row (72)
+constexpr int kCb = kMlaDim / 64;             // column blocks of 64 bf16 = one 128-byte row (9)
+constexpr int kQBytes = kCb * kM * 128;       // 73728
+constexpr int kTileBytes = kCb * kN * 128;    // 36864
+constexpr int kSBytes = 2 * 4 * 4 * 32 * 16;  // S partials: [warpgroup][warp][n8 tile][lane] float4
+constexpr int kQkSteps = kMlaDim / 16 / 2;    // k16 steps of S per warpgroup (18)
+
+// Two math warpgroups and a producer warpgroup. Shared memory: Q, bf16 tile stages (three for a
+// bf16 cache; two for fp8 caches, plus two raw stages), two S exchange buffers, six mbarriers
+// (200-221 KiB: one CTA per SM).
+constexpr int kProducerThreads = 128;
+constexpr int kWsThreads = 2 * 128 + kProducerThreads;
+constexpr int kWsStages = 3;
+template <int FMT>
+constexpr int entry_bytes() {
+  return FMT == kFmtBf16 ? kMlaBf16Bytes : FMT == kFmtFp8 ? kMlaFp8Bytes : kMlaDsBytes;
+}
+template <int FMT>
+constexpr int ws_smem_bytes() {
+  return FMT == kFmtBf16 ? 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 64
+                         : 1024 + kQBytes + 2 * kTileBytes + 2 * kN * entry_bytes<FMT>() + 2 * kSBytes + 64;
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Generic-proxy writes (cp.async, st.shared) become visible to the tensor cores' async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Byte offset of 16-byte chunk `c` (0..71) of row `r` in a [rows x 576] bf16 tile stored as nine
+// column blocks of [rows x 128 B] with the 128-byte swizzle (chunk c%8 of a row lands at (c%8) ^ (r%8)).
+template <int ROWS>
+__device__ __forceinline__ uint32_t swz(int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle. K-major operands: rows 128 B apart,
+// 8-row groups `sbo` apart (lbo unused). N-major: 64-element column blocks `lbo` apart, 8-row (k)
+// groups `sbo` apart.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// One bulk copy (the TMA engine) of `bytes` completing on mbarrier `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// d (64 x 32 fp32) = [d +] A (64 x 16, K-major smem) * B (32 x 16, K-major smem)^T.
+__device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(da), "l"(db), "r"(accumulate));
+}
+
+#define KF_F8(x, i)                                                                                               \
+  "+f"(x[i + 0]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3]), "+f"(x[i + 4]), "+f"(x[i + 5]), "+f"(x[i + 6]), \
+      "+f"(x[i + 7])
+#define KF_F32(x, i) KF_F8(x, i), KF_F8(x, i + 8), KF_F8(x, i + 16), KF_F8(x, i + 24)
+
+// d (64 x 256 fp32) += A (64 x 16 bf16, registers) * B (16 x 256, N-major smem).
+__device__ __forceinline__ void wgmma_pv(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,"
+      "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,"
+      "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"
+      "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
+      "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127},"
+      " {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
+      : KF_F32(d, 0), KF_F32(d, 32), KF_F32(d, 64), KF_F32(d, 96)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+}
+#undef KF_F32
+#undef KF_F8
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 16 e4m3 bytes -> 16 bf16 (times `s` when SCALED, rounded once from fp32), two 16-byte stores.
+// mla_fp8 skips the multiply: a product by 1 is exact, so mla_fp8 and mla_fp8_ds with unit scales
+// fill the tile with the same bits.
+template <bool SCALED>
+__device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0, uint8_t* d1) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw hr =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(__half2(hr));
+      out[2 * i + h] = SCALED ? pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s)) : pack_bf16(f.x, f.y);
+    }
+  }
+  *reinterpret_cast<uint4*>(d0) = make_uint4(out[0], out[1], out[2], out[3]);
+  *reinterpret_cast<uint4*>(d1) = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+template <int FMT, bool SPLIT>
+__global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const KParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool kBf = FMT == kFmtBf16;
+  constexpr int NB = kBf ? kWsStages : 2, NR = kBf ? 0 : 2, RAW = entry_bytes<FMT>();
+  constexpr int NRS = NR > 0 ? NR : 1;  // raw stages as a divisor (unused for bf16)
+  extern __shared__ uint8_t smem_dyn[];
+  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
+  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* sQ = smem;
+  uint8_t* sK = sQ + kQBytes;
+  uint8_t* sRaw = sK + NB * kTileBytes;                          // fp8: raw stages
+  float4* sS = reinterpret_cast<float4*>(sRaw + NR * kN * RAW);  // two exchange buffers (by tile parity)
+  const uint32_t bars = smem_u32(sS) + 2 * kSBytes;              // full[3], empty[3] mbarriers
+  auto full_bar = [&](int i) { return bars + 8 * i; };
+  auto empty_bar = [&](int i) { return bars + 24 + 8 * i; };
+
+  const int hb = min(p.heads, kM);
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, tq = lane & 3;
+  const int len = p.seq_lens[b];
+  const int chunk = ((len + p.splits - 1) / p.splits + kN - 1) / kN * kN;
+  const int start = split * chunk;
+  const int end = min(len, start + chunk);
+  const int head0 = hg * hb;
+
+  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
+    for (int i = tid; i < hb; i += kWsThreads) {
+      if (SPLIT)
+        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
+      else
+        p.lse[static_cast<int64_t>(b) * p.heads + head0 + i] = -INFINITY;
+    }
+    if (!SPLIT)
+      for (int i = tid; i < hb * kMlaRank / 8; i += kWsThreads)
+        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
+            make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int ntiles = (end - start + kN - 1) / kN;
+
+  if (tid == 0) {
+    for (int i = 0; i < (kBf ? NB : NR); ++i) {  // fp8: full/empty of the raw stages
+      mbar_init(full_bar(i), kBf ? kProducerThreads : 1);
+      mbar_init(empty_bar(i), 8);  // lane 0 of each consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (warp >= 8) {
+    // Producer warpgroup: copies every tile into its stage (cp.async straight into the swizzled
+    // layout, one tile ahead of the one it publishes), then signals full[]; waits on empty[]
+    // before reusing a stage. It needs few registers, so the consumers get more.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const int ptid = tid - 2 * 128;
+    const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+    auto fetch_blk = [&](int t) -> int32_t {
+      const int tok = start + t * kN + lane;
+      return t < ntiles && tok < end ? table[tok / p.page] : 0;
+    };
+    if constexpr (!kBf) {
+      // fp8: one warp issues a bulk copy per token of each raw tile; the math warpgroups convert.
+      if (warp == 8) {
+        int32_t blk = fetch_blk(0);
+        for (int t = 0; t < ntiles; ++t) {
+          const int32_t nblk = fetch_blk(t + 1);
+          if (t >= NR) mbar_wait(empty_bar(t % NRS), (t / NRS - 1) & 1);
+          const int tok0 = start + t * kN, nvalid = min(kN, end - tok0);
+          const uint32_t bar = full_bar(t % NRS);
+          if (lane == 0) mbar_expect_tx(bar, static_cast<uint32_t>(nvalid * RAW));
+          __syncwarp();
+          if (lane < nvalid)
+            bulk_g2s(smem_u32(sRaw + (t % NRS) * (kN * RAW) + lane * RAW),
+                     p.cache + static_cast<int64_t>(blk) * p.block_stride +
+                         static_cast<int64_t>((tok0 + lane) % p.page) * p.token_stride,
+                     RAW, bar);
+          blk = nblk;
+        }
+      }
+    } else {
+      int32_t blk = fetch_blk(0);
+      for (int t = 0; t <= ntiles; ++t) {
+        if (t < ntiles) {
+          const int32_t nblk = fetch_blk(t + 1);
+          if (t >= NB) mbar_wait(empty_bar(t % NB), (t / NB - 1) & 1);
+          const int tok = start + t * kN + lane;
+          const uint8_t* rb = nullptr;
+          if (tok < end)
+            rb = p.cache + static_cast<int64_t>(blk) * p.block_stride +
+                 static_cast<int64_t>(tok % p.page) * p.token_stride;
+          const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
+          const uint32_t dst = smem_u32(sK + (t % NB) * kTileBytes);
+#pragma unroll 6
+          for (int i = 0; i < kN * kChunks / kProducerThreads; ++i) {  // 18, exact
+            const int c = ptid + i * kProducerThreads;
+            const int r = c / kChunks, col = c % kChunks;
+            const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, r));
+            // Rows past the end are zero-filled: V is multiplied by p = 0, which would keep a NaN.
+            cp_async16(dst + swz<kN>(r, col), src ? src + col * 16 : p.cache, src ? 16 : 0);
+          }
+          blk = nblk;
+        }
+        cp_async_commit();
+        if (t >= 1) {  // tile t-1 landed: publish it
+          cp_async_wait<1>();
+          fence_proxy_async();
+          mbar_arrive(full_bar((t - 1) % NB));
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumer warpgroups 0 and 1.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  {  // Q rows of this head group, swizzled; rows past the heads are zero
+    const uint8_t* qsrc = reinterpret_cast<const uint8_t*>(p.q + (static_cast<int64_t>(b) * p.heads + head0) * kMlaDim);
+    const uint32_t q_u32 = smem_u32(sQ);
+    for (int c = tid; c < kM * kChunks; c += 2 * 128) {
+      const int r = c / kChunks, col = c % kChunks;
+      cp_async16(q_u32 + swz<kM>(r, col), r < hb ? qsrc + r * (kMlaDim * 2) + col * 16 : qsrc, r < hb ? 16 : 0);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+  }
+
+  const uint32_t q_u32 = smem_u32(sQ), k_u32 = smem_u32(sK);
+  float s[16];
+  // Issues S(t) (partial over this warpgroup's half of the depth) into s.
+  auto issue_qk = [&](int t) {
+    const uint32_t tile = k_u32 + (t % NB) * kTileBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kQkSteps; ++kk) {
+      const int ks = wg * kQkSteps + kk;
+      const uint32_t off = (ks & 3) * 32;  // k16 step inside the 128-byte row
+      wgmma_qk(s, make_desc(q_u32 + (ks >> 2) * (kM * 128) + off, 16, 1024),
+               make_desc(tile + (ks >> 2) * (kN * 128) + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+  };
+
+  float acc[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
+  uint32_t pa[2][4];
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  float4* s_mine = sS + (wg * 4 + wl) * 4 * 32 + lane;
+  const float4* s_other = sS + ((1 - wg) * 4 + wl) * 4 * 32 + lane;
+  constexpr int kSPar = kSBytes / 16;  // float4s of one exchange buffer
+
+  // After S(t) completed: full S from the two partials, online softmax (log2 domain; rows g and g+8
+  // of this warp's 16), P(t) into the A fragments `pn`; returns the factors the accumulators must
+  // be scaled by once P.V(t-1) has completed.
+  auto softmax = [&](int t, uint32_t(&pn)[2][4], float& al0, float& al1) {
+    // The S accumulators are only read here (copied after the wait by volatile moves that cannot be
+    // hoisted above it): an ordinary write to them while P.V(t-1) is in flight would make the
+    // compiler serialize every wgmma.
+    float x[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+      s_mine[(t & 1) * kSPar + n * 32] = make_float4(x[4 * n], x[4 * n + 1], x[4 * n + 2], x[4 * n + 3]);
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");  // the consumers only
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const float4 u = s_other[(t & 1) * kSPar + n * 32];
+      x[4 * n] += u.x;
+      x[4 * n + 1] += u.y;
+      x[4 * n + 2] += u.z;
+      x[4 * n + 3] += u.w;
+    }
+    const int tok0 = start + t * kN;
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = tok0 + n * 8 + tq * 2 + (e & 1);
+        x[4 * n + e] = tok < end ? x[4 * n + e] * p.scale_log2 : -INFINITY;
+      }
+      mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
+      mx1 = fmaxf(mx1, fmaxf(x[4 * n + 2], x[4 * n + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float nm0 = fmaxf(m0, mx0), nm1 = fmaxf(m1, mx1);  // finite: every tile has a valid token
+    al0 = exp2f(m0 - nm0);
+    al1 = exp2f(m1 - nm1);
+    m0 = nm0;
+    m1 = nm1;
+    float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      x[4 * n] = exp2f(x[4 * n] - nm0);
+      x[4 * n + 1] = exp2f(x[4 * n + 1] - nm0);
+      x[4 * n + 2] = exp2f(x[4 * n + 2] - nm1);
+      x[4 * n + 3] = exp2f(x[4 * n + 3] - nm1);
+      rs0 += x[4 * n] + x[4 * n + 1];
+      rs1 += x[4 * n + 2] + x[4 * n + 3];
+    }
+    l0 = l0 * al0 + rs0;
+    l1 = l1 * al1 + rs1;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      pn[i][0] = pack_bf16(x[8 * i], x[8 * i + 1]);
+      pn[i][1] = pack_bf16(x[8 * i + 2], x[8 * i + 3]);
+      pn[i][2] = pack_bf16(x[8 * i + 4], x[8 * i + 5]);
+      pn[i][3] = pack_bf16(x[8 * i + 6], x[8 * i + 7]);
+    }
+  };
+  // Once the row maxima stop growing the factors are exactly 1 and multiplying by them changes no
+  // bit, so a warp whose rows all kept their maxima skips the 128 multiplies.
+  auto rescale = [&](float al0, float al1) {
+    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        acc[4 * n] *= al0;
+        acc[4 * n + 1] *= al0;
+        acc[4 * n + 2] *= al1;
+        acc[4 * n + 3] *= al1;
+      }
+    }
+  };
+  auto fence_pa = [&]() {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
+  };
+  // V columns [256 wg, +256) = column blocks 4 wg .. 4 wg + 3 (lbo apart), tokens 16 j .. 16 j + 15.
+  auto issue_pv = [&](int t) {
+    const uint32_t vtile = k_u32 + (t % NB) * kTileBytes + wg * 4 * (kN * 128);
+    wgmma_pv(acc, pa[0], make_desc(vtile, kN * 128, 1024));
+    wgmma_pv(acc, pa[1], make_desc(vtile + 16 * 128, kN * 128, 1024));
+    wgmma_commit();
+  };
+
+  // fp8: raw tile t (landed by bulk copies) converted into bf16 buffer t % 2 by all 256 math
+  // threads, made visible to the async proxy, raw stage handed back. Rows past the end are zero.
+  auto convert_tile = [&](int t) {
+    mbar_wait(full_bar(t % NRS), (t / NRS) & 1);
+    const int nvalid = min(kN, end - (start + t * kN));
+    const uint8_t* raw = sRaw + (t % NRS) * (kN * RAW);
+    uint8_t* dst = sK + (t % NB) * kTileBytes;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    if constexpr (FMT == kFmtFp8) {
+      constexpr int CH = RAW / 16;
+      for (int c = tid; c < kN * CH; c += 256) {  // 36 raw chunks per row -> bf16 chunks 2c, 2c+1
+        const int r = c / CH, col = c % CH;
+        uint8_t* d0 = dst + swz<kN>(r, 2 * col);
+        uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
+        if (r < nvalid) {
+          convert16<false>(*reinterpret_cast<const uint4*>(raw + r * RAW + col * 16), 1.0f, d0, d1);
+        } else {
+          *reinterpret_cast<uint4*>(d0) = zero;
+          *reinterpret_cast<uint4*>(d1) = zero;
+        }
+      }
+    } else if constexpr (FMT == kFmtDs) {
+      constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
+      for (int c = tid; c < kN * kPer; c += 256) {
+        const int r = c / kPer, col = c % kPer;
+        const uint8_t* row = raw + r * RAW;
+        if (col < kMlaRank / 16) {
+          uint8_t* d0 = dst + swz<kN>(r, 2 * col);
+          uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
+          if (r < nvalid) {
+            const float sc = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
+            convert16<true>(*reinterpret_cast<const uint4*>(row + col * 16), sc, d0, d1);
+          } else {
+            *reinterpret_cast<uint4*>(d0) = zero;
+            *reinterpret_cast<uint4*>(d1) = zero;
+          }
+        } else {
+          const int rc = col - kMlaRank / 16;
+          *reinterpret_cast<uint4*>(dst + swz<kN>(r, kMlaRank * 2 / 16 + rc)) =
+              r < nvalid ? *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16) : zero;
+        }
+      }
+    }
+    fence_proxy_async();
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    if (lane == 0) mbar_arrive(empty_bar(t % NRS));
+  };
+
+  if constexpr (kBf)
+    mbar_wait(full_bar(0), 0);
+  else
+    convert_tile(0);
+  issue_qk(0);
+  wgmma_wait<0>();
+  {
+    float al0, al1;
+    softmax(0, pa, al0, al1);  // the accumulators are still 0
+  }
+  for (int t = 0; t < ntiles; ++t) {
+    wgmma_fence();
+    issue_pv(t);
+    if (t + 1 < ntiles) {
+      if constexpr (kBf)
+        mbar_wait(full_bar((t + 1) % NB), ((t + 1) / NB) & 1);
+      else
+        convert_tile(t + 1);  // while the tensor cores run P.V(t)
+      issue_qk(t + 1);
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    fence_pa();
+    __syncwarp();
+    if (kBf && lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
+    if (t + 1 < ntiles) {
+      float al0, al1;
+      softmax(t + 1, pa, al0, al1);
+      rescale(al0, al1);
+    }
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  const int r0 = wl * 16 + g, r1 = r0 + 8;
+  const int col0 = wg * 256 + tq * 2;
+  if constexpr (SPLIT) {
+    const int64_t base = (static_cast<int64_t>(b) * p.splits + split) * p.heads + head0;
+    if (r0 < hb) {
+      float* o0 = p.part_o + (base + r0) * kMlaRank + col0;
+#pragma unroll
+      for (int n = 0; n < 32; ++n)
+        *reinterpret_cast<float2*>(o0 + n * 8) = make_float2(acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
+      if (wg == 0 && tq == 0) p.part_lse[base + r0] = lse0;
+    }
+    if (r1 < hb) {
+      float* o1 = p.part_o + (base + r1) * kMlaRank + col0;
+#pragma unroll
+      for (int n = 0; n < 32; ++n)
+        *reinterpret_cast<float2*>(o1 + n * 8) = make_float2(acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
+      if (wg == 0 && tq == 0) p.part_lse[base + r1] = lse1;
+    }
+  } else {
+    const int64_t base = static_cast<int64_t>(b) * p.heads + head0;
+    if (r0 < hb) {
+      uint16_t* o0 = p.o + (base + r0) * kMlaRank + col0;
+#pragma unroll
+      for (int n = 0; n < 32; ++n)
+        *reinterpret_cast<uint32_t*>(o0 + n * 8) = pack_bf16(acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
+      if (wg == 0 && tq == 0) p.lse[base + r0] = lse0;
+    }
+    if (r1 < hb) {
+      uint16_t* o1 = p.o + (base + r1) * kMlaRank + col0;
+#pragma unroll
+      for (int n = 0; n < 32; ++n)
+        *reinterpret_cast<uint32_t*>(o1 + n * 8) = pack_bf16(acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
+      if (wg == 0 && tq == 0) p.lse[base + r1] = lse1;
+    }
+  }
+#else
+  __trap();  // built without sm_90a: launch_wgmma is never chosen for such a build (see decode_mla.cu)
+#endif
+}
+
+template <int FMT, bool SPLIT>
+cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
+  const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
+  constexpr int smem = ws_smem_bytes<FMT>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(decode_mla_wgmma_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
+  return cudaGetLastError();
+}
+
+template <int FMT>
+cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
+  return k.splits > 1 ? launch_one<FMT, true>(k, batch, stream) : launch_one<FMT, false>(k, batch, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+  switch (fmt) {
+    case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);
+    case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, stream);
+    case kFmtDs: return launch_fmt<kFmtDs>(k, batch, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace kvferry::mla_detail
