@@ -171,10 +171,28 @@ int run_kernels(const Options& opts) {
       rep.add({name + view, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0.85, ""});
     };
     std::mt19937 g(7);
+    // Slots and block tables are random permutations (the worst case for locality: every entry
+    // written to a random place, as a decode step's tokens land in scattered blocks);
+    // KVFERRY_BENCH_ORDERED=1 (diagnosis) keeps them in order everywhere.
+    static const bool ordered = std::getenv("KVFERRY_BENCH_ORDERED") != nullptr;
+    // The writers again with their slots in order (a prefill's runs of tokens): what the kernel
+    // does when the scatter itself costs nothing. Informational rows, no target.
+    auto again_in_order = [&](const std::string& name, Dev& slots, int64_t n, double bytes,
+                              const std::function<cudaError_t()>& fn) {
+      std::vector<int64_t> id(static_cast<size_t>(n));
+      std::iota(id.begin(), id.end(), 0);
+      bool ok = cudaMemcpy(slots.p, id.data(), id.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess;
+      const double t = time_launch(st, reps, fn, &ok);
+      if (!ok) {
+        rep.note(name + view + " (slots in order): launch failed");
+        return;
+      }
+      rep.add({name + view + ", slots in order", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
+    };
     auto perm = [&](int64_t n) {
       std::vector<int64_t> v(static_cast<size_t>(n));
       std::iota(v.begin(), v.end(), 0);
-      std::shuffle(v.begin(), v.end(), g);
+      if (!ordered) std::shuffle(v.begin(), v.end(), g);
       return v;
     };
 
@@ -199,7 +217,9 @@ int run_kernels(const Options& opts) {
       const double t = time_launch(
           st, reps, [&] { return launch_write_mla(p, st); }, &ok);
       const char* nm[] = {"write_mla bf16", "write_mla fp8", "write_mla fp8_ds"};
-      add(nm[int(mode)], static_cast<double>(n) * (1152 + 8 + f.bytes_per_token()), t, ok);
+      const double bytes = static_cast<double>(n) * (1152 + 8 + f.bytes_per_token());
+      add(nm[int(mode)], bytes, t, ok);
+      if (ok) again_in_order(nm[int(mode)], slots, n, bytes, [&] { return launch_write_mla(p, st); });
     }
 
     // ---- write_mha, bf16 NHD and fp8 HND, 8 x 128 ----
@@ -220,8 +240,10 @@ int run_kernels(const Options& opts) {
       bool ok = validate_write_mha(p).ok();
       const double t = time_launch(
           st, reps, [&] { return launch_write_mha(p, st); }, &ok);
-      add(dt == DType::kBF16 ? "write_mha bf16 8x128 nhd" : "write_mha fp8 8x128 hnd",
-          static_cast<double>(n) * (4096 + 8 + f.bytes_per_token()), t, ok);
+      const char* name = dt == DType::kBF16 ? "write_mha bf16 8x128 nhd" : "write_mha fp8 8x128 hnd";
+      const double bytes = static_cast<double>(n) * (4096 + 8 + f.bytes_per_token());
+      add(name, bytes, t, ok);
+      if (ok) again_in_order(name, slots, n, bytes, [&] { return launch_write_mha(p, st); });
     }
 
     // ---- indexer ----
@@ -239,7 +261,9 @@ int run_kernels(const Options& opts) {
       bool ok = validate_indexer_write(p).ok();
       const double t = time_launch(
           st, reps, [&] { return launch_indexer_write(p, st); }, &ok);
-      add("indexer_write ue8m0", static_cast<double>(n) * (256 + 8 + 132), t, ok);
+      const double bytes = static_cast<double>(n) * (256 + 8 + 132);
+      add("indexer_write ue8m0", bytes, t, ok);
+      if (ok) again_in_order("indexer_write ue8m0", slots, n, bytes, [&] { return launch_indexer_write(p, st); });
     }
 
     // ---- gathers: 64 requests over a random block table ----
