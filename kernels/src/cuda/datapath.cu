@@ -759,6 +759,47 @@ __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams 
       });
 }
 
+/// fp8 -> bf16 rows of 576 entries (mla_fp8), 2 rows per item, laid out like the 656 B gather so
+/// every warp-wide store is 512 contiguous bytes: lane l takes values [8l, 8l + 8) and
+/// [256 + 8l, 256 + 8l + 8), lanes 0-7 also 8 rope values. (The generic row loop spends a quarter
+/// of its third access idle on 72-vector rows and holds 118 registers.)
+__global__ void __launch_bounds__(kThreads, 3) gather_fp8_576_kernel(const GatherParams p) {
+  constexpr int kR = 2;
+  const int lane = threadIdx.x & 31;
+  const Div dbs = make_div(p.cache.view.sizes[1]);
+  const int64_t dst_row = p.dst_stride * 2;
+  const int64_t items = (p.total_rows + kR - 1) / kR;
+  const DqScale dq = make_dq_scale(p.scale);
+  struct In {
+    uint2 a[kR], b[kR], r[kR];
+  };
+  pipeline(
+      items, [&](int64_t i) { return locate_rows<kR>(p, dbs, i < items ? i * kR : p.total_rows); },
+      [&](int64_t, const Rows<kR>& rows) {
+        In in;
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          in.a[u] = in.b[u] = in.r[u] = uint2{};
+          if (!rows.src[u]) continue;
+          in.a[u] = ld_v8(rows.src[u] + 8 * lane);
+          in.b[u] = ld_v8(rows.src[u] + 256 + 8 * lane);
+          if (lane < 8) in.r[u] = ld_v8(rows.src[u] + kMlaRank + 8 * lane);
+        }
+        return in;
+      },
+      [&](int64_t i, const Rows<kR>& rows, const In& in) {
+        uint8_t* const out = static_cast<uint8_t*>(p.dst) + i * kR * dst_row;
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          if (!rows.src[u]) continue;
+          uint8_t* const o = out + u * dst_row;
+          st_v16(o + 16 * lane, dequant8(in.a[u], dq));
+          st_v16(o + 512 + 16 * lane, dequant8(in.b[u], dq));
+          if (lane < 8) st_v16(o + kMlaRank * 2 + 16 * lane, dequant8(in.r[u], dq));
+        }
+      });
+}
+
 /// 656 B -> bf16 rows, kR rows per item.
 __global__ void __launch_bounds__(kThreads, 3) gather_ds_kernel(const GatherParams p) {
   constexpr int kR = 2;
@@ -1436,6 +1477,7 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
       return go<gather_copy_narrow_kernel<1>>(p, n, 4, stream);
     }
     case GatherMode::kDequantFp8:
+      if (!sg && p.cache.view.sizes[2] == kMlaDim) return go<gather_fp8_576_kernel>(p, n, 2, stream);
       return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 4, stream);
     case GatherMode::kDequantDs:
       return sg ? go<gather_ds_staged_kernel>(p, n, 2, stream) : go<gather_ds_kernel>(p, n, 2, stream);
