@@ -566,7 +566,10 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = ws_smem_bytes<FMT>();
   static const cudaError_t attr =
       cudaFuncSetAttribute(decode_mla_wgmma_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return attr;
+  if (attr != cudaSuccess) {
+    (void)cudaGetLastError();  // not left for the next launch's check
+    return attr;
+  }
   decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
   return cudaGetLastError();
 }
