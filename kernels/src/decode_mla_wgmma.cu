@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "decode_mla_internal.h"
 #include "kvferry/kernels/decode_mla.h"
@@ -81,10 +82,14 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 // wgmma shared-memory matrix descriptor, 128-byte swizzle. K-major operands: rows 128 B apart,
 // 8-row groups `sbo` apart (lbo unused). N-major: 64-element column blocks `lbo` apart, 8-row (k)
 // groups `sbo` apart.
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+// Every descriptor here has sbo = 1024, so the high word is a constant and a descriptor is its low
+// word: the start address in 16-byte units (14 bits; shared addresses stay below 256 KiB, so adding
+// an in-bounds byte offset / 16 to it never carries out) and lbo / 16.
+constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);  // sbo 1024, 128-byte swizzle (bit 62)
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
+  return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
 }
+__device__ __forceinline__ uint64_t desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -208,7 +213,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   const int hb = min(p.heads, kM);
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, tq = lane & 3;
+  // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform and keeps
+  // the wgmma descriptors derived from it in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
   const int len = p.seq_lens[b];
   const int chunk = ((len + p.splits - 1) / p.splits + kN - 1) / kN * kN;
   const int start = split * chunk;
@@ -320,18 +327,28 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
 
   const uint32_t q_u32 = smem_u32(sQ), k_u32 = smem_u32(sK);
   float s[16];
-  // Issues S(t) (partial over this warpgroup's half of the depth) into s.
-  auto issue_qk = [&](int t) {
-    const uint32_t tile = k_u32 + (t % NB) * kTileBytes;
+  // Issues S(t) (partial over this warpgroup's half of the depth) into s. The descriptors are
+  // the low words of Q's and the stage's bases plus compile-time offsets (one add each): the depth
+  // half is a template argument, chosen by a warp-uniform branch.
+  const uint32_t q_lo = desc_lo(q_u32, 16), k_lo = desc_lo(k_u32, 16);
+  auto qk_steps = [&](auto wgc, int t) {
+    constexpr int WG = decltype(wgc)::value;
+    const uint32_t tile_lo = k_lo + (t % NB) * (kTileBytes >> 4);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQkSteps; ++kk) {
-      const int ks = wg * kQkSteps + kk;
+      const int ks = WG * kQkSteps + kk;
       const uint32_t off = (ks & 3) * 32;  // k16 step inside the 128-byte row
-      wgmma_qk(s, make_desc(q_u32 + (ks >> 2) * (kM * 128) + off, 16, 1024),
-               make_desc(tile + (ks >> 2) * (kN * 128) + off, 16, 1024), kk > 0);
+      wgmma_qk(s, desc(q_lo + (((ks >> 2) * (kM * 128) + off) >> 4)),
+               desc(tile_lo + (((ks >> 2) * (kN * 128) + off) >> 4)), kk > 0);
     }
     wgmma_commit();
+  };
+  auto issue_qk = [&](int t) {
+    if (wg == 0)
+      qk_steps(std::integral_constant<int, 0>{}, t);
+    else
+      qk_steps(std::integral_constant<int, 1>{}, t);
   };
 
   float acc[128];
@@ -426,10 +443,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
   };
   // V columns [256 wg, +256) = column blocks 4 wg .. 4 wg + 3 (lbo apart), tokens 16 j .. 16 j + 15.
+  const uint32_t v_lo = desc_lo(k_u32 + wg * 4 * (kN * 128), kN * 128);
   auto issue_pv = [&](int t) {
-    const uint32_t vtile = k_u32 + (t % NB) * kTileBytes + wg * 4 * (kN * 128);
-    wgmma_pv(acc, pa[0], make_desc(vtile, kN * 128, 1024));
-    wgmma_pv(acc, pa[1], make_desc(vtile + 16 * 128, kN * 128, 1024));
+    const uint32_t vtile_lo = v_lo + (t % NB) * (kTileBytes >> 4);
+    wgmma_pv(acc, pa[0], desc(vtile_lo));
+    wgmma_pv(acc, pa[1], desc(vtile_lo + ((16 * 128) >> 4)));
     wgmma_commit();
   };
 
