@@ -251,7 +251,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
     // layout, one tile ahead of the one it publishes), then signals full[]; waits on empty[]
     // before reusing a stage. It needs few registers, so the consumers get more.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const int ptid = tid - 2 * 128;
+    const int pw = warp - 8;  // producer warp 0..3
+    static_assert(kN == 4 * 8 && kChunks == 2 * 32 + 8, "the bf16 producer's row and chunk mapping");
     const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
     auto fetch_blk = [&](int t) -> int32_t {
       const int tok = start + t * kN + lane;
@@ -288,14 +289,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
             rb = p.cache + static_cast<int64_t>(blk) * p.block_stride +
                  static_cast<int64_t>(tok % p.page) * p.token_stride;
           const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
-          const uint32_t dst = smem_u32(sK + (t % NB) * kTileBytes);
-#pragma unroll 6
-          for (int i = 0; i < kN * kChunks / kProducerThreads; ++i) {  // 18, exact
-            const int c = ptid + i * kProducerThreads;
-            const int r = c / kChunks, col = c % kChunks;
-            const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, r));
-            // Rows past the end are zero-filled: V is multiplied by p = 0, which would keep a NaN.
-            cp_async16(dst + swz<kN>(r, col), src ? src + col * 16 : p.cache, src ? 16 : 0);
+          // Producer warp pw copies rows 8 pw .. 8 pw + 7; lane l copies chunks l, l + 32 and
+          // (l < 8) l + 64 of each, which share the in-row swizzle slot l % 8 and lie 4 column
+          // blocks apart: no per-chunk division, and the swizzle of row 8 pw + j is l % 8 ^ j.
+          const uint32_t dst = smem_u32(sK + (t % NB) * kTileBytes) + (lane >> 3) * (kN * 128) + pw * 8 * 128;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, pw * 8 + j));
+            const uint32_t d = dst + j * 128 + (((lane & 7) ^ j) << 4);
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              // Rows past the end are zero-filled: V is multiplied by p = 0, which would keep a NaN.
+              if (k < 2 || lane < 8)
+                cp_async16(d + k * 4 * (kN * 128), src ? src + (lane + 32 * k) * 16 : p.cache, src ? 16 : 0);
+            }
           }
           blk = nblk;
         }
