@@ -11,11 +11,18 @@
 //   P.V: both run the same online softmax; warpgroup w owns output columns [256 w, +256): 2 x
 //       m64n256k16 with P as the register A operand (the S accumulator layout is the A fragment
 //       layout) and 128 fp32 accumulators per thread.
-// The P.V of tile t is in flight while tile t+1 is awaited (or converted) and its S issued.
+// Profiled on an H200, the math warps' instruction stream limits a tile more than the tensor
+// cores do (issue slots half busy, ~5-7 cycles per issued instruction at 12 warps per SM), so the
+// per-tile instructions are kept few: wgmma descriptors are a constant high word and a low word offset by compile-time
+// steps, the producer's and the conversion's indices are stepped without division.
+//  - bf16 cache: S(t+1) is issued just before P.V(t) and awaited alone, so the softmax of tile
+//    t+1 runs while the tensor cores run P.V(t) (two P fragment sets).
+//  - fp8 caches: P.V(t) is in flight while tile t+1 is converted and its S issued.
 // A third, producer warpgroup (56 registers via setmaxnreg; the math warpgroups get 224) feeds the
 // tiles through full/empty mbarriers, so no math thread spends issue slots or stalls on loads:
 //  - bf16 cache: it copies each tile with cp.async straight into the swizzled layout (three
-//    stages, one tile ahead of the one it publishes).
+//    stages; lane l of producer warp w copies chunks l, l+32, l+64 of rows 8w..8w+7), publishing
+//    a tile once it landed and before it blocks on a busy stage.
 //  - fp8 caches: one producer warp lands the raw rows by bulk copies (one per token, two raw
 //    stages); the 256 math threads convert a tile to bf16 (exact for e4m3; mla_fp8_ds multiplies
 //    by its tile scale in fp32 and rounds once) while the tensor cores run the previous tile's P.V.
@@ -279,10 +286,21 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       }
     } else {
       int32_t blk = fetch_blk(0);
+      int published = 0;  // tiles [0, published) have been signalled full
       for (int t = 0; t <= ntiles; ++t) {
         if (t < ntiles) {
           const int32_t nblk = fetch_blk(t + 1);
-          if (t >= NB) mbar_wait(empty_bar(t % NB), (t / NB - 1) & 1);
+          if (t >= NB) {
+            // Publish tile t-1 (copied an iteration ago) before blocking on the stage of tile t, not
+            // after copying tile t: the math warps wait for it as soon as they free that stage.
+            if (published < t) {
+              cp_async_wait<0>();
+              fence_proxy_async();
+              mbar_arrive(full_bar((t - 1) % NB));
+              published = t;
+            }
+            mbar_wait(empty_bar(t % NB), (t / NB - 1) & 1);
+          }
           const int tok = start + t * kN + lane;
           const uint8_t* rb = nullptr;
           if (tok < end)
@@ -307,10 +325,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
           blk = nblk;
         }
         cp_async_commit();
-        if (t >= 1) {  // tile t-1 landed: publish it
+        if (t >= 1 && published < t) {  // tile t-1 landed: publish it
           cp_async_wait<1>();
           fence_proxy_async();
           mbar_arrive(full_bar((t - 1) % NB));
+          published = t;
         }
       }
     }
@@ -349,7 +368,6 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       wgmma_qk(s, desc(q_lo + (((ks >> 2) * (kM * 128) + off) >> 4)),
                desc(tile_lo + (((ks >> 2) * (kN * 128) + off) >> 4)), kk > 0);
     }
-    wgmma_commit();
   };
   auto issue_qk = [&](int t) {
     if (wg == 0)
@@ -361,7 +379,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  uint32_t pa[2][4];
+  uint32_t pa[2][4], pn[2][4];  // P(t) as A fragments; bf16: P(t+1) is built while P.V(t) runs
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
   float4* s_mine = sS + (wg * 4 + wl) * 4 * 32 + lane;
   const float4* s_other = sS + ((1 - wg) * 4 + wl) * 4 * 32 + lane;
@@ -467,9 +485,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
     uint8_t* dst = sK + (t % NB) * kTileBytes;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     if constexpr (FMT == kFmtFp8) {
-      constexpr int CH = RAW / 16;
-      for (int c = tid; c < kN * CH; c += 256) {  // 36 raw chunks per row -> bf16 chunks 2c, 2c+1
-        const int r = c / CH, col = c % CH;
+      constexpr int CH = RAW / 16;  // 36 raw chunks per row -> bf16 chunks 2 col, 2 col + 1
+      // Chunk tid + 256 i is (row r, chunk col), stepped without division.
+      int r = tid / CH, col = tid % CH;
+#pragma unroll
+      for (int i = 0; i < (kN * CH + 255) / 256; ++i, r += 256 / CH, col += 256 % CH) {
+        if (col >= CH) {
+          col -= CH;
+          ++r;
+        }
+        if (r >= kN) break;
         uint8_t* d0 = dst + swz<kN>(r, 2 * col);
         uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
         if (r < nvalid) {
@@ -481,8 +506,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       }
     } else if constexpr (FMT == kFmtDs) {
       constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
-      for (int c = tid; c < kN * kPer; c += 256) {
-        const int r = c / kPer, col = c % kPer;
+      int r = tid / kPer, col = tid % kPer;                    // chunk tid + 256 i, stepped without division
+#pragma unroll
+      for (int i = 0; i < (kN * kPer + 255) / 256; ++i, r += 256 / kPer, col += 256 % kPer) {
+        if (col >= kPer) {
+          col -= kPer;
+          ++r;
+        }
+        if (r >= kN) break;
         const uint8_t* row = raw + r * RAW;
         if (col < kMlaRank / 16) {
           uint8_t* d0 = dst + swz<kN>(r, 2 * col);
@@ -511,30 +542,60 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   else
     convert_tile(0);
   issue_qk(0);
+  wgmma_commit();
   wgmma_wait<0>();
   {
     float al0, al1;
     softmax(0, pa, al0, al1);  // the accumulators are still 0
   }
-  for (int t = 0; t < ntiles; ++t) {
-    wgmma_fence();
-    issue_pv(t);
-    if (t + 1 < ntiles) {
-      if constexpr (kBf)
+  if constexpr (kBf) {
+    // S(t+1) is issued just before P.V(t) and awaited alone, so the softmax of tile t+1 runs while
+    // the tensor cores run P.V(t). The commit groups are unconditional (empty after the last tile)
+    // so that the compiler sees which group each wait covers and keeps the wgmmas asynchronous.
+    for (int t = 0; t < ntiles; ++t) {
+      const bool more = t + 1 < ntiles;
+      if (more) {
         mbar_wait(full_bar((t + 1) % NB), ((t + 1) / NB) & 1);
-      else
-        convert_tile(t + 1);  // while the tensor cores run P.V(t)
-      issue_qk(t + 1);
+        issue_qk(t + 1);
+      }
+      wgmma_commit();
+      wgmma_fence();
+      issue_pv(t);
+      wgmma_wait<1>();  // S(t+1); P.V(t) may still run
+      float al0 = 1.0f, al1 = 1.0f;
+      if (more) softmax(t + 1, pn, al0, al1);
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_pa();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
+      if (more) {
+        rescale(al0, al1);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[i][e] = pn[i][e];
+      }
     }
-    wgmma_wait<0>();
-    fence_regs(acc);
-    fence_pa();
-    __syncwarp();
-    if (kBf && lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
-    if (t + 1 < ntiles) {
-      float al0, al1;
-      softmax(t + 1, pa, al0, al1);
-      rescale(al0, al1);
+  } else {
+    // fp8: the conversion of tile t+1 (the math threads' main work) runs while P.V(t) does.
+    for (int t = 0; t < ntiles; ++t) {
+      wgmma_fence();
+      issue_pv(t);
+      if (t + 1 < ntiles) {
+        convert_tile(t + 1);
+        issue_qk(t + 1);
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_pa();
+      __syncwarp();
+      if (t + 1 < ntiles) {
+        float al0, al1;
+        softmax(t + 1, pa, al0, al1);
+        rescale(al0, al1);
+      }
     }
   }
 
