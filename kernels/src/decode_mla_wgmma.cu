@@ -11,11 +11,18 @@
 //   P.V: both run the same online softmax; warpgroup w owns output columns [256 w, +256): 2 x
 //       m64n256k16 with P as the register A operand (the S accumulator layout is the A fragment
 //       layout) and 128 fp32 accumulators per thread.
-// The P.V of tile t is in flight while tile t+1 is awaited (or converted) and its S issued.
+// Profiled on an H200, the math warps' instruction stream limits a tile more than the tensor
+// cores do (issue slots half busy, ~5-7 cycles per issued instruction at 12 warps per SM), so the
+// per-tile instructions are kept few: wgmma descriptors are a constant high word and a low word offset by compile-time
+// steps, the producer's and the conversion's indices are stepped without division.
+//  - bf16 cache: S(t+1) is issued just before P.V(t) and awaited alone, so the softmax of tile
+//    t+1 runs while the tensor cores run P.V(t) (two P fragment sets).
+//  - fp8 caches: P.V(t) is in flight while tile t+1 is converted and its S issued.
 // A third, producer warpgroup (56 registers via setmaxnreg; the math warpgroups get 224) feeds the
 // tiles through full/empty mbarriers, so no math thread spends issue slots or stalls on loads:
 //  - bf16 cache: it copies each tile with cp.async straight into the swizzled layout (three
-//    stages, one tile ahead of the one it publishes).
+//    stages; lane l of producer warp w copies chunks l, l+32, l+64 of rows 8w..8w+7), publishing
+//    a tile once it landed and before it blocks on a busy stage.
 //  - fp8 caches: one producer warp lands the raw rows by bulk copies (one per token, two raw
 //    stages); the 256 math threads convert a tile to bf16 (exact for e4m3; mla_fp8_ds multiplies
 //    by its tile scale in fp32 and rounds once) while the tensor cores run the previous tile's P.V.
@@ -26,6 +33,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "decode_mla_internal.h"
 #include "kvferry/kernels/decode_mla.h"
@@ -81,10 +89,14 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 // wgmma shared-memory matrix descriptor, 128-byte swizzle. K-major operands: rows 128 B apart,
 // 8-row groups `sbo` apart (lbo unused). N-major: 64-element column blocks `lbo` apart, 8-row (k)
 // groups `sbo` apart.
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
-         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+// Every descriptor here has sbo = 1024, so the high word is a constant and a descriptor is its low
+// word: the start address in 16-byte units (14 bits; shared addresses stay below 256 KiB, so adding
+// an in-bounds byte offset / 16 to it never carries out) and lbo / 16.
+constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);  // sbo 1024, 128-byte swizzle (bit 62)
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
+  return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
 }
+__device__ __forceinline__ uint64_t desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -208,7 +220,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   const int hb = min(p.heads, kM);
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2, wl = warp & 3, g = lane >> 2, tq = lane & 3;
+  // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform and keeps
+  // the wgmma descriptors derived from it in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
   const int len = p.seq_lens[b];
   const int chunk = ((len + p.splits - 1) / p.splits + kN - 1) / kN * kN;
   const int start = split * chunk;
@@ -244,7 +258,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
     // layout, one tile ahead of the one it publishes), then signals full[]; waits on empty[]
     // before reusing a stage. It needs few registers, so the consumers get more.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const int ptid = tid - 2 * 128;
+    const int pw = warp - 8;  // producer warp 0..3
+    static_assert(kN == 4 * 8 && kChunks == 2 * 32 + 8, "the bf16 producer's row and chunk mapping");
     const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
     auto fetch_blk = [&](int t) -> int32_t {
       const int tok = start + t * kN + lane;
@@ -271,32 +286,50 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       }
     } else {
       int32_t blk = fetch_blk(0);
+      int published = 0;  // tiles [0, published) have been signalled full
       for (int t = 0; t <= ntiles; ++t) {
         if (t < ntiles) {
           const int32_t nblk = fetch_blk(t + 1);
-          if (t >= NB) mbar_wait(empty_bar(t % NB), (t / NB - 1) & 1);
+          if (t >= NB) {
+            // Publish tile t-1 (copied an iteration ago) before blocking on the stage of tile t, not
+            // after copying tile t: the math warps wait for it as soon as they free that stage.
+            if (published < t) {
+              cp_async_wait<0>();
+              fence_proxy_async();
+              mbar_arrive(full_bar((t - 1) % NB));
+              published = t;
+            }
+            mbar_wait(empty_bar(t % NB), (t / NB - 1) & 1);
+          }
           const int tok = start + t * kN + lane;
           const uint8_t* rb = nullptr;
           if (tok < end)
             rb = p.cache + static_cast<int64_t>(blk) * p.block_stride +
                  static_cast<int64_t>(tok % p.page) * p.token_stride;
           const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
-          const uint32_t dst = smem_u32(sK + (t % NB) * kTileBytes);
-#pragma unroll 6
-          for (int i = 0; i < kN * kChunks / kProducerThreads; ++i) {  // 18, exact
-            const int c = ptid + i * kProducerThreads;
-            const int r = c / kChunks, col = c % kChunks;
-            const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, r));
-            // Rows past the end are zero-filled: V is multiplied by p = 0, which would keep a NaN.
-            cp_async16(dst + swz<kN>(r, col), src ? src + col * 16 : p.cache, src ? 16 : 0);
+          // Producer warp pw copies rows 8 pw .. 8 pw + 7; lane l copies chunks l, l + 32 and
+          // (l < 8) l + 64 of each, which share the in-row swizzle slot l % 8 and lie 4 column
+          // blocks apart: no per-chunk division, and the swizzle of row 8 pw + j is l % 8 ^ j.
+          const uint32_t dst = smem_u32(sK + (t % NB) * kTileBytes) + (lane >> 3) * (kN * 128) + pw * 8 * 128;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const auto src = reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, rbits, pw * 8 + j));
+            const uint32_t d = dst + j * 128 + (((lane & 7) ^ j) << 4);
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              // Rows past the end are zero-filled: V is multiplied by p = 0, which would keep a NaN.
+              if (k < 2 || lane < 8)
+                cp_async16(d + k * 4 * (kN * 128), src ? src + (lane + 32 * k) * 16 : p.cache, src ? 16 : 0);
+            }
           }
           blk = nblk;
         }
         cp_async_commit();
-        if (t >= 1) {  // tile t-1 landed: publish it
+        if (t >= 1 && published < t) {  // tile t-1 landed: publish it
           cp_async_wait<1>();
           fence_proxy_async();
           mbar_arrive(full_bar((t - 1) % NB));
+          published = t;
         }
       }
     }
@@ -320,24 +353,33 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
 
   const uint32_t q_u32 = smem_u32(sQ), k_u32 = smem_u32(sK);
   float s[16];
-  // Issues S(t) (partial over this warpgroup's half of the depth) into s.
-  auto issue_qk = [&](int t) {
-    const uint32_t tile = k_u32 + (t % NB) * kTileBytes;
+  // Issues S(t) (partial over this warpgroup's half of the depth) into s. The descriptors are
+  // the low words of Q's and the stage's bases plus compile-time offsets (one add each): the depth
+  // half is a template argument, chosen by a warp-uniform branch.
+  const uint32_t q_lo = desc_lo(q_u32, 16), k_lo = desc_lo(k_u32, 16);
+  auto qk_steps = [&](auto wgc, int t) {
+    constexpr int WG = decltype(wgc)::value;
+    const uint32_t tile_lo = k_lo + (t % NB) * (kTileBytes >> 4);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kQkSteps; ++kk) {
-      const int ks = wg * kQkSteps + kk;
+      const int ks = WG * kQkSteps + kk;
       const uint32_t off = (ks & 3) * 32;  // k16 step inside the 128-byte row
-      wgmma_qk(s, make_desc(q_u32 + (ks >> 2) * (kM * 128) + off, 16, 1024),
-               make_desc(tile + (ks >> 2) * (kN * 128) + off, 16, 1024), kk > 0);
+      wgmma_qk(s, desc(q_lo + (((ks >> 2) * (kM * 128) + off) >> 4)),
+               desc(tile_lo + (((ks >> 2) * (kN * 128) + off) >> 4)), kk > 0);
     }
-    wgmma_commit();
+  };
+  auto issue_qk = [&](int t) {
+    if (wg == 0)
+      qk_steps(std::integral_constant<int, 0>{}, t);
+    else
+      qk_steps(std::integral_constant<int, 1>{}, t);
   };
 
   float acc[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) acc[i] = 0.0f;
-  uint32_t pa[2][4];
+  uint32_t pa[2][4], pn[2][4];  // P(t) as A fragments; bf16: P(t+1) is built while P.V(t) runs
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
   float4* s_mine = sS + (wg * 4 + wl) * 4 * 32 + lane;
   const float4* s_other = sS + ((1 - wg) * 4 + wl) * 4 * 32 + lane;
@@ -426,10 +468,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(pa[i][e])::"memory");
   };
   // V columns [256 wg, +256) = column blocks 4 wg .. 4 wg + 3 (lbo apart), tokens 16 j .. 16 j + 15.
+  const uint32_t v_lo = desc_lo(k_u32 + wg * 4 * (kN * 128), kN * 128);
   auto issue_pv = [&](int t) {
-    const uint32_t vtile = k_u32 + (t % NB) * kTileBytes + wg * 4 * (kN * 128);
-    wgmma_pv(acc, pa[0], make_desc(vtile, kN * 128, 1024));
-    wgmma_pv(acc, pa[1], make_desc(vtile + 16 * 128, kN * 128, 1024));
+    const uint32_t vtile_lo = v_lo + (t % NB) * (kTileBytes >> 4);
+    wgmma_pv(acc, pa[0], desc(vtile_lo));
+    wgmma_pv(acc, pa[1], desc(vtile_lo + ((16 * 128) >> 4)));
     wgmma_commit();
   };
 
@@ -442,9 +485,16 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
     uint8_t* dst = sK + (t % NB) * kTileBytes;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     if constexpr (FMT == kFmtFp8) {
-      constexpr int CH = RAW / 16;
-      for (int c = tid; c < kN * CH; c += 256) {  // 36 raw chunks per row -> bf16 chunks 2c, 2c+1
-        const int r = c / CH, col = c % CH;
+      constexpr int CH = RAW / 16;  // 36 raw chunks per row -> bf16 chunks 2 col, 2 col + 1
+      // Chunk tid + 256 i is (row r, chunk col), stepped without division.
+      int r = tid / CH, col = tid % CH;
+#pragma unroll
+      for (int i = 0; i < (kN * CH + 255) / 256; ++i, r += 256 / CH, col += 256 % CH) {
+        if (col >= CH) {
+          col -= CH;
+          ++r;
+        }
+        if (r >= kN) break;
         uint8_t* d0 = dst + swz<kN>(r, 2 * col);
         uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
         if (r < nvalid) {
@@ -456,8 +506,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       }
     } else if constexpr (FMT == kFmtDs) {
       constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
-      for (int c = tid; c < kN * kPer; c += 256) {
-        const int r = c / kPer, col = c % kPer;
+      int r = tid / kPer, col = tid % kPer;                    // chunk tid + 256 i, stepped without division
+#pragma unroll
+      for (int i = 0; i < (kN * kPer + 255) / 256; ++i, r += 256 / kPer, col += 256 % kPer) {
+        if (col >= kPer) {
+          col -= kPer;
+          ++r;
+        }
+        if (r >= kN) break;
         const uint8_t* row = raw + r * RAW;
         if (col < kMlaRank / 16) {
           uint8_t* d0 = dst + swz<kN>(r, 2 * col);
@@ -486,30 +542,60 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   else
     convert_tile(0);
   issue_qk(0);
+  wgmma_commit();
   wgmma_wait<0>();
   {
     float al0, al1;
     softmax(0, pa, al0, al1);  // the accumulators are still 0
   }
-  for (int t = 0; t < ntiles; ++t) {
-    wgmma_fence();
-    issue_pv(t);
-    if (t + 1 < ntiles) {
-      if constexpr (kBf)
+  if constexpr (kBf) {
+    // S(t+1) is issued just before P.V(t) and awaited alone, so the softmax of tile t+1 runs while
+    // the tensor cores run P.V(t). The commit groups are unconditional (empty after the last tile)
+    // so that the compiler sees which group each wait covers and keeps the wgmmas asynchronous.
+    for (int t = 0; t < ntiles; ++t) {
+      const bool more = t + 1 < ntiles;
+      if (more) {
         mbar_wait(full_bar((t + 1) % NB), ((t + 1) / NB) & 1);
-      else
-        convert_tile(t + 1);  // while the tensor cores run P.V(t)
-      issue_qk(t + 1);
+        issue_qk(t + 1);
+      }
+      wgmma_commit();
+      wgmma_fence();
+      issue_pv(t);
+      wgmma_wait<1>();  // S(t+1); P.V(t) may still run
+      float al0 = 1.0f, al1 = 1.0f;
+      if (more) softmax(t + 1, pn, al0, al1);
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_pa();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
+      if (more) {
+        rescale(al0, al1);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[i][e] = pn[i][e];
+      }
     }
-    wgmma_wait<0>();
-    fence_regs(acc);
-    fence_pa();
-    __syncwarp();
-    if (kBf && lane == 0) mbar_arrive(empty_bar(t % NB));  // P.V(t) and S(t) have read buffer t % NB
-    if (t + 1 < ntiles) {
-      float al0, al1;
-      softmax(t + 1, pa, al0, al1);
-      rescale(al0, al1);
+  } else {
+    // fp8: the conversion of tile t+1 (the math threads' main work) runs while P.V(t) does.
+    for (int t = 0; t < ntiles; ++t) {
+      wgmma_fence();
+      issue_pv(t);
+      if (t + 1 < ntiles) {
+        convert_tile(t + 1);
+        issue_qk(t + 1);
+        wgmma_commit();
+      }
+      wgmma_wait<0>();
+      fence_regs(acc);
+      fence_pa();
+      __syncwarp();
+      if (t + 1 < ntiles) {
+        float al0, al1;
+        softmax(t + 1, pa, al0, al1);
+        rescale(al0, al1);
+      }
     }
   }
 
@@ -566,7 +652,10 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = ws_smem_bytes<FMT>();
   static const cudaError_t attr =
       cudaFuncSetAttribute(decode_mla_wgmma_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (attr != cudaSuccess) return attr;
+  if (attr != cudaSuccess) {
+    (void)cudaGetLastError();  // not left for the next launch's check
+    return attr;
+  }
   decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
   return cudaGetLastError();
 }

@@ -35,11 +35,12 @@
 //    transposed V operand of P V. A third, producer warpgroup feeds the tiles (mbarrier
 //    hand-over): a bf16 cache by cp.async straight into that layout, fp8 caches by bulk copies
 //    of the raw rows, which the math warpgroups convert while the tensor cores run the previous
-//    tile. Warpgroup w computes the partial S over half of the 576 depth (m64n32k16), the two
-//    halves are exchanged through shared memory and added (in either order the same bits), and
-//    it owns 256 output columns (m64n256k16, P from registers). At 128 heads two CTAs (adjacent
-//    in the grid, so the second read of a tile is an L2 hit) share each tile: the fp32
-//    accumulators of 128 heads x 512 columns (256 KiB) exceed an SM's registers.
+//    tile (with a bf16 cache they run the next tile's softmax meanwhile). Warpgroup w computes
+//    the partial S over half of the 576 depth (m64n32k16), the two halves are exchanged through
+//    shared memory and added (in either order the same bits), and it owns 256 output columns
+//    (m64n256k16, P from registers). At 128 heads two CTAs (adjacent in the grid, so the second
+//    read of a tile is an L2 hit) share each tile: the fp32 accumulators of 128 heads x 512
+//    columns (256 KiB) exceed an SM's registers.
 //  - mma.sync (m16n8k16; chosen at <= 32 heads, where it measured faster): one CTA per (request,
 //    split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
 //    copies or cp.async, double-buffered) for all its heads; 2 or 4 warps share 16 heads,
