@@ -27,10 +27,12 @@
 //    stages); a tile is converted to bf16 (exact for e4m3; mla_fp8_ds multiplies by its tile
 //    scale in fp32 and rounds once) by the other three producer warps (rows [0, conv_rows), as
 //    soon as P.V has released the bf16 buffer) and by the 256 math threads (the other rows, while
-//    the tensor cores run the previous tile's P.V). H200, 128 heads, mla_fp8 / mla_fp8_ds: math
-//    threads alone 271 / 346 us, producer rows 8: 268 / 338, 12: 262 / 325, 16: 268 / 335, 20:
-//    293 / 371 (the 96 producer threads become the slower side); the producer converting every
-//    row alone measured slower still.
+//    the tensor cores run the previous tile's P.V). conv_rows is 12 (launch_wgmma; the environment
+//    variable KVFERRY_MLA_CONV_ROWS overrides it for tuning). H200, 128 heads, mla_fp8 / mla_fp8_ds
+//    us over two runs: math threads alone 270 / 345, producer rows 8: 268 / 338, 12: 259-262 /
+//    323-328, 14: 266 / 328, 16: 268 / 335, 20: 293 / 371 (the 96 producer threads become the
+//    slower side); the producer converting every row alone measured slower still. Producer warps
+//    loading two raw chunks before converting either measured the same (258 / 326 at 12 rows).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
