@@ -193,9 +193,9 @@ int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
 
 int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   if (p.mma == 1 || p.mma == 2) return p.mma;
-  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma vs mma.sync: 128 heads bf16 211 vs
-  // 410 us, mla_fp8 277 vs 475, mla_fp8_ds 325 vs 508; 16 heads (padded to 64 rows) bf16 116 vs
-  // 94, mla_fp8 143 vs 127, mla_fp8_ds 169 vs 143: wgmma where a CTA has 64 real heads.
+  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma vs mma.sync: 128 heads bf16 201 vs
+  // 410 us, mla_fp8 262 vs 474, mla_fp8_ds 325 vs 507; 16 heads (padded to 64 rows) bf16 113 vs
+  // 95, mla_fp8 136 vs 126, mla_fp8_ds 167 vs 142: wgmma where a CTA has 64 real heads.
   return p.heads >= 64 ? 2 : 1;
 }
 

@@ -14,6 +14,7 @@ struct KParams {
   int64_t block_stride;  // bytes
   int64_t token_stride;  // bytes
   int32_t page;
+  int32_t page_shift;  // log2(page) when page is a power of two, else -1 (the wgmma kernel shifts then)
   const uint16_t* q;
   const int32_t* table;
   int64_t table_stride;
@@ -24,8 +25,9 @@ struct KParams {
   float vscale;      // k_scale for mla_fp8, else 1
   uint16_t* o;
   float* lse;
-  float* part_o;    // [batch, splits, heads, 512]
-  float* part_lse;  // [batch, splits, heads]
+  float* part_o;      // [batch, splits, heads, 512]
+  float* part_lse;    // [batch, splits, heads]
+  int32_t conv_rows;  // wgmma, fp8 caches: rows of each tile the producer warpgroup converts (set by launch_wgmma)
 };
 
 /// Launches the wgmma split kernel (one CTA of two warpgroups per request, split and 64 heads;

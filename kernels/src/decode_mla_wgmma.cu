@@ -24,15 +24,22 @@
 //    stages; lane l of producer warp w copies chunks l, l+32, l+64 of rows 8w..8w+7), publishing
 //    a tile once it landed and before it blocks on a busy stage.
 //  - fp8 caches: one producer warp lands the raw rows by bulk copies (one per token, two raw
-//    stages); the 256 math threads convert a tile to bf16 (exact for e4m3; mla_fp8_ds multiplies
-//    by its tile scale in fp32 and rounds once) while the tensor cores run the previous tile's P.V.
-//    The producer converting alone measured slower (its 128 threads are too few).
+//    stages); a tile is converted to bf16 (exact for e4m3; mla_fp8_ds multiplies by its tile
+//    scale in fp32 and rounds once) by the other three producer warps (rows [0, conv_rows), as
+//    soon as P.V has released the bf16 buffer) and by the 256 math threads (the other rows, while
+//    the tensor cores run the previous tile's P.V). conv_rows is 12 (launch_wgmma; the environment
+//    variable KVFERRY_MLA_CONV_ROWS overrides it for tuning). H200, 128 heads, mla_fp8 / mla_fp8_ds
+//    us over two runs: math threads alone 270 / 345, producer rows 8: 268 / 338, 12: 259-262 /
+//    323-328, 14: 266 / 328, 16: 268 / 335, 20: 293 / 371 (the 96 producer threads become the
+//    slower side); the producer converting every row alone measured slower still. Producer warps
+//    loading two raw chunks before converting either measured the same (258 / 326 at 12 rows).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "decode_mla_internal.h"
@@ -62,8 +69,8 @@ constexpr int entry_bytes() {
 }
 template <int FMT>
 constexpr int ws_smem_bytes() {
-  return FMT == kFmtBf16 ? 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 64
-                         : 1024 + kQBytes + 2 * kTileBytes + 2 * kN * entry_bytes<FMT>() + 2 * kSBytes + 64;
+  return FMT == kFmtBf16 ? 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 128
+                         : 1024 + kQBytes + 2 * kTileBytes + 2 * kN * entry_bytes<FMT>() + 2 * kSBytes + 128;
 }
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -200,6 +207,63 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0,
   *reinterpret_cast<uint4*>(d1) = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
+// Converts rows [r0, r1) of a raw fp8 tile into the swizzled bf16 tile `dst`, chunk `ct` + NT i
+// per thread (ct < NT), the (row, chunk) pair stepped without division. Rows >= nvalid are zero.
+// The math threads' loop is unrolled; the producer's is not (it runs under 56 registers).
+template <int FMT, int NT>
+__device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* dst, int nvalid, int r0, int r1, int ct) {
+  constexpr int kUnroll = NT >= 256 ? 8 : 1;
+  constexpr int RAW = entry_bytes<FMT>();
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  if constexpr (FMT == kFmtFp8) {
+    constexpr int CH = RAW / 16;  // 36 raw chunks per row -> bf16 chunks 2 col, 2 col + 1
+    int r = r0 + ct / CH, col = ct % CH;
+#pragma unroll kUnroll
+    for (int i = 0; i < (kN * CH + NT - 1) / NT; ++i, r += NT / CH, col += NT % CH) {
+      if (col >= CH) {
+        col -= CH;
+        ++r;
+      }
+      if (r >= r1) break;
+      uint8_t* d0 = dst + swz<kN>(r, 2 * col);
+      uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
+      if (r < nvalid) {
+        convert16<false>(*reinterpret_cast<const uint4*>(raw + r * RAW + col * 16), 1.0f, d0, d1);
+      } else {
+        *reinterpret_cast<uint4*>(d0) = zero;
+        *reinterpret_cast<uint4*>(d1) = zero;
+      }
+    }
+  } else if constexpr (FMT == kFmtDs) {
+    constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
+    int r = r0 + ct / kPer, col = ct % kPer;
+#pragma unroll kUnroll
+    for (int i = 0; i < (kN * kPer + NT - 1) / NT; ++i, r += NT / kPer, col += NT % kPer) {
+      if (col >= kPer) {
+        col -= kPer;
+        ++r;
+      }
+      if (r >= r1) break;
+      const uint8_t* row = raw + r * RAW;
+      if (col < kMlaRank / 16) {
+        uint8_t* d0 = dst + swz<kN>(r, 2 * col);
+        uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
+        if (r < nvalid) {
+          const float sc = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
+          convert16<true>(*reinterpret_cast<const uint4*>(row + col * 16), sc, d0, d1);
+        } else {
+          *reinterpret_cast<uint4*>(d0) = zero;
+          *reinterpret_cast<uint4*>(d1) = zero;
+        }
+      } else {
+        const int rc = col - kMlaRank / 16;
+        *reinterpret_cast<uint4*>(dst + swz<kN>(r, kMlaRank * 2 / 16 + rc)) =
+            r < nvalid ? *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16) : zero;
+      }
+    }
+  }
+}
+
 template <int FMT, bool SPLIT>
 __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -213,9 +277,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   uint8_t* sK = sQ + kQBytes;
   uint8_t* sRaw = sK + NB * kTileBytes;                          // fp8: raw stages
   float4* sS = reinterpret_cast<float4*>(sRaw + NR * kN * RAW);  // two exchange buffers (by tile parity)
-  const uint32_t bars = smem_u32(sS) + 2 * kSBytes;              // full[3], empty[3] mbarriers
+  const uint32_t bars = smem_u32(sS) + 2 * kSBytes;              // full[3], empty[3], fp8: conv[2], done[2] mbarriers
   auto full_bar = [&](int i) { return bars + 8 * i; };
   auto empty_bar = [&](int i) { return bars + 24 + 8 * i; };
+  auto conv_bar = [&](int i) { return bars + 48 + 8 * i; };  // producer rows of bf16 buffer i converted
+  auto done_bar = [&](int i) { return bars + 64 + 8 * i; };  // P.V has read bf16 buffer i
+  const int conv_rows = kBf ? 0 : p.conv_rows;
 
   const int hb = min(p.heads, kM);
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -247,8 +314,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   if (tid == 0) {
     for (int i = 0; i < (kBf ? NB : NR); ++i) {  // fp8: full/empty of the raw stages
       mbar_init(full_bar(i), kBf ? kProducerThreads : 1);
-      mbar_init(empty_bar(i), 8);  // lane 0 of each consumer warp
+      // lane 0 of each consumer warp (and, for an fp8 raw stage, of each converting producer warp)
+      mbar_init(empty_bar(i), conv_rows > 0 ? 8 + 3 : 8);
     }
+    if (conv_rows > 0)
+      for (int i = 0; i < 2; ++i) {
+        mbar_init(conv_bar(i), 3);  // lane 0 of producer warps 1-3
+        mbar_init(done_bar(i), 8);  // lane 0 of each consumer warp
+      }
     mbar_fence_init();
   }
   __syncthreads();
@@ -261,9 +334,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
     const int pw = warp - 8;  // producer warp 0..3
     static_assert(kN == 4 * 8 && kChunks == 2 * 32 + 8, "the bf16 producer's row and chunk mapping");
     const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+    // Token -> (page, slot): a shift and a mask when the page is a power of two.
+    auto in_page = [&](int tok) { return p.page_shift >= 0 ? tok & (p.page - 1) : tok % p.page; };
     auto fetch_blk = [&](int t) -> int32_t {
       const int tok = start + t * kN + lane;
-      return t < ntiles && tok < end ? table[tok / p.page] : 0;
+      return t < ntiles && tok < end ? table[p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page] : 0;
     };
     if constexpr (!kBf) {
       // fp8: one warp issues a bulk copy per token of each raw tile; the math warpgroups convert.
@@ -279,9 +354,25 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
           if (lane < nvalid)
             bulk_g2s(smem_u32(sRaw + (t % NRS) * (kN * RAW) + lane * RAW),
                      p.cache + static_cast<int64_t>(blk) * p.block_stride +
-                         static_cast<int64_t>((tok0 + lane) % p.page) * p.token_stride,
+                         static_cast<int64_t>(in_page(tok0 + lane)) * p.token_stride,
                      RAW, bar);
           blk = nblk;
+        }
+      } else if (conv_rows > 0) {
+        // Producer warps 1-3 convert rows [0, conv_rows) of every tile into its bf16 buffer as soon
+        // as P.V has released that buffer, ahead of the math warps, which convert the rest.
+        for (int t = 0; t < ntiles; ++t) {
+          if (t >= 2) mbar_wait(done_bar(t % 2), (t / 2 - 1) & 1);
+          mbar_wait(full_bar(t % NRS), (t / NRS) & 1);
+          const int nvalid = min(kN, end - (start + t * kN));
+          convert_rows<FMT, 96>(sRaw + (t % NRS) * (kN * RAW), sK + (t % NB) * kTileBytes, nvalid, 0, conv_rows,
+                                tid - 9 * 32);
+          fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) {
+            mbar_arrive(empty_bar(t % NRS));
+            mbar_arrive(conv_bar(t % 2));
+          }
         }
       }
     } else {
@@ -305,7 +396,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
           const uint8_t* rb = nullptr;
           if (tok < end)
             rb = p.cache + static_cast<int64_t>(blk) * p.block_stride +
-                 static_cast<int64_t>(tok % p.page) * p.token_stride;
+                 static_cast<int64_t>(in_page(tok)) * p.token_stride;
           const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
           // Producer warp pw copies rows 8 pw .. 8 pw + 7; lane l copies chunks l, l + 32 and
           // (l < 8) l + 64 of each, which share the in-row swizzle slot l % 8 and lie 4 column
@@ -476,65 +567,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
     wgmma_commit();
   };
 
-  // fp8: raw tile t (landed by bulk copies) converted into bf16 buffer t % 2 by all 256 math
-  // threads, made visible to the async proxy, raw stage handed back. Rows past the end are zero.
+  // fp8: raw tile t (landed by bulk copies) converted into bf16 buffer t % 2: rows [conv_rows, 32)
+  // by the 256 math threads, rows [0, conv_rows) by producer warps 1-3 (awaited on conv[t % 2]);
+  // made visible to the async proxy, raw stage handed back. Rows past the end are zero.
   auto convert_tile = [&](int t) {
     mbar_wait(full_bar(t % NRS), (t / NRS) & 1);
     const int nvalid = min(kN, end - (start + t * kN));
-    const uint8_t* raw = sRaw + (t % NRS) * (kN * RAW);
-    uint8_t* dst = sK + (t % NB) * kTileBytes;
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    if constexpr (FMT == kFmtFp8) {
-      constexpr int CH = RAW / 16;  // 36 raw chunks per row -> bf16 chunks 2 col, 2 col + 1
-      // Chunk tid + 256 i is (row r, chunk col), stepped without division.
-      int r = tid / CH, col = tid % CH;
-#pragma unroll
-      for (int i = 0; i < (kN * CH + 255) / 256; ++i, r += 256 / CH, col += 256 % CH) {
-        if (col >= CH) {
-          col -= CH;
-          ++r;
-        }
-        if (r >= kN) break;
-        uint8_t* d0 = dst + swz<kN>(r, 2 * col);
-        uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
-        if (r < nvalid) {
-          convert16<false>(*reinterpret_cast<const uint4*>(raw + r * RAW + col * 16), 1.0f, d0, d1);
-        } else {
-          *reinterpret_cast<uint4*>(d0) = zero;
-          *reinterpret_cast<uint4*>(d1) = zero;
-        }
-      }
-    } else if constexpr (FMT == kFmtDs) {
-      constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
-      int r = tid / kPer, col = tid % kPer;                    // chunk tid + 256 i, stepped without division
-#pragma unroll
-      for (int i = 0; i < (kN * kPer + 255) / 256; ++i, r += 256 / kPer, col += 256 % kPer) {
-        if (col >= kPer) {
-          col -= kPer;
-          ++r;
-        }
-        if (r >= kN) break;
-        const uint8_t* row = raw + r * RAW;
-        if (col < kMlaRank / 16) {
-          uint8_t* d0 = dst + swz<kN>(r, 2 * col);
-          uint8_t* d1 = dst + swz<kN>(r, 2 * col + 1);
-          if (r < nvalid) {
-            const float sc = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
-            convert16<true>(*reinterpret_cast<const uint4*>(row + col * 16), sc, d0, d1);
-          } else {
-            *reinterpret_cast<uint4*>(d0) = zero;
-            *reinterpret_cast<uint4*>(d1) = zero;
-          }
-        } else {
-          const int rc = col - kMlaRank / 16;
-          *reinterpret_cast<uint4*>(dst + swz<kN>(r, kMlaRank * 2 / 16 + rc)) =
-              r < nvalid ? *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16) : zero;
-        }
-      }
-    }
+    convert_rows<FMT, 256>(sRaw + (t % NRS) * (kN * RAW), sK + (t % NB) * kTileBytes, nvalid, conv_rows, kN, tid);
     fence_proxy_async();
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
     if (lane == 0) mbar_arrive(empty_bar(t % NRS));
+    if (conv_rows > 0) mbar_wait(conv_bar(t % 2), (t / 2) & 1);
   };
 
   if constexpr (kBf)
@@ -591,6 +634,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
       fence_regs(acc);
       fence_pa();
       __syncwarp();
+      if (conv_rows > 0 && lane == 0) mbar_arrive(done_bar(t % 2));  // P.V(t) and S(t) read buffer t % 2
       if (t + 1 < ntiles) {
         float al0, al1;
         softmax(t + 1, pa, al0, al1);
@@ -667,7 +711,13 @@ cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_wgmma(const KParams& k0, int fmt, int batch, cudaStream_t stream) {
+  KParams k = k0;
+  static const int env_rows = [] {
+    const char* e = std::getenv("KVFERRY_MLA_CONV_ROWS");
+    return e ? std::atoi(e) : -1;
+  }();
+  k.conv_rows = env_rows >= 0 && env_rows <= kN ? env_rows : 12;
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);
     case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, stream);

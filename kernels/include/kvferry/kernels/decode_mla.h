@@ -34,8 +34,9 @@
 //    the 128-byte-swizzled layout that serves both as the K-major operand of Q K^T and as the
 //    transposed V operand of P V. A third, producer warpgroup feeds the tiles (mbarrier
 //    hand-over): a bf16 cache by cp.async straight into that layout, fp8 caches by bulk copies
-//    of the raw rows, which the math warpgroups convert while the tensor cores run the previous
-//    tile (with a bf16 cache they run the next tile's softmax meanwhile). Warpgroup w computes
+//    of the raw rows, which three producer warps (a third of each tile's rows, ahead) and the
+//    math warpgroups (the rest, while the tensor cores run the previous tile) convert (with a
+//    bf16 cache the math warpgroups run the next tile's softmax meanwhile). Warpgroup w computes
 //    the partial S over half of the 576 depth (m64n32k16), the two halves are exchanged through
 //    shared memory and added (in either order the same bits), and it owns 256 output columns
 //    (m64n256k16, P from registers). At 128 heads two CTAs (adjacent in the grid, so the second
