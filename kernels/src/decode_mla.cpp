@@ -204,33 +204,19 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   if (p.batch <= 0 || sm_count <= 0) return 1;
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
-  if (decode_mla_resolved_mma(p) == 2) {
-    // One CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange).
-    const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
-    const int64_t cap = std::clamp<int64_t>(max_tokens / 128, 1, kDecodeMlaMaxSplits);
-    int32_t best = 1;
-    double best_cost = 1e30;
-    for (int32_t s = 1; s <= cap; ++s) {
-      const int64_t ctas = static_cast<int64_t>(p.batch) * groups * s;
-      const double waves = static_cast<double>((ctas + sm_count - 1) / sm_count);
-      const double cost = waves / s + 0.01 * s;
-      if (cost < best_cost) {
-        best_cost = cost;
-        best = s;
-      }
-    }
-    return best;
+  int per_sm = 1;  // wgmma: one CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange)
+  if (decode_mla_resolved_mma(p) != 2) {
+    // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with
+    // two, and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S
+    // exchange of NW * 2 KiB per 16 heads; 228 KiB per SM).
+    const int nw = decode_mla_resolved_group_warps(p);
+    const int row = (kMlaDim + 8) * 2, tile = 32 * row;
+    const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
+    const int raw = static_cast<int>(p.format.bytes_per_token());
+    const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * nw * 2048;
+    const int regs = hb / 16 * nw * 32 * (nw == 4 ? 128 : 240);
+    per_sm = std::max(1, std::min(65536 / regs, 228 * 1024 / (smem + 1024)));
   }
-  // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with two,
-  // and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S exchange of
-  // NW * 2 KiB per 16 heads; 228 KiB per SM).
-  const int nw = decode_mla_resolved_group_warps(p);
-  const int row = (kMlaDim + 8) * 2, tile = 32 * row;
-  const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
-  const int raw = static_cast<int>(p.format.bytes_per_token());
-  const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * nw * 2048;
-  const int regs = hb / 16 * nw * 32 * (nw == 4 ? 128 : 240);
-  const int per_sm = std::max(1, std::min(65536 / regs, 228 * 1024 / (smem + 1024)));
   const int64_t slots = static_cast<int64_t>(sm_count) * per_sm;
   const int64_t max_tokens = p.block_table_stride * std::max<int64_t>(p.cache.size(1), 1);
   // Each split should keep at least 4 tiles of 32 tokens, or the merge costs more than it gains.
