@@ -16,15 +16,26 @@
 #include <cmath>
 
 #include "decode_mla_internal.h"
+#include "decode_mla_ptx.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry {
 namespace {
 
+using mla_detail::bulk_g2s;
+using mla_detail::cp_async16;
+using mla_detail::cp_async_commit;
+using mla_detail::cp_async_wait;
+using mla_detail::fence_proxy_async;
 using mla_detail::kFmtBf16;
 using mla_detail::kFmtDs;
 using mla_detail::kFmtFp8;
 using mla_detail::KParams;
+using mla_detail::mbar_expect_tx;
+using mla_detail::mbar_fence_init;
+using mla_detail::mbar_init;
+using mla_detail::mbar_wait;
+using mla_detail::smem_u32;
 
 constexpr int kTileN = 32;                      // tokens per K tile
 constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
@@ -52,47 +63,6 @@ struct Fmt<kFmtDs> {
   static constexpr int kRaw = kMlaDsBytes;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Bulk copies (the TMA engine) completing on an mbarrier: one instruction moves a whole entry and
-// the bytes in flight are not bounded by the SM's per-thread miss tracking as cp.async's are.
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy (bulk copy) writes.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Barrier of the four warps (128 threads) that share a head group.
 // Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
 template <int NW>
