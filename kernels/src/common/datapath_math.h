@@ -42,15 +42,17 @@ KVFERRY_HOST_DEVICE float abs_f(float x) { return bits_float(float_bits(x) & 0x7
 /// fp8_ds tile scale from the tile's amax: max(amax / 448, FLT_MIN).
 KVFERRY_HOST_DEVICE float ds_tile_scale(float amax) { return fmax_f(div_rn(amax, 448.0f), FLT_MIN); }
 
+/// s rounded up to a power of two (ue8m0 scales); s is a positive normal float here.
+KVFERRY_HOST_DEVICE float ue8m0_round_up(float s) {
+  uint32_t u = float_bits(s);
+  if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
+  return bits_float(u);
+}
+
 /// Indexer scale: max(amax, 1e-4) / 448, optionally rounded up to a power of two (ue8m0).
 KVFERRY_HOST_DEVICE float indexer_scale(float amax, bool ue8m0) {
-  float s = div_rn(fmax_f(amax, 1e-4f), 448.0f);
-  if (ue8m0) {
-    uint32_t u = float_bits(s);
-    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;  // next power of two (s is normal here)
-    s = bits_float(u);
-  }
-  return s;
+  const float s = div_rn(fmax_f(amax, 1e-4f), 448.0f);
+  return ue8m0 ? ue8m0_round_up(s) : s;
 }
 
 /// float -> e4m3, saturating RNE. On sm_89+ the hardware cvt.rn.satfinite (the same rounding as
@@ -157,33 +159,29 @@ KVFERRY_HOST_DEVICE float quot_fast(float x, const QDiv& d) {
   return x == 0.0f ? q0 : q2;
 }
 
-/// ds_tile_scale with the division by 448 done by quot_fast where that is exact (amax in
-/// [2^-90, 2^100], where no step leaves the normal range); equal to ds_tile_scale for every amax.
-KVFERRY_HOST_DEVICE float ds_tile_scale_fast(float amax) {
-  const uint32_t e = (float_bits(amax) >> 23) & 0xffu;
-  if (e < 37u || e > 226u || (float_bits(amax) >> 31) != 0u) return ds_tile_scale(amax);
+/// RN(a / 448) by quot_fast: exact for a in [2^-90, 2^100], where no step leaves the normal range.
+KVFERRY_HOST_DEVICE float div448_fast(float a) {
   QDiv d;
   d.s = 448.0f;
   d.y = recip_rn(448.0f);
   d.fast = true;
-  return fmax_f(quot_fast(amax, d), FLT_MIN);
+  return quot_fast(a, d);
+}
+
+/// ds_tile_scale with the division by 448 done by div448_fast where that is exact; equal to
+/// ds_tile_scale for every amax.
+KVFERRY_HOST_DEVICE float ds_tile_scale_fast(float amax) {
+  const uint32_t e = (float_bits(amax) >> 23) & 0xffu;
+  if (e < 37u || e > 226u || (float_bits(amax) >> 31) != 0u) return ds_tile_scale(amax);
+  return fmax_f(div448_fast(amax), FLT_MIN);
 }
 
 /// indexer_scale likewise (its amax is at least 1e-4 after the clamp).
 KVFERRY_HOST_DEVICE float indexer_scale_fast(float amax, bool ue8m0) {
   const float a = fmax_f(amax, 1e-4f);
   if (((float_bits(a) >> 23) & 0xffu) > 226u) return indexer_scale(amax, ue8m0);
-  QDiv d;
-  d.s = 448.0f;
-  d.y = recip_rn(448.0f);
-  d.fast = true;
-  float s = quot_fast(a, d);
-  if (ue8m0) {
-    uint32_t u = float_bits(s);
-    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
-    s = bits_float(u);
-  }
-  return s;
+  const float s = div448_fast(a);
+  return ue8m0 ? ue8m0_round_up(s) : s;
 }
 
 /// e4m3(x / s) for two values (a in the low byte) when d.fast; false (and the caller divides
