@@ -515,17 +515,31 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
       });
 }
 
-// ---- indexer: kVec-byte loads, 256 / kVec lanes per 128-value row (16 lanes and two rows per
-// warp access with 16-byte loads), kRows rows per item ----
+// ---- indexer ----
 
-template <int kVec, bool kBf16 = true>
-__global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const IndexerWriteParams p) {
+/// The slots of an indexer item's rows: row u * kPer + sub of item i (item of kOps * kPer rows),
+/// -1 past the end.
+template <int kOps, int kPer>
+__device__ __forceinline__ Slots<kOps, int64_t> indexer_slots(const IndexerWriteParams& p, int64_t i, int sub) {
+  Slots<kOps, int64_t> o;
+#pragma unroll
+  for (int u = 0; u < kOps; ++u) {
+    const int64_t n = i * (kOps * kPer) + u * kPer + sub;
+    o.s[u] = n < p.tokens ? p.slots[n] : -1;
+  }
+  return o;
+}
+
+/// The indexer for rows that are not 16-byte aligned: 8-byte loads, 32 lanes per 128-value row,
+/// kRows rows per item.
+template <bool kBf16 = true>
+__global__ void __launch_bounds__(kThreads, 3) indexer_write_narrow_kernel(const IndexerWriteParams p) {
+  constexpr int kVec = 8;                             // bytes per load
   constexpr int kLanes = 2 * kIndexerHeadDim / kVec;  // lanes per row
   constexpr int kPer = 32 / kLanes;                   // rows per warp-wide access
   constexpr int kE = kVec / 2;                        // values per lane
   constexpr int kOps = 2;                             // accesses per lane and item
   constexpr int kRows = kOps * kPer;                  // rows per item
-  using Vec = std::conditional_t<kVec == 16, uint4, uint2>;
   const int lane = threadIdx.x & 31, hl = lane % kLanes, sub = lane / kLanes;
   const int64_t bs = p.cache.view.sizes[1];
   const Div dbs = make_div(bs);
@@ -534,26 +548,17 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const Indexe
   const int64_t row_bytes = p.k_stride * 2;
   const int64_t items = (p.tokens + kRows - 1) / kRows;
   struct In {
-    Vec raw[kOps];
+    uint2 raw[kOps];
   };
   pipeline(
-      items,
-      [&](int64_t i) {
-        Slots<kOps, int64_t> o;
-#pragma unroll
-        for (int u = 0; u < kOps; ++u) {
-          const int64_t n = i * kRows + u * kPer + sub;
-          o.s[u] = n < p.tokens ? p.slots[n] : -1;
-        }
-        return o;
-      },
+      items, [&](int64_t i) { return indexer_slots<kOps, kPer>(p, i, sub); },
       [&](int64_t i, const Slots<kOps, int64_t>&) {
         In in;
 #pragma unroll
         for (int u = 0; u < kOps; ++u) {
           const int64_t n = i * kRows + u * kPer + sub;
-          in.raw[u] = Vec{};
-          if (n < p.tokens) in.raw[u] = *reinterpret_cast<const Vec*>(k + n * row_bytes + kVec * hl);
+          in.raw[u] = uint2{};
+          if (n < p.tokens) in.raw[u] = ld_v8(k + n * row_bytes + kVec * hl);
         }
         return in;
       },
@@ -579,10 +584,7 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_kernel(const Indexe
             divmod(sl.s[u], dbs, blk, off);
             uint8_t* block = p.cache.entry(blk, 0);
             uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
-            if constexpr (kE == 8)
-              st_v8(vals, pow2 ? quant8<true>(x, r) : quant8(x, r));
-            else
-              *reinterpret_cast<uint32_t*>(vals) = pow2 ? quant4<true>(x, r) : quant4(x, r);
+            *reinterpret_cast<uint32_t*>(vals) = pow2 ? quant4<true>(x, r) : quant4(x, r);
             if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
           }
         }
@@ -607,16 +609,7 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
     uint4 a[kOps], b[kOps];
   };
   pipeline(
-      items,
-      [&](int64_t i) {
-        Slots<kOps, int64_t> o;
-#pragma unroll
-        for (int u = 0; u < kOps; ++u) {
-          const int64_t n = i * kRows + 4 * u + sub;
-          o.s[u] = n < p.tokens ? p.slots[n] : -1;
-        }
-        return o;
-      },
+      items, [&](int64_t i) { return indexer_slots<kOps, 4>(p, i, sub); },
       [&](int64_t i, const Slots<kOps, int64_t>&) {
         In in;
 #pragma unroll
@@ -1448,8 +1441,8 @@ cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t strea
   if (p.tokens == 0) return cudaSuccess;
   const bool bf16 = p.input_dtype == DType::kBF16;
   if (!aligned(p.k, 16) || (p.k_stride * 2) % 16 != 0)
-    return bf16 ? go<indexer_write_kernel<8>>(p, p.tokens, 2, stream)
-                : go<indexer_write_kernel<8, false>>(p, p.tokens, 2, stream);
+    return bf16 ? go<indexer_write_narrow_kernel<true>>(p, p.tokens, 2, stream)
+                : go<indexer_write_narrow_kernel<false>>(p, p.tokens, 2, stream);
   if (!bf16)
     return use_staged(false) ? go<indexer_write_staged_kernel<false>>(p, p.tokens, 4, stream)
                              : go<indexer_write_wide_kernel<false>>(p, p.tokens, 8, stream);
