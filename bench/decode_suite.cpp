@@ -247,6 +247,10 @@ int run_decode(const Options& opts) {
         if (mma == 2)
           std::snprintf(note, sizeof note, "%.0f GB/s, %.0f TFLOP/s, splits %d, wgmma, H200 target %.0f us",
                         kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us);
+        else if (kind != FormatKind::kMlaBf16)  // the fp8 kernel: its own fixed layout
+          std::snprintf(note, sizeof note,
+                        "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync fp8 in registers, H200 target %.0f us",
+                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us);
         else
           std::snprintf(
               note, sizeof note, "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync %s %d warps/16h, H200 target %.0f us",

@@ -2,6 +2,8 @@
 // request-boundary validation shared with the CUDA launcher.
 #include "kvferry/kernels/decode_mla.h"
 
+#include "decode_mla_shape.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -16,8 +18,8 @@ namespace {
 
 Status bad(const std::string& m) { return {ErrorCode::kInvalidArgument, "decode_mla: " + m}; }
 
-// One token's 576 dequantized values (the contract of decode_mla.h), as float.
-void load_entry(const DecodeMlaParams& p, const uint8_t* e, float* k) {
+// One token's 576 dequantized values (the contract of decode_mla.h), in float64 (exact for every format).
+void load_entry(const DecodeMlaParams& p, const uint8_t* e, double* k) {
   switch (p.format.kind) {
     case FormatKind::kMlaBf16:
       for (int d = 0; d < kMlaDim; ++d) {
@@ -32,7 +34,7 @@ void load_entry(const DecodeMlaParams& p, const uint8_t* e, float* k) {
     case FormatKind::kMlaFp8Ds: {
       float s[kMlaTiles];
       std::memcpy(s, e + kMlaDsScaleOffset, sizeof s);
-      for (int d = 0; d < kMlaRank; ++d) k[d] = bf16_to_float(float_to_bf16(e4m3_to_float(e[d]) * s[d / kMlaTile]));
+      for (int d = 0; d < kMlaRank; ++d) k[d] = static_cast<double>(e4m3_to_float(e[d])) * s[d / kMlaTile];
       for (int i = 0; i < kMlaRope; ++i) {
         uint16_t h;
         std::memcpy(&h, e + kMlaDsRopeOffset + 2 * i, 2);
@@ -73,7 +75,7 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
   if (p.batch < 0 || p.batch > 65535) return bad("batch = " + std::to_string(p.batch) + " is outside [0, 65535]");
   if (p.heads != 16 && p.heads != 32 && p.heads != 64 && p.heads != 128)
     return bad("heads = " + std::to_string(p.heads) + " must be one of 16, 32, 64, 128");
-  if (!std::isfinite(p.sm_scale)) return bad("sm_scale is not finite");
+  if (!std::isfinite(p.sm_scale) || p.sm_scale <= 0) return bad("sm_scale must be finite and > 0");
   if (!std::isfinite(p.k_scale) || p.k_scale <= 0) return bad("k_scale must be finite and > 0");
   if (f.kind != FormatKind::kMlaFp8 && p.k_scale != 1.0f)
     return bad("k_scale = " + std::to_string(p.k_scale) + " but only mla_fp8 has a per-tensor scale (must be 1)");
@@ -122,8 +124,7 @@ Status decode_mla_cpu(const DecodeMlaParams& p) {
   const bool fp8 = p.format.kind == FormatKind::kMlaFp8;
   const double vscale = fp8 ? p.k_scale : 1.0;
   const double xscale = static_cast<double>(p.sm_scale) * vscale;
-  std::vector<float> k;
-  std::vector<double> x, acc(kMlaRank);
+  std::vector<double> k, x, acc(kMlaRank);
   for (int32_t b = 0; b < p.batch; ++b) {
     const int64_t n = p.seq_lens[b];
     k.assign(static_cast<size_t>(n) * kMlaDim, 0.0f);
@@ -144,7 +145,7 @@ Status decode_mla_cpu(const DecodeMlaParams& p) {
       }
       double m = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < n; ++j) {
-        const float* kj = &k[static_cast<size_t>(j) * kMlaDim];
+        const double* kj = &k[static_cast<size_t>(j) * kMlaDim];
         double s = 0;
         for (int d = 0; d < kMlaDim; ++d) s += static_cast<double>(bf16_to_float(q[d])) * kj[d];
         x[j] = s * xscale;
@@ -155,7 +156,7 @@ Status decode_mla_cpu(const DecodeMlaParams& p) {
       for (int64_t j = 0; j < n; ++j) {
         const double w = std::exp(x[j] - m);
         l += w;
-        const float* kj = &k[static_cast<size_t>(j) * kMlaDim];
+        const double* kj = &k[static_cast<size_t>(j) * kMlaDim];
         for (int d = 0; d < kMlaRank; ++d) acc[d] += w * kj[d];
       }
       for (int d = 0; d < kMlaRank; ++d) o[d] = float_to_bf16(static_cast<float>(acc[d] / l * vscale));
@@ -173,22 +174,18 @@ size_t decode_mla_workspace_bytes(int32_t batch, int32_t heads, int32_t num_spli
 
 int32_t decode_mla_resolved_loader(const DecodeMlaParams& p) {
   if (p.loader == 1 || p.loader == 2) return p.loader;
-  // Measured on an H200 (batch 64, 4096 tokens): bulk copies win where the kernel waits on memory
-  // (bf16 cache, 16 heads: 95 vs 106 us); where it is compute-bound (fp8 caches, whose tiles are
-  // converted in shared memory, and 128 heads) cp.async was faster (bf16 at 128 heads 407 vs 486
-  // us, mla_fp8 at 16 heads 126 vs 144 us).
-  return p.format.kind == FormatKind::kMlaBf16 && p.heads <= 32 ? 1 : 2;
+  // Measured on an H200 (batch 64, 4096 tokens, bf16 cache): bulk copies win where the kernel
+  // waits on memory (16 heads: 95 vs 106 us); at 128 heads, where it is compute-bound, cp.async
+  // was faster (407 vs 486 us). (fp8 caches run their own kernel, always with bulk copies.)
+  return p.heads <= 32 ? 1 : 2;
 }
 
 int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
   if (p.group_warps == 2 || p.group_warps == 4) return p.group_warps;
-  // Measured on an H200 (batch 64, 4096 tokens, page 64), four vs two warps per 16 heads: fp8
-  // caches at 16 heads 126 vs 151 us (mla_fp8_ds 143 vs 183), where 2x the threads share the
-  // shared-memory conversion; bf16 at 16 heads 105 vs 95 us and every format at 128 heads slower
-  // (bf16 507 vs 407, mla_fp8 551 vs 473, mla_fp8_ds 577 vs 508), where the 16 warps of a 64-head
-  // CTA run in lockstep and the shorter mma chains expose more latency.
-  const bool fp8 = p.format.kind == FormatKind::kMlaFp8 || p.format.kind == FormatKind::kMlaFp8Ds;
-  return fp8 && p.heads <= 32 ? 4 : 2;
+  // Measured on an H200 (batch 64, 4096 tokens, page 64, bf16 cache), four vs two warps per 16
+  // heads: 105 vs 95 us at 16 heads, 507 vs 407 at 128, where the 16 warps of a 64-head CTA run in
+  // lockstep and the shorter mma chains expose more latency. (fp8 caches run their own kernel.)
+  return 2;
 }
 
 int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
@@ -205,7 +202,12 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
   int per_sm = 1;  // wgmma: one CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange)
-  if (decode_mla_resolved_mma(p) != 2) {
+  const bool fp8 = p.format.kind == FormatKind::kMlaFp8 || p.format.kind == FormatKind::kMlaFp8Ds;
+  if (decode_mla_resolved_mma(p) != 2 && fp8) {
+    // The fp8 kernel (decode_mla_fp8.cu): four warps per 16 heads, 128 registers at most.
+    const bool ds = p.format.kind == FormatKind::kMlaFp8Ds;
+    per_sm = std::max(1, mla_detail::fp8_ctas_per_sm(ds, hb, mla_detail::fp8_stages(hb)));
+  } else if (decode_mla_resolved_mma(p) != 2) {
     // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with
     // two, and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S
     // exchange of NW * 2 KiB per 16 heads; 228 KiB per SM).

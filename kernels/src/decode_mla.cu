@@ -48,21 +48,6 @@ constexpr int group_s_bytes() {
   return NW * 4 * 32 * 16;
 }
 
-template <int FMT>
-struct Fmt;
-template <>
-struct Fmt<kFmtBf16> {
-  static constexpr int kRaw = kMlaBf16Bytes;
-};
-template <>
-struct Fmt<kFmtFp8> {
-  static constexpr int kRaw = kMlaFp8Bytes;
-};
-template <>
-struct Fmt<kFmtDs> {
-  static constexpr int kRaw = kMlaDsBytes;
-};
-
 // Barrier of the four warps (128 threads) that share a head group.
 // Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
 template <int NW>
@@ -99,37 +84,9 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// Two e4m3 bytes (low byte first) -> two floats, exact (e4m3 is a subset of fp16).
-__device__ __forceinline__ float2 e4m3x2_to_float2(uint16_t v) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
-  return __half22float2(__half2(h));
-}
-
-// 16 e4m3 bytes -> 16 bf16 (times `s`, rounded once from fp32) written as two 16-byte stores.
-// With s = 1 (mla_fp8) the product is exact, so mla_fp8 and mla_fp8_ds with unit scales fill the
-// tile with the same bits.
-__device__ __forceinline__ void convert16(const uint4 raw, float s, uint4* dst) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t out[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 a = e4m3x2_to_float2(static_cast<uint16_t>(w[i] & 0xffffu));
-    float2 b = e4m3x2_to_float2(static_cast<uint16_t>(w[i] >> 16));
-    a.x = __fmul_rn(a.x, s);
-    a.y = __fmul_rn(a.y, s);
-    b.x = __fmul_rn(b.x, s);
-    b.y = __fmul_rn(b.y, s);
-    out[2 * i] = pack_bf16(a.x, a.y);
-    out[2 * i + 1] = pack_bf16(b.x, b.y);
-  }
-  dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
-  dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
-}
-
-template <int FMT, int HB, int NW>
+template <int HB, int NW>
 constexpr int smem_bytes() {
-  return 16 + HB * kRowBytes + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes +
-         (FMT == kFmtBf16 ? 0 : 2 * kTileN * Fmt<FMT>::kRaw) + HB / 16 * group_s_bytes<NW>();
+  return 16 + HB * kRowBytes + 2 * kTileBytes + HB / 16 * group_s_bytes<NW>();
 }
 
 // Threads of a CTA of HB heads with NW warps per 16 heads.
@@ -144,20 +101,19 @@ __host__ __device__ constexpr int min_ctas() {
   return NW == 4 ? 65536 / (threads<HB, NW>() * 128) : 1;
 }
 
-template <int FMT, int HB, int NW, bool SPLIT, bool BULK>
+template <int HB, int NW, bool SPLIT, bool BULK>
 __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_mla_kernel(const KParams p) {
   constexpr int NT = threads<HB, NW>();
   constexpr int kWarpCols = kMlaRank / NW;  // output columns per warp (256 or 128)
   constexpr int kWarpDepth = kMlaDim / NW;  // QK depth per warp (288 or 144: 18 or 9 k16 steps)
-  constexpr int RAW = Fmt<FMT>::kRaw;
-  constexpr int CH = RAW / 16;                                // 16-byte chunks per cache entry
-  constexpr int kDstRow = FMT == kFmtBf16 ? kRowBytes : RAW;  // row pitch of the tile the loader fills
+  constexpr int RAW = kMlaBf16Bytes;
+  constexpr int CH = RAW / 16;        // 16-byte chunks per cache entry
+  constexpr int kDstRow = kRowBytes;  // row pitch of the tile the loader fills
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* sQ = smem + 16;                                      // smem[0, 16): the two stages' mbarriers
-  uint8_t* sK = sQ + HB * kRowBytes;                            // 2 stages (bf16) or 1 (fp8)
-  uint8_t* sRaw = sK + (FMT == kFmtBf16 ? 2 : 1) * kTileBytes;  // fp8 only: 2 raw stages
+  uint8_t* sQ = smem + 16;            // smem[0, 16): the two stages' mbarriers
+  uint8_t* sK = sQ + HB * kRowBytes;  // 2 stages
   // S partials: [group][warp][n-tile][lane] float4, each lane's own fragment (conflict-free).
-  float4* sS = reinterpret_cast<float4*>(sRaw + (FMT == kFmtBf16 ? 0 : 2 * kTileN * RAW));
+  float4* sS = reinterpret_cast<float4*>(sK + 2 * kTileBytes);
   const uint32_t bar0 = smem_u32(smem);
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -214,7 +170,7 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
     if (warp != 0) return;
     const int tok0 = start + t * kTileN;
     const int nvalid = min(kTileN, end - tok0);
-    uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
+    uint8_t* dst0 = sK + stage * kTileBytes;
     for (int i = lane; i < (kTileN - nvalid) * CH; i += 32)
       *reinterpret_cast<uint4*>(dst0 + (nvalid + i / CH) * kDstRow + (i % CH) * 16) = make_uint4(0, 0, 0, 0);
     fence_proxy_async();
@@ -237,7 +193,7 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
       rb = p.cache + blk * p.block_stride + static_cast<int64_t>(tok % p.page) * p.token_stride;
     }
     const unsigned long long rbits = reinterpret_cast<unsigned long long>(rb);
-    uint8_t* dst0 = FMT == kFmtBf16 ? sK + stage * kTileBytes : sRaw + stage * (kTileN * RAW);
+    uint8_t* dst0 = sK + stage * kTileBytes;
     constexpr int kItems = kTileN * CH;
 #pragma unroll 4
     for (int i = 0; i < (kItems + NT - 1) / NT; ++i) {
@@ -295,35 +251,7 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
       cp_async_wait<0>();
     }
     __syncthreads();
-    uint8_t* tile = sK;
-    if constexpr (FMT == kFmtBf16) {
-      tile = sK + (t & 1) * kTileBytes;
-    } else {
-      const uint8_t* raw = sRaw + (t & 1) * (kTileN * RAW);
-      if constexpr (FMT == kFmtFp8) {
-        for (int c = tid; c < kTileN * CH; c += NT) {
-          const int r = c / CH, col = c % CH;
-          const uint4 v = *reinterpret_cast<const uint4*>(raw + r * RAW + col * 16);
-          convert16(v, 1.0f, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
-        }
-      } else {
-        constexpr int kPer = kMlaRank / 16 + kMlaRope * 2 / 16;  // 32 nope chunks + 8 rope chunks
-        for (int c = tid; c < kTileN * kPer; c += NT) {
-          const int r = c / kPer, col = c % kPer;
-          const uint8_t* row = raw + r * RAW;
-          if (col < kMlaRank / 16) {
-            const float s = reinterpret_cast<const float*>(row + kMlaDsScaleOffset)[col / (kMlaTile / 16)];
-            const uint4 v = *reinterpret_cast<const uint4*>(row + col * 16);
-            convert16(v, s, reinterpret_cast<uint4*>(sK + r * kRowBytes + col * 32));
-          } else {
-            const int rc = col - kMlaRank / 16;
-            *reinterpret_cast<uint4*>(sK + r * kRowBytes + kMlaRank * 2 + rc * 16) =
-                *reinterpret_cast<const uint4*>(row + kMlaDsRopeOffset + rc * 16);
-          }
-        }
-      }
-      __syncthreads();
-    }
+    const uint8_t* tile = sK + (t & 1) * kTileBytes;
     const uint32_t tile_u32 = smem_u32(tile);
 
     // S = Q K^T for this warp's 16 heads and all 32 tokens over its quarter of the depth; the four
@@ -496,41 +424,38 @@ __global__ void __launch_bounds__(128) decode_mla_merge(const KParams p) {
   if (threadIdx.x == 0) p.lse[bh] = mx + logf(w_sum);
 }
 
-template <int FMT, int HB, int NW, bool SPLIT, bool BULK>
+template <int HB, int NW, bool SPLIT, bool BULK>
 cudaError_t launch_split(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int NT = threads<HB, NW>();
-  constexpr int smem = smem_bytes<FMT, HB, NW>();
-  static const cudaError_t attr = cudaFuncSetAttribute(decode_mla_kernel<FMT, HB, NW, SPLIT, BULK>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  constexpr int smem = smem_bytes<HB, NW>();
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(decode_mla_kernel<HB, NW, SPLIT, BULK>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(k.heads / HB, k.splits, batch);
-  decode_mla_kernel<FMT, HB, NW, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
+  decode_mla_kernel<HB, NW, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
-template <int FMT, int NW, bool SPLIT, bool BULK>
+template <int NW, bool SPLIT, bool BULK>
 cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
   switch (k.heads) {
-    case 16: return launch_split<FMT, 16, NW, SPLIT, BULK>(k, batch, stream);
-    case 32: return launch_split<FMT, 32, NW, SPLIT, BULK>(k, batch, stream);
+    case 16: return launch_split<16, NW, SPLIT, BULK>(k, batch, stream);
+    case 32: return launch_split<32, NW, SPLIT, BULK>(k, batch, stream);
     case 64:
-    case 128: return launch_split<FMT, 64, NW, SPLIT, BULK>(k, batch, stream);
+    case 128: return launch_split<64, NW, SPLIT, BULK>(k, batch, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-template <int FMT, int NW>
+template <int NW>
 cudaError_t launch_nw(const KParams& k, int batch, bool bulk, cudaStream_t stream) {
   if (bulk)
-    return k.splits > 1 ? launch_hb<FMT, NW, true, true>(k, batch, stream)
-                        : launch_hb<FMT, NW, false, true>(k, batch, stream);
-  return k.splits > 1 ? launch_hb<FMT, NW, true, false>(k, batch, stream)
-                      : launch_hb<FMT, NW, false, false>(k, batch, stream);
+    return k.splits > 1 ? launch_hb<NW, true, true>(k, batch, stream) : launch_hb<NW, false, true>(k, batch, stream);
+  return k.splits > 1 ? launch_hb<NW, true, false>(k, batch, stream) : launch_hb<NW, false, false>(k, batch, stream);
 }
 
-template <int FMT>
-cudaError_t launch_fmt(const KParams& k, int batch, bool bulk, int nw, cudaStream_t stream) {
-  return nw == 4 ? launch_nw<FMT, 4>(k, batch, bulk, stream) : launch_nw<FMT, 2>(k, batch, bulk, stream);
+cudaError_t launch_bf16(const KParams& k, int batch, bool bulk, int nw, cudaStream_t stream) {
+  return nw == 4 ? launch_nw<4>(k, batch, bulk, stream) : launch_nw<2>(k, batch, bulk, stream);
 }
 
 // The wgmma kernel exists only in sm_90a code (KVFERRY_MLA_WGMMA, set by kernels/decode_mla.cmake
@@ -611,12 +536,8 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
     if (!wgmma_available()) return cudaErrorInvalidDeviceFunction;
     err = mla_detail::launch_wgmma(k, fmt, p.batch, stream);
   } else {
-    switch (p.format.kind) {
-      case FormatKind::kMlaBf16: err = launch_fmt<kFmtBf16>(k, p.batch, bulk, nw, stream); break;
-      case FormatKind::kMlaFp8: err = launch_fmt<kFmtFp8>(k, p.batch, bulk, nw, stream); break;
-      case FormatKind::kMlaFp8Ds: err = launch_fmt<kFmtDs>(k, p.batch, bulk, nw, stream); break;
-      default: return cudaErrorInvalidValue;
-    }
+    err = fmt == kFmtBf16 ? launch_bf16(k, p.batch, bulk, nw, stream)
+                          : mla_detail::launch_fp8_regs(k, fmt, p.batch, stream);
   }
   if (err != cudaSuccess || splits == 1) return err;
   decode_mla_merge<<<static_cast<unsigned>(p.batch) * p.heads, 128, 0, stream>>>(k);

@@ -36,4 +36,9 @@ struct KParams {
 /// built for sm_90a.
 cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream);
 
+/// Launches the mma.sync kernel for fp8 caches (fmt kFmtFp8 or kFmtDs) that converts the fp8 tile
+/// in registers (decode_mla_fp8.cu): one CTA per request, split and group of up to 64 heads. Writes
+/// o/lse with one split, the fp32 partials otherwise (the caller merges).
+cudaError_t launch_fp8_regs(const KParams& k, int fmt, int batch, cudaStream_t stream);
+
 }  // namespace kvferry::mla_detail

@@ -111,6 +111,27 @@ struct MlaCase {
     for (auto& x : q) x = float_to_bf16(u(rng));
   }
 
+  // For mla_fp8_ds: how far rounding every nope value e4m3 * scale to bf16 (2^-9 relative, as the
+  // wgmma kernel does before its bf16 products) can move x_j of (b, h), at most, over the request's
+  // tokens: sm_scale * 2^-9 * max_j sum_d |q_d k_jd|. 0 for the other formats.
+  double ds_round_bound(int b, int h) const {
+    if (format.kind != FormatKind::kMlaFp8Ds) return 0.0;
+    const int64_t e_bytes = format.bytes_per_token();
+    const uint16_t* qh = &q[(static_cast<size_t>(b) * heads + h) * kMlaDim];
+    double worst = 0.0;
+    for (int32_t j = 0; j < lens[b]; ++j) {
+      const uint8_t* e = &region[spec.page_offset(layer, table[b * table_stride + j / page]) + (j % page) * e_bytes];
+      double sum = 0.0;
+      for (int d = 0; d < kMlaRank; ++d) {
+        float s;
+        std::memcpy(&s, e + kMlaDsScaleOffset + 4 * (d / kMlaTile), 4);
+        sum += std::abs(static_cast<double>(bf16_to_float(qh[d])) * e4m3_to_float(e[d]) * s);
+      }
+      worst = std::max(worst, sum);
+    }
+    return sm_scale * worst / 512.0;
+  }
+
   // Params over this case's host buffers (o and lse supplied by the caller).
   DecodeMlaParams params(uint16_t* o, float* lse) const {
     DecodeMlaParams p;

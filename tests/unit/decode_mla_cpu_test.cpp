@@ -43,7 +43,7 @@ void reference(const MlaCase& c, std::vector<double>& o, std::vector<double>& ls
         } else if (d < kMlaRank) {
           float s;
           std::memcpy(&s, e + 512 + 4 * (d / 128), 4);
-          kj[d] = bf16_to_float(float_to_bf16(e4m3_to_float(e[d]) * s));
+          kj[d] = static_cast<double>(e4m3_to_float(e[d])) * s;  // exact: 4 x 24 significant bits
         } else {
           uint16_t h;
           std::memcpy(&h, e + 528 + 2 * (d - 512), 2);
@@ -216,6 +216,11 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
     DecodeMlaParams x = p;
     x.k_scale = 0.5f;
     expect_error(x, "k_scale");
+  }
+  for (float bad_scale : {0.0f, -0.1f, std::numeric_limits<float>::infinity()}) {
+    DecodeMlaParams x = p;
+    x.sm_scale = bad_scale;
+    expect_error(x, "sm_scale");
   }
   {
     DecodeMlaParams x = p;

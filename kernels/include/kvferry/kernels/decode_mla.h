@@ -14,10 +14,11 @@
 //   mla_bf16    k_j[d] = the stored bf16 value; k_scale must be 1.
 //   mla_fp8     k_j[d] = e4m3(byte d) * k_scale (per-tensor scale). The GPU keeps e4m3 as exact
 //               bf16 and folds k_scale into the logit scale and the output.
-//   mla_fp8_ds  656 B entries: k_j[d] = bf16_rn(float(e4m3(byte d)) * scale[d / 128]) for d < 512
-//               (fp32 product, rounded to bf16), k_j[512 + i] = the stored bf16 rope value;
-//               k_scale must be 1. With all scales 1.0 this equals mla_fp8 with k_scale 1 exactly,
-//               so the two caches give bit-identical GPU output.
+//   mla_fp8_ds  656 B entries: k_j[d] = e4m3(byte d) * scale[d / 128] for d < 512 (the exact
+//               product), k_j[512 + i] = the stored bf16 rope value; k_scale must be 1. With all
+//               scales 1.0 this equals mla_fp8 with k_scale 1 exactly, so the two caches give
+//               bit-identical GPU output. (The wgmma kernel rounds each nope product to bf16
+//               before its bf16 tensor-core products: 2^-9 relative per value.)
 // Length 0: o = 0 (all 512 values +0.0) and lse = -inf. Length 1: o = k_0[0:512], lse = x_0.
 //
 // Shapes: q [batch, heads, 576] bf16 contiguous; o [batch, heads, 512] bf16 contiguous; lse
@@ -25,10 +26,10 @@
 // first ceil(seq_lens[b] / page) entries of row b are read; seq_lens [batch] int32.
 // heads is one of 16, 32, 64, 128; any page size >= 1 (16, 32 and 64 are the tested ones).
 //
-// The GPU splits every request's tokens into num_splits chunks (split-KV) and runs one of two
-// split kernels (DecodeMlaParams::mma), then a second kernel that merges the splits' (o, lse)
-// pairs. Both compute in fp32 with an online softmax and bf16 tensor-core operands (fp8 caches are
-// converted to exact bf16 in shared memory, once per CTA for all its heads):
+// The GPU splits every request's tokens into num_splits chunks (split-KV) and runs one of three
+// split kernels (DecodeMlaParams::mma and the format), then a second kernel that merges the
+// splits' (o, lse) pairs. All compute in fp32 with an online softmax and 16-bit tensor-core
+// operands, and read each K tile once for all the heads of a CTA:
 //  - wgmma (Hopper, sm_90a; chosen at >= 64 heads): one CTA per (request, split, 64 heads) with
 //    two math warpgroups. Q stays in shared memory; each 32-token K tile is brought in once in
 //    the 128-byte-swizzled layout that serves both as the K-major operand of Q K^T and as the
@@ -42,10 +43,19 @@
 //    (m64n256k16, P from registers). At 128 heads two CTAs (adjacent in the grid, so the second
 //    read of a tile is an L2 hit) share each tile: the fp32 accumulators of 128 heads x 512
 //    columns (256 KiB) exceed an SM's registers.
-//  - mma.sync (m16n8k16; chosen at <= 32 heads, where it measured faster): one CTA per (request,
-//    split, group of <= 64 heads) that brings each 32-token K tile once into shared memory (bulk
-//    copies or cp.async, double-buffered) for all its heads; 2 or 4 warps share 16 heads,
-//    splitting the QK depth (partial S tiles added in a fixed order) and the output columns.
+//  - mma.sync (m16n8k16; chosen at <= 32 heads, where it measured faster), two kernels:
+//    - bf16 caches: one CTA per (request, split, group of <= 64 heads) that brings each 32-token
+//      K tile into shared memory (bulk copies or cp.async, double-buffered); 2 or 4 warps share
+//      16 heads, splitting the QK depth (partial S tiles added in a fixed order) and the output
+//      columns.
+//    - fp8 caches (decode_mla_fp8.cu): the same CTA shape with four warps per 16 heads and a
+//      producer warp that bulk-copies the raw fp8 tiles (full/empty mbarriers). The tiles stay
+//      fp8 in shared memory: each warp converts the bytes it multiplies from ldmatrix registers
+//      (exact e4m3 -> fp16) into fp16 mma operands. Q's nope part is fp16, scaled per head by a
+//      power of two (exact); the rope part stays bf16 (a bf16 mma). The tile scales of
+//      mla_fp8_ds are applied to each warp's partial S (a warp owns one 128-wide tile of the QK
+//      depth) and to P for the warp's 128 output columns (the same tile), so no value is
+//      rounded: k_j[d] enters as the exact product the contract defines.
 // The CPU twin computes in float64.
 #include <cstddef>
 #include <cstdint>
@@ -74,7 +84,7 @@ struct DecodeMlaParams {
   const int32_t* seq_lens = nullptr;             ///< [batch], each in [0, block_table_stride * page]
   int32_t batch = 0;
   int32_t heads = 0;
-  float sm_scale = 0.0f;  ///< the model's softmax scale (not necessarily 576^-0.5)
+  float sm_scale = 0.0f;  ///< the model's softmax scale (not necessarily 576^-0.5); finite and > 0
   float k_scale = 1.0f;   ///< per-tensor dequantization scale of mla_fp8 (1 for the others)
   uint16_t* o = nullptr;  ///< [batch, heads, 512] bf16 bits (written)
   float* lse = nullptr;   ///< [batch, heads] fp32 natural-log LSE (written)
@@ -83,18 +93,18 @@ struct DecodeMlaParams {
   int32_t num_splits = 0;     ///< KV splits per request; 0 = chosen from the device (auto)
   void* workspace = nullptr;  ///< fp32 scratch of decode_mla_workspace_bytes(); may be null if 0
   size_t workspace_bytes = 0;
-  /// How K tiles reach shared memory: 1 = bulk copies (TMA engine, one per entry), 2 = cp.async
-  /// (16 B per thread), 0 = auto: bulk copies for a bf16 cache at <= 32 heads (memory-bound, where
-  /// they measured faster on an H200), cp.async otherwise. Both give bit-identical results.
+  /// mma.sync kernel for bf16 caches only (the fp8 one has a fixed layout): how K tiles reach
+  /// shared memory: 1 = bulk copies (TMA engine, one per entry), 2 = cp.async (16 B per thread),
+  /// 0 = auto: bulk copies at <= 32 heads (memory-bound, where they measured faster on an H200),
+  /// cp.async otherwise. Both give bit-identical results.
   int32_t loader = 0;
-  /// Warps per 16 heads: 2 (each owns 256 output columns and half the QK depth; ~240 registers),
-  /// 4 (128 columns and a quarter of the depth; 128 registers, twice the warps per SM), 0 = auto:
-  /// 4 for fp8 caches at <= 32 heads (where the shared-memory conversion is the bottleneck and
-  /// more threads share it), 2 otherwise. Both give results within the same bounds; a call's
-  /// choice is deterministic (bit-identical reruns, layer views and fp8 vs fp8_ds).
+  /// mma.sync kernel for bf16 caches only: warps per 16 heads: 2 (each owns 256 output columns
+  /// and half the QK depth; ~240 registers), 4 (128 columns and a quarter of the depth; 128
+  /// registers, twice the warps per SM), 0 = auto (2, which measured faster at every head count).
+  /// Both give results within the same bounds; a call's choice is deterministic.
   int32_t group_warps = 0;
-  /// Tensor-core path: 1 = the mma.sync kernel (any head count up to 64 per CTA, the knobs above
-  /// apply), 2 = the Hopper wgmma kernel (64 heads per CTA, fewer padded; needs sm_90a code and a
+  /// Tensor-core path: 1 = the mma.sync kernels (any head count up to 64 per CTA; the knobs above
+  /// apply to the bf16 one), 2 = the Hopper wgmma kernel (64 heads per CTA, fewer padded; needs sm_90a code and a
   /// compute capability 9.0 device; loader and group_warps are ignored), 0 = auto: wgmma where it
   /// measured faster on an H200 (see decode_mla_resolved_mma), falling back to 1 where it is not
   /// available. A call's choice is deterministic; both paths keep the bit-identity promises.

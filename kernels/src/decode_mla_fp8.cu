@@ -1,0 +1,588 @@
+// CUDA MLA paged decode for fp8 caches (mla_fp8, mla_fp8_ds) on mma.sync, converting in registers.
+//
+// One CTA per (group of HB <= 64 heads, split, request), four warps per 16 heads, like the bf16
+// kernel of decode_mla.cu, but the 32-token K tiles stay in fp8 in shared memory: the bulk copies
+// (the TMA engine) fill kStages stages of raw entries, and each warp converts the bytes it
+// multiplies straight from ldmatrix registers with the hardware e4m3x2 -> f16x2 conversion (exact)
+// into fp16 mma operands. No converted tile is written or synchronised on, and a tile is half the
+// shared-memory traffic of a bf16 one.
+//
+// Scales leave the inner loops:
+//  - Q is fp16 for the nope part: each head's row is scaled by a power of two 2^e (exact) that puts
+//    its largest value in [2^14, 2^15), and the rope part stays bf16 (scaled by the same 2^e).
+//  - S = Q K^T per warp: warp w of a head group owns nope tile w (128 deep, 8 fp16 k-steps) and rope
+//    k-step w (bf16), so its partial is ts * (q_nope . k_nope) + q_rope . k_rope, with ts the
+//    token's tile scale (mla_fp8_ds) or 1 (mla_fp8, whose per-tensor scale is in scale_log2). The
+//    four partials are added through shared memory in one fixed order, then multiplied by the
+//    row's 2^-e * scale_log2.
+//  - P V per warp: output columns [128 w, +128) are exactly nope tile w, so V = ts * e4m3 and the
+//    warp multiplies P by ts / R instead, with R the running maximum of its tile's scales (folded
+//    into the accumulators' rescale like the softmax maximum); o = acc * R * vscale / l.
+// The rope of mla_fp8 (e4m3) and of mla_fp8_ds (bf16) enter the same bf16 mma with the same
+// operand positions, and a unit scale multiplies exactly, so a mla_fp8 cache and the same cache
+// requantised to mla_fp8_ds give bit-identical output.
+//
+// Operand layouts. ldmatrix (b16) over 16 bytes of fp8 gives a lane 4 consecutive bytes 4t..4t+3 of
+// its token row: converted, they are the lane's two B registers, so the mma's k index runs over a
+// permutation of the 16 depths (logical 2t, 2t+1, 2t+8, 2t+9 = physical 4t .. 4t+3), and the
+// lane's A registers are read with the same permutation as one 8-byte load of its Q row. For P V,
+// ldmatrix.trans over 8 tokens x 16 bytes gives a lane two tokens of two adjacent fp8 columns; a
+// byte permute pairs each column's two tokens, the even columns feed one n8 tile and the odd ones
+// another, and the epilogue writes a lane's four accumulators of a row to 4 adjacent columns.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cmath>
+
+#include "decode_mla_internal.h"
+#include "decode_mla_ptx.cuh"
+#include "decode_mla_shape.h"
+#include "kvferry/layouts/entry_format.h"
+
+namespace kvferry::mla_detail {
+namespace {
+
+constexpr int kTileN = kFp8TileN;
+constexpr int kQOff = kFp8QOff;
+
+template <int FMT>
+struct Raw;
+template <>
+struct Raw<kFmtFp8> {
+  static constexpr int kBytes = kMlaFp8Bytes;
+  static constexpr int kPitch = kFp8RawPitch(false);  // 592: 8 rows start in 8 different 16-byte bank groups
+};
+template <>
+struct Raw<kFmtDs> {
+  static constexpr int kBytes = kMlaDsBytes;
+  static constexpr int kPitch = kFp8RawPitch(true);  // 656 = 16 mod 128 already
+};
+
+// Barrier of the four warps (128 threads) of head group `group`: ids BASE .. BASE + 3, immediate
+// so the kernel reserves only the ids it uses (0 is __syncthreads; 1..4 and 5..8 are the two
+// barriers of each group, 9 all consumer warps).
+template <int BASE>
+__device__ __forceinline__ void group_barrier(int group) {
+  switch (group) {
+    case 0: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE) : "memory"); break;
+    case 1: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE + 1) : "memory"); break;
+    case 2: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE + 2) : "memory"); break;
+    default: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE + 3) : "memory"); break;
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ uint2 lds64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ float lds32f(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                        uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Four e4m3 bytes (low byte first) -> two fp16x2 (bytes 0, 1 and 2, 3; low half first), exact:
+// the hardware conversion reads each 16-bit half of the register in place.
+__device__ __forceinline__ void e4m3x4_f16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
+}
+// fp16x2 holding e4m3 values -> bf16x2, exact (e4m3 is a subset of both).
+__device__ __forceinline__ uint32_t f16x2_bf16x2(uint32_t h) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  const __nv_bfloat162 v = __floats2bfloat162_rn(f.x, f.y);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// 2^x by the hardware approximation (2 ulp; -inf -> 0, 0 -> 1), subnormal results flushed.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+// 2^e for e in [-126, 127], exact.
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+// The smallest x with |v| < 2^x for a finite v (subnormals and zero give -126).
+__device__ __forceinline__ int exp_above(float v) { return max((__float_as_int(v) >> 23) & 0xff, 1) - 126; }
+
+template <int FMT, int HB, bool SPLIT, int ST>
+__global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB, ST))
+    decode_mla_fp8_kernel(const KParams p) {
+  constexpr int NC = HB * 8;   // consumer threads: four warps per 16 heads
+  constexpr int NT = NC + 32;  // and a producer warp
+  constexpr int RAW = Raw<FMT>::kBytes, PITCH = Raw<FMT>::kPitch;
+  constexpr int kStageBytes = kTileN * PITCH;
+  extern __shared__ __align__(128) uint8_t smem[];
+  float* s_rowscale = reinterpret_cast<float*>(smem + 64);
+  uint8_t* sQ = smem + kQOff;
+  uint8_t* sRaw = sQ + HB / 16 * kFp8QGroupBytes;
+  float4* sS = reinterpret_cast<float4*>(sRaw + ST * kStageBytes);
+  const uint32_t bar0 = smem_u32(smem);
+
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int len = p.seq_lens[b];
+  const int chunk = ((len + p.splits - 1) / p.splits + kTileN - 1) / kTileN * kTileN;
+  const int start = split * chunk;
+  const int end = min(len, start + chunk);
+  const int head0 = hg * HB;
+
+  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
+    for (int i = tid; i < HB; i += NT) {
+      const int64_t bh = static_cast<int64_t>(b) * p.heads + head0 + i;
+      if (SPLIT)
+        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
+      else
+        p.lse[bh] = -INFINITY;
+    }
+    if (!SPLIT)
+      for (int i = tid; i < HB * kMlaRank / 8; i += NT)
+        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
+            make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const int ntiles = (end - start + kTileN - 1) / kTileN;
+
+  // Stage s: full[s] at bar0 + 8 s (the producer's expect_tx and the copies' bytes), empty[s] at
+  // bar0 + 32 + 8 s (one arrival per consumer warp once it is done with the tile).
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(bar0 + 8 * s, 1);
+      mbar_init(bar0 + 32 + 8 * s, NC / 32);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  // The producer warp (the last) starts the bulk copies of each tile as soon as its stage is free:
+  // one per valid token, all completing on the stage's full barrier. Rows past the end are zeroed
+  // instead (their bytes may be anything, even NaN, and V is multiplied by p = 0, which would keep
+  // a NaN; a zero row also has zero tile scales). Block ids are read a tile ahead of their copies
+  // (lane i: the block of token i of the tile).
+  const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+  auto fetch_blk = [&](int t) -> int32_t {
+    const int tok = start + t * kTileN + lane;
+    return t < ntiles && tok < end ? table[p.page_shift >= 0 ? tok >> p.page_shift : tok / p.page] : 0;
+  };
+  auto load_tile = [&](int t, int32_t lane_blk) {
+    const int tok0 = start + t * kTileN;
+    const int nvalid = min(kTileN, end - tok0);
+    const int stage = t % ST;
+    uint8_t* dst0 = sRaw + stage * kStageBytes;
+    for (int i = lane; i < (kTileN - nvalid) * (RAW / 16); i += 32)
+      *reinterpret_cast<uint4*>(dst0 + (nvalid + i / (RAW / 16)) * PITCH + (i % (RAW / 16)) * 16) =
+          make_uint4(0, 0, 0, 0);
+    fence_proxy_async();
+    __syncwarp();
+    const uint32_t bar = bar0 + stage * 8;
+    if (lane == 0) mbar_expect_tx(bar, static_cast<uint32_t>(nvalid * RAW));
+    __syncwarp();
+    if (lane < nvalid) {
+      const int tok = tok0 + lane;
+      const int in_page = p.page_shift >= 0 ? tok & (p.page - 1) : tok % p.page;
+      const uint8_t* src =
+          p.cache + static_cast<int64_t>(lane_blk) * p.block_stride + static_cast<int64_t>(in_page) * p.token_stride;
+      bulk_g2s(smem_u32(dst0 + lane * PITCH), src, RAW, bar);
+    }
+  };
+  if (warp == NC / 32) {
+    int32_t blk = fetch_blk(0);
+    for (int t = 0; t < ntiles; ++t) {
+      if (t >= ST) mbar_wait(bar0 + 32 + (t % ST) * 8, (t / ST - 1) & 1);
+      load_tile(t, blk);
+      blk = fetch_blk(t + 1);
+    }
+    return;
+  }
+
+  // Q rows: fp16 nope and bf16 rope, both times 2^e; the row's 2^-e * scale_log2 goes to s_rowscale.
+  for (int h = warp; h < HB; h += NC / 32) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.q + (static_cast<int64_t>(b) * p.heads + head0 + h) * kMlaDim);
+    const uint4 c[2] = {src[lane], src[lane + 32]};
+    const uint4 r = lane < 8 ? src[64 + lane] : make_uint4(0, 0, 0, 0);
+    float mn = 0.0f, mr = 0.0f;
+    auto amax = [](const uint4& v, float m) {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        m = fmaxf(m, fabsf(__uint_as_float(w[i] << 16)));
+        m = fmaxf(m, fabsf(__uint_as_float(w[i] & 0xffff0000u)));
+      }
+      return m;
+    };
+    mn = amax(c[1], amax(c[0], mn));
+    mr = amax(r, mr);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+      mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, o));
+    }
+    const int e = max(-126, min(min(15 - exp_above(mn), 127 - exp_above(mr)), 126));
+    const float up = exp2i(e);
+    // Fragment order: k-step ks (16 depths) of the group is 32 lanes x {a0, a1, a2, a3}, where the
+    // lane (g, tq) of the mma holds rows g (a0, a2) and g + 8 (a1, a3) at physical depths 4 tq, +1
+    // (a0, a1) and 4 tq + 2, +3 (a2, a3): one 16-byte load per lane and k-step.
+    uint32_t* grp = reinterpret_cast<uint32_t*>(sQ + (h >> 4) * kFp8QGroupBytes);
+    const int hr = h & 15;
+    // The 8 values of chunk `c` (depths 8c .. 8c+7) as 4 pairs, to their words.
+    auto store_chunk = [&](int c, const uint32_t(&o)[4]) {
+      const int ks = c >> 1, tq0 = (c & 1) * 2;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int lf = (hr & 7) * 4 + tq0 + (i >> 1);
+        grp[(ks * 32 + lf) * 4 + (i & 1) * 2 + (hr >> 3)] = o[i];
+      }
+    };
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const uint32_t w[4] = {c[k].x, c[k].y, c[k].z, c[k].w};
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        o[i] = pack_f16(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+      store_chunk(lane + 32 * k, o);
+    }
+    if (lane < 8) {
+      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+      uint32_t o[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        o[i] = pack_bf16(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+      store_chunk(64 + lane, o);
+    }
+    if (lane == 0) s_rowscale[h] = p.scale_log2 * exp2i(-e);
+  }
+
+  // Warp ch of head group hgl: S over nope tile ch and rope k-step ch for all 32 tokens; P V for
+  // output columns [128 ch, +128).
+  const int hgl = warp >> 2, ch = warp & 3;
+  const int g = lane >> 2, tq = lane & 3;
+  const uint32_t qf = smem_u32(sQ) + hgl * kFp8QGroupBytes + lane * 16;  // + 512 * k-step
+  const uint32_t raw0 = smem_u32(sRaw);
+  // ldmatrix rows: S: lane l addresses token l (matrix l / 8 = n8 tile of tokens); P V: tokens
+  // (l & 7) + 8 ((l >> 3) & 1) at byte column + 16 (l >> 4).
+  const uint32_t k_lane = lane * PITCH + 128 * ch;
+  const uint32_t v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * PITCH + 128 * ch + (lane >> 4) * 16;
+  constexpr int SB = fp8_s_buffers(FMT == kFmtDs, HB), kSBuf = HB / 16 * 4 * 4 * 32;  // float4 per buffer
+  float4* s_mine = sS + (hgl * 4 + ch) * 4 * 32 + lane;
+  const float4* s_group = sS + hgl * 4 * 4 * 32 + lane;
+
+  // acc[j][q][eo]: output columns 128 ch + 32 j + 16 q + {even, odd} x 8.
+  float acc[4][2][2][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int eo = 0; eo < 2; ++eo) acc[j][q][eo][0] = acc[j][q][eo][1] = acc[j][q][eo][2] = acc[j][q][eo][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  float vref = FLT_MIN;                // mla_fp8_ds: the largest tile-ch scale so far (R)
+  float row_s0 = 0.0f, row_s1 = 0.0f;  // the rows' 2^-e * scale_log2, read after the first barrier
+
+  asm volatile("bar.sync 9, %0;\n" ::"n"(NC) : "memory");  // Q rows and row scales written
+  row_s0 = s_rowscale[hgl * 16 + g];
+  row_s1 = s_rowscale[hgl * 16 + g + 8];
+
+  for (int t = 0; t < ntiles; ++t) {
+    mbar_wait(bar0 + (t % ST) * 8, (t / ST) & 1);
+    const uint32_t tile = raw0 + (t % ST) * kStageBytes;
+
+    // This lane's tokens 8 n + 2 tq + {0, 1}: their tile-ch scales (mla_fp8_ds).
+    float ts[4][2];
+    if constexpr (FMT == kFmtDs) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) ts[n][i] = lds32f(tile + (8 * n + 2 * tq + i) * PITCH + kMlaDsScaleOffset + 4 * ch);
+    }
+
+    float s[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < kMlaTile / 16; ++kk) {
+      const uint4 qa = lds128(qf + 512 * (8 * ch + kk));
+      uint32_t kr[4];
+      ldsm_x4(kr, tile + k_lane + 16 * kk);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        uint32_t b0, b1;
+        e4m3x4_f16x4(kr[n], b0, b1);
+        mma_f16(s[n], qa.x, qa.y, qa.z, qa.w, b0, b1);
+      }
+    }
+    if constexpr (FMT == kFmtDs) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        s[n][0] *= ts[n][0];
+        s[n][1] *= ts[n][1];
+        s[n][2] *= ts[n][0];
+        s[n][3] *= ts[n][1];
+      }
+    }
+    {  // rope k-step ch (bf16)
+      const uint4 qa = lds128(qf + 512 * (kMlaRank / 16 + ch));
+      if constexpr (FMT == kFmtFp8) {
+        uint32_t kr[4];
+        ldsm_x4(kr, tile + lane * PITCH + kMlaRank + 16 * ch);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          uint32_t b0, b1;
+          e4m3x4_f16x4(kr[n], b0, b1);
+          mma_bf16(s[n], qa.x, qa.y, qa.z, qa.w, f16x2_bf16x2(b0), f16x2_bf16x2(b1));
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const uint2 kb = lds64(tile + (8 * n + g) * PITCH + kMlaDsRopeOffset + 32 * ch + 8 * tq);
+          mma_bf16(s[n], qa.x, qa.y, qa.z, qa.w, kb.x, kb.y);
+        }
+      }
+    }
+    // The four partial S tiles of the group, added in one fixed order (every warp holds the same S).
+    // One buffer: wait until the group has read tile t - 1's partials. Two: a warp can only get
+    // here with tile t - 2's buffer once every warp of its group passed tile t - 1's barrier, after
+    // reading tile t - 2's partials.
+    if (SB == 1 && t > 0) group_barrier<5>(HB == 16 ? 0 : hgl);
+    const int sb = SB == 2 ? (t & 1) * kSBuf : 0;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) s_mine[sb + n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+    group_barrier<1>(HB == 16 ? 0 : hgl);
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      float4 a = s_group[sb + n * 32];
+#pragma unroll
+      for (int w = 1; w < 4; ++w) {
+        const float4 u = s_group[sb + (w * 4 + n) * 32];
+        a.x += u.x;
+        a.y += u.y;
+        a.z += u.z;
+        a.w += u.w;
+      }
+      s[n][0] = a.x;
+      s[n][1] = a.y;
+      s[n][2] = a.z;
+      s[n][3] = a.w;
+    }
+
+    // Online softmax (log2 domain) of x = s * row scale (> 0, so the maximum of x is the row
+    // scale times that of s). Rows g (elements 0, 1) and g + 8 (elements 2, 3). Only a split's
+    // last tile has tokens past the end.
+    const int tok0 = start + t * kTileN;
+    if (tok0 + kTileN > end) {
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (tok0 + n * 8 + tq * 2 + (e & 1) >= end) s[n][e] = -INFINITY;
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    // Finite: every tile has a valid token.
+    const float nm0 = fmaxf(m0, mx0 * row_s0), nm1 = fmaxf(m1, mx1 * row_s1);
+    float al0 = fast_exp2(m0 - nm0), al1 = fast_exp2(m1 - nm1);
+    m0 = nm0;
+    m1 = nm1;
+    float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      s[n][0] = fast_exp2(fmaf(s[n][0], row_s0, -nm0));
+      s[n][1] = fast_exp2(fmaf(s[n][1], row_s0, -nm0));
+      s[n][2] = fast_exp2(fmaf(s[n][2], row_s1, -nm1));
+      s[n][3] = fast_exp2(fmaf(s[n][3], row_s1, -nm1));
+      rs0 += s[n][0] + s[n][1];
+      rs1 += s[n][2] + s[n][3];
+    }
+    l0 = l0 * al0 + rs0;
+    l1 = l1 * al1 + rs1;
+    if constexpr (FMT == kFmtDs) {
+      // P' = P * ts / R with R the running maximum of the tile-ch scales: every P' <= 1.
+      float mt = 0.0f;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) mt = fmaxf(mt, fmaxf(ts[n][0], ts[n][1]));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+      const float nref = fmaxf(vref, mt);
+      const float ratio = vref / nref, inv = 1.0f / nref;
+      vref = nref;
+      al0 *= ratio;
+      al1 *= ratio;
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const float f0 = ts[n][0] * inv, f1 = ts[n][1] * inv;
+        s[n][0] *= f0;
+        s[n][1] *= f1;
+        s[n][2] *= f0;
+        s[n][3] *= f1;
+      }
+    }
+    // Rescale the accumulators only when some row's maximum (or R) moved: after the first tiles
+    // it rarely does.
+    if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int q = 0; q < 2; ++q)
+#pragma unroll
+          for (int eo = 0; eo < 2; ++eo) {
+            acc[j][q][eo][0] *= al0;
+            acc[j][q][eo][1] *= al0;
+            acc[j][q][eo][2] *= al1;
+            acc[j][q][eo][3] *= al1;
+          }
+    }
+
+    // O += P V for this warp's 128 columns (fp16 P, V converted from the ldmatrix.trans registers).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t a0 = pack_f16(s[2 * i][0], s[2 * i][1]), a1 = pack_f16(s[2 * i][2], s[2 * i][3]);
+      const uint32_t a2 = pack_f16(s[2 * i + 1][0], s[2 * i + 1][1]), a3 = pack_f16(s[2 * i + 1][2], s[2 * i + 1][3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t vr[4];
+        ldsm_x4_t(vr, tile + i * 16 * PITCH + v_lane + 32 * j);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          // vr[2q]: tokens 2tq, 2tq+1 (of 16 i + 0..7) x columns 2g, 2g+1 of the 16-byte group; vr[2q+1]: tokens + 8.
+          const uint32_t x0 = __byte_perm(vr[2 * q], 0, 0x3120), x1 = __byte_perm(vr[2 * q + 1], 0, 0x3120);
+          uint32_t e0, o0, e1, o1;
+          e4m3x4_f16x4(x0, e0, o0);
+          e4m3x4_f16x4(x1, e1, o1);
+          mma_f16(acc[j][q][0], a0, a1, a2, a3, e0, e1);
+          mma_f16(acc[j][q][1], a0, a1, a2, a3, o0, o1);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar0 + 32 + (t % ST) * 8);  // this warp is done with the stage
+  }
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float vs = FMT == kFmtDs ? vref : p.vscale;
+  const float inv0 = vs / l0, inv1 = vs / l1;
+  const int h0 = head0 + hgl * 16 + g;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  const int64_t r0 =
+      SPLIT ? (static_cast<int64_t>(b) * p.splits + split) * p.heads + h0 : static_cast<int64_t>(b) * p.heads + h0;
+  const int64_t r1 = r0 + 8;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const float(&e)[4] = acc[j][q][0];
+      const float(&o)[4] = acc[j][q][1];
+      const int col = 128 * ch + 32 * j + 16 * q + 4 * tq;
+      if constexpr (SPLIT) {
+        *reinterpret_cast<float4*>(p.part_o + r0 * kMlaRank + col) =
+            make_float4(e[0] * inv0, o[0] * inv0, e[1] * inv0, o[1] * inv0);
+        *reinterpret_cast<float4*>(p.part_o + r1 * kMlaRank + col) =
+            make_float4(e[2] * inv1, o[2] * inv1, e[3] * inv1, o[3] * inv1);
+      } else {
+        *reinterpret_cast<uint2*>(p.o + r0 * kMlaRank + col) =
+            make_uint2(pack_bf16(e[0] * inv0, o[0] * inv0), pack_bf16(e[1] * inv0, o[1] * inv0));
+        *reinterpret_cast<uint2*>(p.o + r1 * kMlaRank + col) =
+            make_uint2(pack_bf16(e[2] * inv1, o[2] * inv1), pack_bf16(e[3] * inv1, o[3] * inv1));
+      }
+    }
+  if (ch == 0 && tq == 0) {
+    (SPLIT ? p.part_lse : p.lse)[r0] = lse0;
+    (SPLIT ? p.part_lse : p.lse)[r1] = lse1;
+  }
+}
+
+template <int FMT, int HB, bool SPLIT, int ST>
+cudaError_t launch_st(const KParams& k, int batch, cudaStream_t stream) {
+  constexpr int smem = fp8_smem_bytes(FMT == kFmtDs, HB, ST);
+  static const cudaError_t attr = cudaFuncSetAttribute(decode_mla_fp8_kernel<FMT, HB, SPLIT, ST>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(k.heads / HB, k.splits, batch);
+  decode_mla_fp8_kernel<FMT, HB, SPLIT, ST><<<grid, HB * 8 + 32, smem, stream>>>(k);
+  return cudaGetLastError();
+}
+
+template <int FMT, int HB, bool SPLIT>
+cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
+  return launch_st<FMT, HB, SPLIT, fp8_stages(HB)>(k, batch, stream);
+}
+
+template <int FMT, bool SPLIT>
+cudaError_t launch_heads(const KParams& k, int batch, cudaStream_t stream) {
+  switch (k.heads) {
+    case 16: return launch_hb<FMT, 16, SPLIT>(k, batch, stream);
+    case 32: return launch_hb<FMT, 32, SPLIT>(k, batch, stream);
+    case 64:
+    case 128: return launch_hb<FMT, 64, SPLIT>(k, batch, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_fp8_regs(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+  const bool split = k.splits > 1;
+  if (fmt == kFmtFp8)
+    return split ? launch_heads<kFmtFp8, true>(k, batch, stream) : launch_heads<kFmtFp8, false>(k, batch, stream);
+  if (fmt == kFmtDs)
+    return split ? launch_heads<kFmtDs, true>(k, batch, stream) : launch_heads<kFmtDs, false>(k, batch, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace kvferry::mla_detail
