@@ -241,6 +241,27 @@ int run_kernels(const Options& opts) {
       }
       rep.add({name + view + ", slots in order", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
     };
+    // The same bytes to the same random slots without the conversion (launch_scatter_ceiling):
+    // what the slot order allows a writer. Informational rows, no target.
+    auto raw_scatter = [&](const std::string& name, const Dev& in, int64_t in_bytes, const Dev& cache,
+                           const KvCacheSpec& s, int64_t out_bytes, int64_t scale_bytes, const Dev& slots, int64_t n,
+                           double bytes) {
+      bool ok = true;
+      uint8_t* const base = cache.as<uint8_t>() + s.page_offset(layer, 0);
+      const double t = time_launch(
+          st, reps,
+          [&] {
+            return launch_scatter_ceiling(in.p, in_bytes, base, s.block_stride_bytes(), s.block_size, out_bytes,
+                                          scale_bytes, slots.as<int64_t>(), n, st);
+          },
+          &ok);
+      if (!ok) {
+        rep.note(name + view + " (raw scatter): launch failed");
+        return;
+      }
+      rep.add({name + view + ", raw scatter", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0,
+               "its bytes to its slots, unconverted"});
+    };
     auto perm = [&](int64_t n) {
       std::vector<int64_t> v(static_cast<size_t>(n));
       std::iota(v.begin(), v.end(), 0);
@@ -271,6 +292,7 @@ int run_kernels(const Options& opts) {
       const char* nm[] = {"write_mla bf16", "write_mla fp8", "write_mla fp8_ds"};
       const double bytes = static_cast<double>(n) * (1152 + 8 + f.bytes_per_token());
       add(nm[int(mode)], bytes, t, ok);
+      if (ok) raw_scatter(nm[int(mode)], kv, 1152, cache, s, f.bytes_per_token(), 0, slots, n, bytes);
       if (ok) again_in_order(nm[int(mode)], slots, n, bytes, [&] { return launch_write_mla(p, st); });
     }
 
@@ -315,6 +337,7 @@ int run_kernels(const Options& opts) {
           st, reps, [&] { return launch_indexer_write(p, st); }, &ok);
       const double bytes = static_cast<double>(n) * (256 + 8 + 132);
       add("indexer_write ue8m0", bytes, t, ok);
+      if (ok) raw_scatter("indexer_write ue8m0", k, 256, cache, s, kIndexerHeadDim, 4, slots, n, bytes);
       if (ok) again_in_order("indexer_write ue8m0", slots, n, bytes, [&] { return launch_indexer_write(p, st); });
     }
 
