@@ -43,7 +43,7 @@ KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks) {
 /// Device memory for every row of a run, allocated once before the first row and handed out as a
 /// stack (each `Dev` gives its bytes back when it goes out of scope, in reverse order of taking).
 /// Regions allocated per row land wherever the allocator puts them after the earlier rows' 32 GB
-/// regions were freed, and on an H200 some such placements copy 8-10 % slower than the same bytes
+/// regions were freed, and on an H200 such placements copy up to 11 % slower than the same bytes
 /// allocated up front (kernels/NOTES.md): the rows then measured the placement, and the order of
 /// the passes, rather than the kernel. With one arena, every row and every pass reads and writes
 /// memory taken the same way, as the daemon's own cache region is taken once at start.
