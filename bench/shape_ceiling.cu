@@ -51,6 +51,26 @@ cudaError_t go(const void* in, void* out, int64_t units, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+/// A warp per token (the writers' own shape), one resident wave grid-stride.
+__global__ void __launch_bounds__(256)
+    scatter_tokens(const uint8_t* __restrict__ in, int64_t in_bytes, uint8_t* out, int64_t block_stride, int64_t bs,
+                   int64_t out_bytes, int64_t scale_bytes, const int64_t* __restrict__ slots, int64_t tokens) {
+  const int lane = threadIdx.x & 31;
+  const int64_t step = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
+  for (int64_t n = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5; n < tokens; n += step) {
+    const int64_t s = slots[n];
+    if (s < 0) continue;
+    const uint4* src = reinterpret_cast<const uint4*>(in + n * in_bytes);
+    uint8_t* block = out + s / bs * block_stride;
+    uint4* dst = reinterpret_cast<uint4*>(block + s % bs * out_bytes);
+    for (int64_t k = lane; k < in_bytes / 16; k += 32) {
+      const uint4 v = src[k];
+      if (k < out_bytes / 16) dst[k] = v;
+    }
+    if (scale_bytes == 4 && lane == 0) *reinterpret_cast<uint32_t*>(block + bs * out_bytes + s % bs * 4) = 0x3f800000u;
+  }
+}
+
 /// A thread per 16-byte unit of the input (token u / ci, chunk u % ci), four units in flight per
 /// thread, one resident wave grid-stride: the same shape as shape_stream, with each unit's store
 /// sent to its token's slot.
@@ -97,6 +117,16 @@ cudaError_t launch_scatter_ceiling(const void* in, int64_t in_bytes, void* out, 
     return cudaErrorInvalidValue;
   int dev = 0, sms = 132, per = 4;
   if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  // The faster of the two shapes on an H200 (1152 B in; out 1152 / 576 / 656 B: a warp per token
+  // 0.81 / 1.03 / 0.86 of the D2D copy, a thread per unit 0.82 / 0.83 / 0.77; the indexer's 256 B
+  // in, 128 + 4 B out: 0.45 and 0.66).
+  if (in_bytes >= 512) {
+    (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, scatter_tokens, 256, 0);
+    scatter_tokens<<<static_cast<unsigned>(sms * (per > 0 ? per : 1)), 256, 0, stream>>>(
+        static_cast<const uint8_t*>(in), in_bytes, static_cast<uint8_t*>(out), block_stride, bs, out_bytes, scale_bytes,
+        slots, tokens);
+    return cudaGetLastError();
+  }
   (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, scatter_units, 256, 0);
   scatter_units<<<static_cast<unsigned>(sms * (per > 0 ? per : 1)), 256, 0, stream>>>(
       static_cast<const uint4*>(in), static_cast<uint32_t>(in_bytes / 16), static_cast<uint8_t*>(out), block_stride,
