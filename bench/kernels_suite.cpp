@@ -2,6 +2,7 @@
 // included) per second, as a ratio to a device-to-device copy (read + write counted) measured in
 // the same run; on a contiguous per-layer cache and on a layer view of a block-major buffer.
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -39,14 +40,37 @@ KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks) {
 
 #if defined(KVFERRY_WITH_CUDA)
 
-/// A device allocation, memset to a pattern whose bytes are finite as e4m3, bf16 and fp32.
+/// Device memory for every row of a run, allocated once before the first row and handed out as a
+/// stack (each `Dev` gives its bytes back when it goes out of scope, in reverse order of taking).
+/// Regions allocated per row land wherever the allocator puts them after the earlier rows' 32 GB
+/// regions were freed, and on an H200 such placements copy up to 11 % slower than the same bytes
+/// allocated up front (kernels/NOTES.md): the rows then measured the placement, and the order of
+/// the passes, rather than the kernel. With one arena, every row and every pass reads and writes
+/// memory taken the same way, as the daemon's own cache region is taken once at start.
+struct Arena {
+  uint8_t* base = nullptr;
+  size_t size = 0, used = 0;
+  int misses = 0;  // allocations it had no room for (cudaMalloc'd instead)
+};
+Arena g_arena;
+
+/// A device allocation (from g_arena where it has room, else cudaMalloc), memset to a pattern
+/// whose bytes are finite as e4m3, bf16 and fp32.
 struct Dev {
   void* p = nullptr;
-  size_t n = 0;
+  size_t n = 0, mark = SIZE_MAX;  // mark: g_arena.used before this allocation, if taken from it
   explicit Dev(size_t bytes) : n(bytes) {
-    if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
-      p = nullptr;
-      return;
+    const size_t want = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+    if (g_arena.base && g_arena.size - g_arena.used >= want) {
+      mark = g_arena.used;
+      p = g_arena.base + g_arena.used;
+      g_arena.used += want;
+    } else {
+      if (g_arena.base) ++g_arena.misses;
+      if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+        p = nullptr;
+        return;
+      }
     }
     (void)cudaMemset(p, 0x3c, bytes);
   }
@@ -55,7 +79,10 @@ struct Dev {
     if (p) (void)cudaMemcpy(p, v.data(), n, cudaMemcpyHostToDevice);
   }
   ~Dev() {
-    if (p) (void)cudaFree(p);
+    if (mark != SIZE_MAX)
+      g_arena.used = mark;
+    else if (p)
+      (void)cudaFree(p);
   }
   Dev(const Dev&) = delete;
   Dev& operator=(const Dev&) = delete;
@@ -148,6 +175,31 @@ int run_kernels(const Options& opts) {
     }
   }
 
+  // The arena: the largest row (a conversion between two cross-layer regions of up to `budget`
+  // bytes each) and its inputs. KVFERRY_BENCH_ARENA=0 (diagnosis) allocates per row instead.
+  const char* arena_env = std::getenv("KVFERRY_BENCH_ARENA");
+  if (!(arena_env && std::string(arena_env) == "0")) {
+    size_t want = static_cast<size_t>(2 * budget) + (size_t{6} << 30), free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) == cudaSuccess && free_b > (size_t{2} << 30))
+      want = std::min(want, free_b - (size_t{2} << 30));
+    void* a = nullptr;
+    if (cudaMalloc(&a, want) == cudaSuccess) {
+      g_arena = {static_cast<uint8_t*>(a), want, 0};
+      rep.note("one arena of " + std::to_string(want >> 20) +
+               " MiB, allocated before the first row, holds every row's buffers");
+    } else {
+      (void)cudaGetLastError();
+      rep.note("no arena (" + std::to_string(want >> 20) + " MiB not available): regions allocated per row");
+    }
+  }
+
+  struct ArenaGuard {
+    ~ArenaGuard() {
+      if (g_arena.base) (void)cudaFree(g_arena.base);
+      g_arena = {};
+    }
+  } arena_guard;
+
   // KVFERRY_BENCH_VIEWS (diagnosis): the order of the two passes, e.g. "10" runs the cross-layer
   // pass first, "010" the contiguous pass again after it.
   const char* views_env = std::getenv("KVFERRY_BENCH_VIEWS");
@@ -189,6 +241,27 @@ int run_kernels(const Options& opts) {
       }
       rep.add({name + view + ", slots in order", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
     };
+    // The same bytes to the same random slots without the conversion (launch_scatter_ceiling):
+    // what the slot order allows a writer. Informational rows, no target.
+    auto raw_scatter = [&](const std::string& name, const Dev& in, int64_t in_bytes, const Dev& cache,
+                           const KvCacheSpec& s, int64_t out_bytes, int64_t scale_bytes, const Dev& slots, int64_t n,
+                           double bytes) {
+      bool ok = true;
+      uint8_t* const base = cache.as<uint8_t>() + s.page_offset(layer, 0);
+      const double t = time_launch(
+          st, reps,
+          [&] {
+            return launch_scatter_ceiling(in.p, in_bytes, base, s.block_stride_bytes(), s.block_size, out_bytes,
+                                          scale_bytes, slots.as<int64_t>(), n, st);
+          },
+          &ok);
+      if (!ok) {
+        rep.note(name + view + " (raw scatter): launch failed");
+        return;
+      }
+      rep.add({name + view + ", raw scatter", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0,
+               "its bytes to its slots, unconverted"});
+    };
     auto perm = [&](int64_t n) {
       std::vector<int64_t> v(static_cast<size_t>(n));
       std::iota(v.begin(), v.end(), 0);
@@ -219,6 +292,7 @@ int run_kernels(const Options& opts) {
       const char* nm[] = {"write_mla bf16", "write_mla fp8", "write_mla fp8_ds"};
       const double bytes = static_cast<double>(n) * (1152 + 8 + f.bytes_per_token());
       add(nm[int(mode)], bytes, t, ok);
+      if (ok) raw_scatter(nm[int(mode)], kv, 1152, cache, s, f.bytes_per_token(), 0, slots, n, bytes);
       if (ok) again_in_order(nm[int(mode)], slots, n, bytes, [&] { return launch_write_mla(p, st); });
     }
 
@@ -263,6 +337,7 @@ int run_kernels(const Options& opts) {
           st, reps, [&] { return launch_indexer_write(p, st); }, &ok);
       const double bytes = static_cast<double>(n) * (256 + 8 + 132);
       add("indexer_write ue8m0", bytes, t, ok);
+      if (ok) raw_scatter("indexer_write ue8m0", k, 256, cache, s, kIndexerHeadDim, 4, slots, n, bytes);
       if (ok) again_in_order("indexer_write ue8m0", slots, n, bytes, [&] { return launch_indexer_write(p, st); });
     }
 
@@ -344,6 +419,8 @@ int run_kernels(const Options& opts) {
       add(k.name, static_cast<double>(n) * (k.s.bytes_per_token() + k.d.bytes_per_token()), t, ok);
     }
   }
+  if (g_arena.misses > 0)
+    rep.note(std::to_string(g_arena.misses) + " allocations did not fit the arena and were allocated per row");
   rep.note("cross-layer rows use layer " + std::to_string(xl / 2) + " of a block-major buffer of " +
            std::to_string(xl) + " layers (stride(0) = L x page); a launch moves about " +
            std::to_string(static_cast<int64_t>(moved / 1e6)) + " MB, fewer where a region would pass " +
