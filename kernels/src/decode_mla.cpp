@@ -202,20 +202,17 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   const int hb = p.heads > 64 ? 64 : p.heads;  // heads per CTA
   const int groups = p.heads / hb;
   int per_sm = 1;  // wgmma: one CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange)
-  const bool fp8 = p.format.kind == FormatKind::kMlaFp8 || p.format.kind == FormatKind::kMlaFp8Ds;
-  if (decode_mla_resolved_mma(p) != 2 && fp8) {
-    // The fp8 kernel (decode_mla_fp8.cu): four warps per 16 heads, 128 registers at most.
+  if (decode_mla_resolved_mma(p) != 2 && p.format.kind != FormatKind::kMlaBf16) {
+    // The fp8 kernel (decode_mla_fp8.cu): its shared memory, threads and registers.
     const bool ds = p.format.kind == FormatKind::kMlaFp8Ds;
     per_sm = std::max(1, mla_detail::fp8_ctas_per_sm(ds, hb, mla_detail::fp8_stages(hb)));
   } else if (decode_mla_resolved_mma(p) != 2) {
-    // CTAs that fit on one SM: 128 registers per thread with four warps per 16 heads, ~240 with
-    // two, and the shared memory of decode_mla.cu (Q rows, K tile stages, fp8 raw stages, S
-    // exchange of NW * 2 KiB per 16 heads; 228 KiB per SM).
+    // The bf16 kernel (decode_mla.cu): 128 registers per thread with four warps per 16 heads, ~240
+    // with two, and its shared memory (Q rows, two K tile stages, S exchange of NW * 2 KiB per 16
+    // heads; 228 KiB per SM).
     const int nw = decode_mla_resolved_group_warps(p);
     const int row = (kMlaDim + 8) * 2, tile = 32 * row;
-    const bool bf16 = p.format.kind == FormatKind::kMlaBf16;
-    const int raw = static_cast<int>(p.format.bytes_per_token());
-    const int smem = 16 + hb * row + (bf16 ? 2 : 1) * tile + (bf16 ? 0 : 2 * 32 * raw) + hb / 16 * nw * 2048;
+    const int smem = 16 + hb * row + 2 * tile + hb / 16 * nw * 2048;
     const int regs = hb / 16 * nw * 32 * (nw == 4 ? 128 : 240);
     per_sm = std::max(1, std::min(65536 / regs, 228 * 1024 / (smem + 1024)));
   }

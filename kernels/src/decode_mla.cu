@@ -31,11 +31,21 @@ using mla_detail::kFmtBf16;
 using mla_detail::kFmtDs;
 using mla_detail::kFmtFp8;
 using mla_detail::KParams;
+using mla_detail::ldsm_x4;
+using mla_detail::ldsm_x4_t;
 using mla_detail::mbar_expect_tx;
 using mla_detail::mbar_fence_init;
 using mla_detail::mbar_init;
 using mla_detail::mbar_wait;
+using mla_detail::mma_bf16;
+using mla_detail::named_barrier;
+using mla_detail::out_row;
+using mla_detail::pack_bf16;
 using mla_detail::smem_u32;
+using mla_detail::split_tokens;
+using mla_detail::store_lse;
+using mla_detail::store_o2;
+using mla_detail::write_empty_split;
 
 constexpr int kTileN = 32;                      // tokens per K tile
 constexpr int kRowPad = kMlaDim + 8;            // bf16 per shared row: 1168 B = 73 x 16 B (no bank conflicts)
@@ -46,42 +56,6 @@ constexpr int kTileBytes = kTileN * kRowBytes;  // one bf16 K tile
 template <int NW>
 constexpr int group_s_bytes() {
   return NW * 4 * 32 * 16;
-}
-
-// Barrier of the four warps (128 threads) that share a head group.
-// Immediate barrier ids (1..4; 0 is __syncthreads) so the kernel reserves only the barriers it uses.
-template <int NW>
-__device__ __forceinline__ void group_barrier(int group) {
-  switch (group) {
-    case 0: asm volatile("bar.sync 1, %0;\n" ::"n"(NW * 32) : "memory"); break;
-    case 1: asm volatile("bar.sync 2, %0;\n" ::"n"(NW * 32) : "memory"); break;
-    case 2: asm volatile("bar.sync 3, %0;\n" ::"n"(NW * 32) : "memory"); break;
-    default: asm volatile("bar.sync 4, %0;\n" ::"n"(NW * 32) : "memory"); break;
-  }
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 template <int HB, int NW>
@@ -118,24 +92,12 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int len = p.seq_lens[b];
-  const int chunk = ((len + p.splits - 1) / p.splits + kTileN - 1) / kTileN * kTileN;
-  const int start = split * chunk;
-  const int end = min(len, start + chunk);
+  const int2 range = split_tokens<kTileN>(p, b, split);
+  const int start = range.x, end = range.y;
   const int head0 = hg * HB;
 
   if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    for (int i = tid; i < HB; i += NT) {
-      const int64_t bh = static_cast<int64_t>(b) * p.heads + head0 + i;
-      if (SPLIT)
-        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
-      else
-        p.lse[bh] = -INFINITY;
-    }
-    if (!SPLIT)
-      for (int i = tid; i < HB * kMlaRank / 8; i += NT)
-        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
-            make_uint4(0, 0, 0, 0);
+    write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
     return;
   }
   const int ntiles = (end - start + kTileN - 1) / kTileN;
@@ -272,13 +234,13 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
         for (int j = 0; j < 2; ++j) {
           uint32_t bb[4];
           ldsm_x4(bb, k_base + j * 16 * kRowBytes + kk * 32);
-          mma_bf16(s[2 * j], a, bb[0], bb[1]);
-          mma_bf16(s[2 * j + 1], a, bb[2], bb[3]);
+          mma_bf16(s[2 * j], a[0], a[1], a[2], a[3], bb[0], bb[1]);
+          mma_bf16(s[2 * j + 1], a[0], a[1], a[2], a[3], bb[2], bb[3]);
         }
       }
 #pragma unroll
       for (int n = 0; n < 4; ++n) s_mine[n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-      group_barrier<NW>(hgl);
+      named_barrier<1, NW * 32>(hgl);
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         float4 t = s_group[n * 32];
@@ -347,8 +309,8 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
       for (int np = 0; np < kAccN / 2; ++np) {
         uint32_t bb[4];
         ldsm_x4_t(bb, tile_u32 + i * 16 * kRowBytes + v_lane + np * 32);
-        mma_bf16(acc[2 * np], a, bb[0], bb[1]);
-        mma_bf16(acc[2 * np + 1], a, bb[2], bb[3]);
+        mma_bf16(acc[2 * np], a[0], a[1], a[2], a[3], bb[0], bb[1]);
+        mma_bf16(acc[2 * np + 1], a[0], a[1], a[2], a[3], bb[2], bb[3]);
       }
     }
     __syncthreads();  // the next iteration's load overwrites this stage (and the S partials)
@@ -362,33 +324,16 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
   const int h0 = head0 + hgl * 16 + g;
   constexpr float kLn2 = 0.6931471805599453f;
   const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
-  if constexpr (SPLIT) {
-    const int64_t r0 = (static_cast<int64_t>(b) * p.splits + split) * p.heads + h0;
-    const int64_t r1 = r0 + 8;
-    float* o0 = p.part_o + r0 * kMlaRank + ch * kWarpCols + tq * 2;
-    float* o1 = p.part_o + r1 * kMlaRank + ch * kWarpCols + tq * 2;
+  const int64_t r0 = out_row<SPLIT>(p, b, split, h0), r1 = r0 + 8;
+  const int col0 = ch * kWarpCols + tq * 2;
 #pragma unroll
-    for (int n = 0; n < kAccN; ++n) {
-      *reinterpret_cast<float2*>(o0 + n * 8) = make_float2(acc[n][0] * inv0, acc[n][1] * inv0);
-      *reinterpret_cast<float2*>(o1 + n * 8) = make_float2(acc[n][2] * inv1, acc[n][3] * inv1);
-    }
-    if (ch == 0 && tq == 0) {
-      p.part_lse[r0] = lse0;
-      p.part_lse[r1] = lse1;
-    }
-  } else {
-    const int64_t r0 = static_cast<int64_t>(b) * p.heads + h0, r1 = r0 + 8;
-    uint16_t* o0 = p.o + r0 * kMlaRank + ch * kWarpCols + tq * 2;
-    uint16_t* o1 = p.o + r1 * kMlaRank + ch * kWarpCols + tq * 2;
-#pragma unroll
-    for (int n = 0; n < kAccN; ++n) {
-      *reinterpret_cast<uint32_t*>(o0 + n * 8) = pack_bf16(acc[n][0] * inv0, acc[n][1] * inv0);
-      *reinterpret_cast<uint32_t*>(o1 + n * 8) = pack_bf16(acc[n][2] * inv1, acc[n][3] * inv1);
-    }
-    if (ch == 0 && tq == 0) {
-      p.lse[r0] = lse0;
-      p.lse[r1] = lse1;
-    }
+  for (int n = 0; n < kAccN; ++n) {
+    store_o2<SPLIT>(p, r0, col0 + n * 8, acc[n][0] * inv0, acc[n][1] * inv0);
+    store_o2<SPLIT>(p, r1, col0 + n * 8, acc[n][2] * inv1, acc[n][3] * inv1);
+  }
+  if (ch == 0 && tq == 0) {
+    store_lse<SPLIT>(p, r0, lse0);
+    store_lse<SPLIT>(p, r1, lse1);
   }
 }
 

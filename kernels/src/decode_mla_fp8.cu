@@ -61,29 +61,6 @@ struct Raw<kFmtDs> {
   static constexpr int kPitch = kFp8RawPitch(true);  // 656 = 16 mod 128 already
 };
 
-// Barrier of the four warps (128 threads) of head group `group`: ids BASE .. BASE + 3, immediate
-// so the kernel reserves only the ids it uses (0 is __syncthreads; 1..4 and 5..8 are the two
-// barriers of each group, 9 all consumer warps).
-template <int BASE>
-__device__ __forceinline__ void group_barrier(int group) {
-  switch (group) {
-    case 0: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE) : "memory"); break;
-    case 1: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE + 1) : "memory"); break;
-    case 2: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE + 2) : "memory"); break;
-    default: asm volatile("bar.sync %0, 128;\n" ::"n"(BASE + 3) : "memory"); break;
-  }
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
 __device__ __forceinline__ uint2 lds64(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
@@ -108,15 +85,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Four e4m3 bytes (low byte first) -> two fp16x2 (bytes 0, 1 and 2, 3; low half first), exact:
 // the hardware conversion reads each 16-bit half of the register in place.
 __device__ __forceinline__ void e4m3x4_f16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
@@ -132,10 +100,6 @@ __device__ __forceinline__ uint32_t f16x2_bf16x2(uint32_t h) {
 }
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 // 2^x by the hardware approximation (2 ulp; -inf -> 0, 0 -> 1), subnormal results flushed.
@@ -165,24 +129,12 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int len = p.seq_lens[b];
-  const int chunk = ((len + p.splits - 1) / p.splits + kTileN - 1) / kTileN * kTileN;
-  const int start = split * chunk;
-  const int end = min(len, start + chunk);
+  const int2 range = split_tokens<kTileN>(p, b, split);
+  const int start = range.x, end = range.y;
   const int head0 = hg * HB;
 
   if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    for (int i = tid; i < HB; i += NT) {
-      const int64_t bh = static_cast<int64_t>(b) * p.heads + head0 + i;
-      if (SPLIT)
-        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
-      else
-        p.lse[bh] = -INFINITY;
-    }
-    if (!SPLIT)
-      for (int i = tid; i < HB * kMlaRank / 8; i += NT)
-        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
-            make_uint4(0, 0, 0, 0);
+    write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
     return;
   }
   const int ntiles = (end - start + kTileN - 1) / kTileN;
@@ -324,7 +276,9 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   float vref = FLT_MIN;                // mla_fp8_ds: the largest tile-ch scale so far (R)
   float row_s0 = 0.0f, row_s1 = 0.0f;  // the rows' 2^-e * scale_log2, read after the first barrier
 
-  asm volatile("bar.sync 9, %0;\n" ::"n"(NC) : "memory");  // Q rows and row scales written
+  // Named barriers: 9 all consumer warps (here: Q rows and row scales written); per head group
+  // 1..4 the S exchange and 5..8 the reuse of a single S buffer.
+  asm volatile("bar.sync 9, %0;\n" ::"n"(NC) : "memory");
   row_s0 = s_rowscale[hgl * 16 + g];
   row_s1 = s_rowscale[hgl * 16 + g + 8];
 
@@ -388,11 +342,11 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
     // One buffer: wait until the group has read tile t - 1's partials. Two: a warp can only get
     // here with tile t - 2's buffer once every warp of its group passed tile t - 1's barrier, after
     // reading tile t - 2's partials.
-    if (SB == 1 && t > 0) group_barrier<5>(HB == 16 ? 0 : hgl);
+    if (SB == 1 && t > 0) named_barrier<5, 128>(HB == 16 ? 0 : hgl);
     const int sb = SB == 2 ? (t & 1) * kSBuf : 0;
 #pragma unroll
     for (int n = 0; n < 4; ++n) s_mine[sb + n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-    group_barrier<1>(HB == 16 ? 0 : hgl);
+    named_barrier<1, 128>(HB == 16 ? 0 : hgl);
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
       float4 a = s_group[sb + n * 32];
@@ -519,8 +473,7 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   const int h0 = head0 + hgl * 16 + g;
   constexpr float kLn2 = 0.6931471805599453f;
   const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
-  const int64_t r0 =
-      SPLIT ? (static_cast<int64_t>(b) * p.splits + split) * p.heads + h0 : static_cast<int64_t>(b) * p.heads + h0;
+  const int64_t r0 = out_row<SPLIT>(p, b, split, h0);
   const int64_t r1 = r0 + 8;
 #pragma unroll
   for (int j = 0; j < 4; ++j)
@@ -542,8 +495,8 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
       }
     }
   if (ch == 0 && tq == 0) {
-    (SPLIT ? p.part_lse : p.lse)[r0] = lse0;
-    (SPLIT ? p.part_lse : p.lse)[r1] = lse1;
+    store_lse<SPLIT>(p, r0, lse0);
+    store_lse<SPLIT>(p, r1, lse1);
   }
 }
 

@@ -1,9 +1,16 @@
 #pragma once
-// PTX wrappers both MLA decode kernels use (decode_mla.cu, decode_mla_wgmma.cu): cp.async,
-// mbarriers and bulk (TMA engine) copies into shared memory. Device code, private to kernels/src.
+// Device code the MLA decode kernels share (decode_mla.cu, decode_mla_fp8.cu,
+// decode_mla_wgmma.cu): PTX wrappers (cp.async, mbarriers, bulk copies, named barriers, ldmatrix,
+// mma.sync) and the split bookkeeping every kernel does the same way (a split's token range, the
+// output of an empty split, the o/lse stores). Private to kernels/src.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
+
+#include "decode_mla_internal.h"
+#include "kvferry/layouts/entry_format.h"
 
 namespace kvferry::mla_detail {
 
@@ -55,5 +62,84 @@ __device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t
 /// Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before later
 /// async-proxy accesses (bulk copies, the tensor cores' wgmma operand reads).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+/// Barrier `ID0 + group` of THREADS threads, with an immediate id (group 0..3), so a kernel
+/// reserves only the ids it uses (0 is __syncthreads).
+template <int ID0, int THREADS>
+__device__ __forceinline__ void named_barrier(int group) {
+  switch (group) {
+    case 0: asm volatile("bar.sync %0, %1;\n" ::"n"(ID0), "n"(THREADS) : "memory"); break;
+    case 1: asm volatile("bar.sync %0, %1;\n" ::"n"(ID0 + 1), "n"(THREADS) : "memory"); break;
+    case 2: asm volatile("bar.sync %0, %1;\n" ::"n"(ID0 + 2), "n"(THREADS) : "memory"); break;
+    default: asm volatile("bar.sync %0, %1;\n" ::"n"(ID0 + 3), "n"(THREADS) : "memory"); break;
+  }
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/// c += A B, m16n8k16, bf16 operands (A in registers a0..a3, B in b0, b1), fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+/// The tokens [x, y) of request b that split `split` attends to: every split but the last covers
+/// the same whole number of TILE-token tiles; x >= y for an empty split or a request of length 0.
+template <int TILE>
+__device__ __forceinline__ int2 split_tokens(const KParams& p, int b, int split) {
+  const int len = p.seq_lens[b];
+  const int chunk = ((len + p.splits - 1) / p.splits + TILE - 1) / TILE * TILE;
+  const int start = split * chunk;
+  return make_int2(start, min(len, start + chunk));
+}
+
+/// Row of (request b, split, head h) in the kernel's output: of the fp32 partials [batch, splits,
+/// heads] with SPLIT, of o / lse [batch, heads] otherwise.
+template <bool SPLIT>
+__device__ __forceinline__ int64_t out_row(const KParams& p, int b, int split, int h) {
+  return SPLIT ? (static_cast<int64_t>(b) * p.splits + split) * p.heads + h : static_cast<int64_t>(b) * p.heads + h;
+}
+/// Output columns col, col + 1 of `row`: fp32 partials with SPLIT, bf16 o otherwise.
+template <bool SPLIT>
+__device__ __forceinline__ void store_o2(const KParams& p, int64_t row, int col, float x, float y) {
+  if constexpr (SPLIT)
+    *reinterpret_cast<float2*>(p.part_o + row * kMlaRank + col) = make_float2(x, y);
+  else
+    *reinterpret_cast<uint32_t*>(p.o + row * kMlaRank + col) = pack_bf16(x, y);
+}
+template <bool SPLIT>
+__device__ __forceinline__ void store_lse(const KParams& p, int64_t row, float v) {
+  (SPLIT ? p.part_lse : p.lse)[row] = v;
+}
+
+/// What a CTA with nothing to attend to (an empty split, or a request of length 0) writes for
+/// heads [head0, head0 + nh) of request b: lse = -inf (a partial the merge skips, with SPLIT)
+/// and, with one split, o = 0. NT threads share the stores.
+template <bool SPLIT, int NT>
+__device__ __forceinline__ void write_empty_split(const KParams& p, int b, int split, int head0, int nh, int tid) {
+  for (int i = tid; i < nh; i += NT) store_lse<SPLIT>(p, out_row<SPLIT>(p, b, split, head0 + i), -INFINITY);
+  if (!SPLIT)
+    for (int i = tid; i < nh * kMlaRank / 8; i += NT)
+      reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
+          make_uint4(0, 0, 0, 0);
+}
 
 }  // namespace kvferry::mla_detail

@@ -93,9 +93,6 @@ __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
 }
 __device__ __forceinline__ uint64_t desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
 
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -143,11 +140,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const uint32_t (&a)[4]
 }
 #undef KF_F32
 #undef KF_F8
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
 // 16 e4m3 bytes -> 16 bf16 (times `s` when SCALED, rounded once from fp32), two 16-byte stores.
 // mla_fp8 skips the multiply: a product by 1 is exact, so mla_fp8 and mla_fp8_ds with unit scales
@@ -253,23 +245,12 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform and keeps
   // the wgmma descriptors derived from it in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int len = p.seq_lens[b];
-  const int chunk = ((len + p.splits - 1) / p.splits + kN - 1) / kN * kN;
-  const int start = split * chunk;
-  const int end = min(len, start + chunk);
+  const int2 range = split_tokens<kN>(p, b, split);
+  const int start = range.x, end = range.y;
   const int head0 = hg * hb;
 
   if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    for (int i = tid; i < hb; i += kWsThreads) {
-      if (SPLIT)
-        p.part_lse[(static_cast<int64_t>(b) * p.splits + split) * p.heads + head0 + i] = -INFINITY;
-      else
-        p.lse[static_cast<int64_t>(b) * p.heads + head0 + i] = -INFINITY;
-    }
-    if (!SPLIT)
-      for (int i = tid; i < hb * kMlaRank / 8; i += kWsThreads)
-        reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
-            make_uint4(0, 0, 0, 0);
+    write_empty_split<SPLIT, kWsThreads>(p, b, split, head0, hb, tid);
     return;
   }
   const int ntiles = (end - start + kN - 1) / kN;
@@ -615,38 +596,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
   const int r0 = wl * 16 + g, r1 = r0 + 8;
   const int col0 = wg * 256 + tq * 2;
-  if constexpr (SPLIT) {
-    const int64_t base = (static_cast<int64_t>(b) * p.splits + split) * p.heads + head0;
-    if (r0 < hb) {
-      float* o0 = p.part_o + (base + r0) * kMlaRank + col0;
+  const int64_t base = out_row<SPLIT>(p, b, split, head0);
+  if (r0 < hb) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<float2*>(o0 + n * 8) = make_float2(acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
-      if (wg == 0 && tq == 0) p.part_lse[base + r0] = lse0;
-    }
-    if (r1 < hb) {
-      float* o1 = p.part_o + (base + r1) * kMlaRank + col0;
+    for (int n = 0; n < 32; ++n) store_o2<SPLIT>(p, base + r0, col0 + n * 8, acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
+    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r0, lse0);
+  }
+  if (r1 < hb) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<float2*>(o1 + n * 8) = make_float2(acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
-      if (wg == 0 && tq == 0) p.part_lse[base + r1] = lse1;
-    }
-  } else {
-    const int64_t base = static_cast<int64_t>(b) * p.heads + head0;
-    if (r0 < hb) {
-      uint16_t* o0 = p.o + (base + r0) * kMlaRank + col0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<uint32_t*>(o0 + n * 8) = pack_bf16(acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
-      if (wg == 0 && tq == 0) p.lse[base + r0] = lse0;
-    }
-    if (r1 < hb) {
-      uint16_t* o1 = p.o + (base + r1) * kMlaRank + col0;
-#pragma unroll
-      for (int n = 0; n < 32; ++n)
-        *reinterpret_cast<uint32_t*>(o1 + n * 8) = pack_bf16(acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
-      if (wg == 0 && tq == 0) p.lse[base + r1] = lse1;
-    }
+    for (int n = 0; n < 32; ++n)
+      store_o2<SPLIT>(p, base + r1, col0 + n * 8, acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
+    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r1, lse1);
   }
 #else
   __trap();  // built without sm_90a: launch_wgmma is never chosen for such a build (see decode_mla.cu)

@@ -143,6 +143,9 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
       wgmma_skipped = true;
       continue;
     }
+    // The fp8 kernel has no loader or warp-layout knobs: its three splits choices (runs 0..2) are
+    // all there is to run on the mma.sync path.
+    if (fmt != 0 && mma == 1 && run >= 3) continue;
     SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader) + " group_warps " +
                  std::to_string(warps) + " mma " + std::to_string(mma));
     Out got;
@@ -190,6 +193,9 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
     for (int heads : {16, 128}) {
       for (int warps : {2, 4, 0}) {  // 0: the wgmma kernel (group_warps does not apply)
         const int mma = warps == 0 ? 2 : 1;
+        // The loader and warp-layout knobs exist only in the bf16 mma.sync kernel.
+        const bool knobs = fmt == 0 && mma == 1;
+        if (warps == 4 && !knobs) continue;
         if (mma == 2 && !decode_mla_wgmma_available()) {
           wgmma_skipped = true;
           continue;
@@ -201,12 +207,16 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
         flat.lens = {200, 77, 1, 0, 130};
         flat.seed = seed + fmt;
         flat.build();
-        Out a, a1;
+        Out a;
         run_gpu(flat, 0, &a, 1, warps, mma);
-        run_gpu(flat, 0, &a1, 2, warps, mma);
+        if (knobs) {
+          // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
+          Out a1;
+          run_gpu(flat, 0, &a1, 2, warps, mma);
+          if (HasFatalFailure()) return;
+          expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
+        }
         if (HasFatalFailure()) return;
-        // The two loaders fill shared memory with the same bytes, so they agree bit for bit too.
-        expect_bit_identical(a, a1, "bulk-copy vs cp.async loader");
         for (int layers : {3, 61}) {
           for (int layer : {0, layers / 2, layers - 1}) {
             MlaCase v = flat;
@@ -215,7 +225,7 @@ TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
             v.build();
             ASSERT_GT(v.spec.layer_view(v.layer).stride(0), v.page * v.format.entry_elems());  // not contiguous
             Out b;
-            run_gpu(v, 0, &b, layers == 61 ? 2 : 1, warps, mma);
+            run_gpu(v, 0, &b, knobs && layers == 61 ? 2 : 1, warps, mma);
             if (HasFatalFailure()) return;
             const std::string what = flat.format.name() + " heads " + std::to_string(heads) + " layer " +
                                      std::to_string(layer) + " of " + std::to_string(layers) + " group_warps " +
@@ -269,11 +279,10 @@ TEST(DecodeMlaGpuFormats, Fp8AndRequantizedDsBitIdentical) {
       c.build();
       const MlaCase d = requantize_to_ds(c);
       for (int splits : {0, 1, 5}) {
-        Out a, b, a1, b1, w, wd, au, aud;
+        // mma.sync (the fp8 kernel, which has no loader knob), wgmma and the auto path.
+        Out a, b, w, wd, au, aud;
         run_gpu(c, splits, &a, 1);
         run_gpu(d, splits, &b, 1);
-        run_gpu(c, splits, &a1, 2);
-        run_gpu(d, splits, &b1, 2);
         if (wgmma) {
           run_gpu(c, splits, &w, 0, 0, 2);
           run_gpu(d, splits, &wd, 0, 0, 2);
@@ -283,8 +292,6 @@ TEST(DecodeMlaGpuFormats, Fp8AndRequantizedDsBitIdentical) {
         if (HasFatalFailure()) return;
         const std::string what = "heads " + std::to_string(heads) + " splits " + std::to_string(splits);
         expect_bit_identical(a, b, what.c_str());
-        expect_bit_identical(a1, b1, (what + " cp.async loader").c_str());
-        expect_bit_identical(a, a1, (what + " loaders").c_str());
         if (wgmma) expect_bit_identical(w, wd, (what + " wgmma").c_str());
         expect_bit_identical(au, aud, (what + " auto path").c_str());
       }
