@@ -14,6 +14,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "decode_mla_internal.h"
 #include "decode_mla_ptx.cuh"
@@ -479,7 +481,13 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   const int mma = p.mma == 0 && !wgmma_available() ? 1 : decode_mla_resolved_mma(p);
   if (mma == 2) {
     if (!wgmma_available()) return cudaErrorInvalidDeviceFunction;
-    err = mla_detail::launch_wgmma(k, fmt, p.batch, stream);
+    // bf16 caches run the seesaw kernel; KVFERRY_MLA_SEESAW=0 selects the depth-split one (for comparison).
+    static const bool seesaw = [] {
+      const char* e = std::getenv("KVFERRY_MLA_SEESAW");
+      return e == nullptr || std::strcmp(e, "0") != 0;
+    }();
+    err = fmt == kFmtBf16 && seesaw ? mla_detail::launch_seesaw(k, p.batch, stream)
+                                    : mla_detail::launch_wgmma(k, fmt, p.batch, stream);
   } else {
     err = fmt == kFmtBf16 ? launch_bf16(k, p.batch, bulk, nw, stream)
                           : mla_detail::launch_fp8_regs(k, fmt, p.batch, stream);
