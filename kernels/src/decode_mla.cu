@@ -451,6 +451,7 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   k.block_stride = p.cache.stride(0) * eb;
   k.token_stride = p.cache.stride(1) * eb;
   k.page = static_cast<int32_t>(p.cache.size(1));
+  k.num_blocks = p.cache.size(0);
   k.page_shift = (k.page & (k.page - 1)) == 0 ? __builtin_ctz(static_cast<unsigned>(k.page)) : -1;
   k.q = p.q;
   k.table = p.block_table;

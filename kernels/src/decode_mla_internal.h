@@ -28,6 +28,7 @@ struct KParams {
   float* part_o;      // [batch, splits, heads, 512]
   float* part_lse;    // [batch, splits, heads]
   int32_t conv_rows;  // wgmma, fp8 caches: rows of each tile the producer warpgroup converts (set by launch_wgmma)
+  int64_t num_blocks;  // blocks of the cache view (the seesaw kernel's tensor map)
 };
 
 /// Launches the wgmma split kernel (one CTA of two warpgroups per request, split and 64 heads;

@@ -25,10 +25,13 @@
 // parts: V_L and the rope block (also P(b)'s place) by warpgroup 0 once its products read them, V_R
 // by warpgroup 1. S visits the blocks in the order they are freed (even tiles: V_L, rope, V_R; odd
 // tiles: V_R, V_L, rope) and the producer refills them in that order.
+#include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "decode_mla_internal.h"
@@ -111,6 +114,21 @@ __device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// d = A B^T, the first k step of an S: d is written, not read, so S's registers are free between
+// the softmax that last read them and the next S.
+#define KF_W8(x, i)                                                                                               \
+  "=f"(x[i + 0]), "=f"(x[i + 1]), "=f"(x[i + 2]), "=f"(x[i + 3]), "=f"(x[i + 4]), "=f"(x[i + 5]), "=f"(x[i + 6]), \
+      "=f"(x[i + 7])
+__device__ __forceinline__ void wgmma_s_first(float (&d)[32], uint64_t da, uint64_t db) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 0, 1, 1, 0, 0;\n"
+      : KF_W8(d, 0), KF_W8(d, 8), KF_W8(d, 16), KF_W8(d, 24)
+      : "l"(da), "l"(db));
+}
+#undef KF_W8
+
 #define KF_PV_D                                                                  \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                      \
   "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"             \
@@ -138,8 +156,20 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t da, uint64
 #undef KF_F32
 #undef KF_F8
 
+// One tensor copy (TMA) of a [rows x 64] box of the cache view at (column c0, token-in-page c1,
+// block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// TMA: tiles come by tensor copies (pages a power of two >= 16); otherwise by cp.async.
 template <bool SPLIT>
-__global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    decode_mla_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap, const int use_tma) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
   // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
@@ -166,7 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
   const int ntiles = (end - start + kN - 1) / kN;
 
   if (tid == 0) {
-    for (int i = 0; i < 2 * kCb; ++i) mbar_init(bars + 8 * i, 64);  // each thread of a producer pair
+    // full: the TMA thread's expect_tx, or each thread of a cp.async producer pair
+    for (int i = 0; i < 2 * kCb; ++i) mbar_init(bars + 8 * i, use_tma ? 1 : 64);
     for (int i = 0; i < 4; ++i) mbar_init(empty_bar(i >> 1, i & 1), 4);  // lane 0 of the releasing warpgroup's warps
     mbar_fence_init();
   }
@@ -182,6 +213,35 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int odd = (warp - 8) >> 1, pt = tid & 63, c = pt & 7, r0 = pt >> 3;
     const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+    if (use_tma) {
+      // One thread per buffer: a box of min(page, 64) rows per column block and page of the tile;
+      // boxes wholly past the end are not copied (the math warps zero those rows).
+      if ((pt & 31) != 0 || (pt >> 5) != 0) return;
+      const int bp = min(p.page, kN), shift = p.page_shift;
+      for (int t = odd; t < ntiles; t += 2) {
+        const int tok0 = start + t * kN, nvalid = min(kN, end - tok0), nbox = (nvalid + bp - 1) / bp;
+        int blk[kN / 16], in_page[kN / 16];
+#pragma unroll
+        for (int k = 0; k < kN / 16; ++k) {
+          const int tok = tok0 + k * bp;
+          blk[k] = k < nbox ? table[tok >> shift] : 0;
+          in_page[k] = tok & (p.page - 1);
+        }
+        const uint32_t dst = k_u32 + odd * kTileBytes;
+#pragma unroll 1
+        for (int i = 0; i < kCb; ++i) {
+          const int cb = visit(odd, i);
+          if (t >= 2 && (i == 0 || i == (odd ? 4 : 5)))  // first block of a part: wait for its release
+            mbar_wait(empty_bar(odd, part_of(cb)), ((t >> 1) - 1) & 1);
+          const uint32_t bar = full_bar(odd, cb);
+          mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
+#pragma unroll
+          for (int k = 0; k < kN / 16; ++k)
+            if (k < nbox) tma_load(dst + cb * kCbBytes + k * bp * 128, &tmap, cb * 64, in_page[k], blk[k], bar);
+        }
+      }
+      return;
+    }
     // Byte offsets of this thread's rows of tile t from the cache base, -1 past the end.
     auto row_offsets = [&](int t, int64_t (&off)[8]) {
 #pragma unroll
@@ -235,25 +295,33 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
   float s[32];
   const uint32_t q_lo = desc_lo(q_u32, 16), k_lo = desc_lo(k_u32, 16);
   // Issues S(t) = Q K(t)^T over the whole depth, block by block as the producer publishes them.
-  auto issue_s = [&](auto odd_c, int t) {
-    constexpr int ODD = decltype(odd_c)::value;
+  // Issues the blocks of S(t) = Q K(t)^T of one part of the tile (PART 0: the blocks visited
+  // first; 1: the rest) as one wgmma group, each block as soon as the producer published it.
+  auto issue_s = [&](auto odd_c, auto part_c, int t) {
+    constexpr int ODD = decltype(odd_c)::value, PART = decltype(part_c)::value;
+    constexpr int kSplit = ODD ? 4 : 5;  // blocks of the first part
     const int buf = t & 1;
     const uint32_t par = (t >> 1) & 1;
     const uint32_t tile_lo = k_lo + buf * (kTileBytes >> 4);
     wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < kCb; ++i) {
+    for (int i = PART ? kSplit : 0; i < (PART ? kCb : kSplit); ++i) {
       const int cb = visit(ODD, i);
       mbar_wait(full_bar(buf, cb), par);
       fence_proxy_async();  // the block's cp.async writes (generic proxy) before the wgmma reads
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t off = (cb * kCbBytes + kk * 32) >> 4;
-        wgmma_s(s, desc(q_lo + off), desc(tile_lo + off), i > 0 || kk > 0);
+        if (i == 0 && kk == 0)
+          wgmma_s_first(s, desc(q_lo + off), desc(tile_lo + off));
+        else
+          wgmma_s(s, desc(q_lo + off), desc(tile_lo + off), 1);
       }
     }
     wgmma_commit();
   };
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
 
   float acc[128];
 #pragma unroll
@@ -352,19 +420,38 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
     for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(acc, desc(pl + ((ks * 32) >> 4)), desc(vt + ((ks * 16 * 128) >> 4)));
     wgmma_commit();
   };
+  // The last tile's V rows past the end hold whatever the page held there (or nothing copied):
+  // P is 0 there, but 0 * NaN is not, so each warpgroup zeroes its V half of those rows before
+  // its product of that tile reads them (S has read the tile by then).
+  const int nlast = end - (start + (ntiles - 1) * kN);
+  auto zero_tail = [&](int t) {
+    if (t != ntiles - 1 || nlast == kN) return;
+    const uint32_t base = k_u32 + (t & 1) * kTileBytes + wg * 4 * kCbBytes;
+    for (int i = tid & 127; i < (kN - nlast) * 4 * 8; i += 128) {
+      const uint32_t a = base + (i >> 3 & 3) * kCbBytes + (nlast + (i >> 5)) * 128 + (i & 7) * 16;
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0) : "memory");
+    }
+    fence_proxy_async();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(6 + wg) : "memory");  // this warpgroup only
+  };
   auto release = [&](int t, int part) {
     __syncwarp();
     if (lane == 0) mbar_arrive(empty_bar(t & 1, part));
   };
 
+  // Each warpgroup waits for a product as soon as the buffer part it read can be refilled and
+  // releases that part. Warpgroup 1 issues the first part of its next S behind its last product of
+  // a pair (before releasing what that product read: warpgroup 0 never waits on a part warpgroup 1
+  // holds while it blocks). (Warpgroup 0 doing the same made ptxas spill ~600 bytes.)
   const int npairs = (ntiles + 1) / 2;
-  float x[32];
   if (wg == 0) {
     for (int j = 0; j < npairs; ++j) {
       const int a = 2 * j, bt = a + 1;
       const bool has_b = bt < ntiles;
-      issue_s(std::integral_constant<int, 0>{}, a);
-      wgmma_wait<0>();
+      float x[32];
+      issue_s(I0{}, I0{}, a);
+      issue_s(I0{}, I1{}, a);
+      wgmma_wait<0>();  // S(a)
       float mx0, mx1;
       load_s(a, x, mx0, mx1);
       const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: every tile has a valid token
@@ -383,7 +470,12 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
       fence_regs(acc);
       rescale(f0, f1);
       pack_pa(x);
+      zero_tail(a);
       issue_pv_rs(a);
+      wgmma_wait<0>();  // P.V_L(a) read V_L(a), the rope block and pa
+      fence_regs(acc);
+      fence_pa();
+      release(a, 0);
       float g0 = 1.0f, g1 = 1.0f;  // e^(m0 - m1)
       if (has_b) {
         bar_sync(3);  // m1 and P(b) ready
@@ -393,10 +485,6 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
         m0 = q0;
         m1 = q1;
       }
-      wgmma_wait<0>();  // P.V_L(a) read V_L(a) and pa
-      fence_regs(acc);
-      fence_pa();
-      release(a, 0);
       if (j > 0) bar_sync(5);  // warpgroup 1's P.V_R of the previous pair read P
       store_p(x, g0, g1, p_u32);
       bar_arrive(4);  // P(a) ready for warpgroup 1
@@ -404,20 +492,25 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
         l0 *= g0;
         l1 *= g1;
         rescale(g0, g1);
+        zero_tail(bt);
         issue_pv_ss(bt, k_u32 + (bt & 1) * kTileBytes + kRope * kCbBytes);
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // P.V_L(b)
         fence_regs(acc);
         release(bt, 0);
       }
     }
   } else {
+    if (ntiles > 1) {
+      issue_s(I1{}, I0{}, 1);
+      issue_s(I1{}, I1{}, 1);
+    }
     for (int j = 0; j < npairs; ++j) {
       const int a = 2 * j, bt = a + 1;
-      const bool has_b = bt < ntiles;
+      const bool has_b = bt < ntiles, next_b = bt + 2 < ntiles;
+      float x[32];
       float mx0 = -INFINITY, mx1 = -INFINITY;
       if (has_b) {
-        issue_s(std::integral_constant<int, 1>{}, bt);
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // S(b)
         load_s(bt, x, mx0, mx1);
       }
       bar_sync(2);  // m0 of this pair
@@ -442,19 +535,26 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
         store_p(x, 1.0f, 1.0f, k_u32 + (bt & 1) * kTileBytes + kRope * kCbBytes);  // over the rope block S read
         bar_arrive(3);  // m1 and P(b) ready for warpgroup 0
         pack_pa(x);
+        zero_tail(bt);
         issue_pv_rs(bt);
-      }
-      bar_sync(4);  // P(a) scaled to m1
-      issue_pv_ss(a, p_u32);
-      if (has_b) {
-        wgmma_wait<1>();  // P.V_R(b)
+        wgmma_wait<0>();  // P.V_R(b) read V_R(b) and pa
+        fence_regs(acc);
         fence_pa();
         release(bt, 1);
       }
-      wgmma_wait<0>();  // P.V_R(a) read V_R(a) and P
+      bar_sync(4);  // P(a) scaled to m1
+      zero_tail(a);
+      issue_pv_ss(a, p_u32);
+      if (next_b) {
+        issue_s(I1{}, I0{}, bt + 2);
+        wgmma_wait<1>();  // P.V_R(a)
+      } else {
+        wgmma_wait<0>();
+      }
       fence_regs(acc);
       release(a, 1);
-      if (j + 1 < npairs) bar_arrive(5);
+      if (j + 1 < npairs) bar_arrive(5);  // P read
+      if (next_b) issue_s(I1{}, I1{}, bt + 2);
     }
   }
 
@@ -491,6 +591,40 @@ __global__ void __launch_bounds__(kThreads, 1) decode_mla_seesaw_kernel(const KP
 #endif
 }
 
+// cuTensorMapEncodeTiled, reached through the runtime (nothing links libcuda); null if unavailable.
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+// The cache view as a [blocks][page][576] bf16 tensor with [min(page, 64) x 64] boxes, 128-byte
+// swizzle. False where the view does not suit TMA (page not a power of two >= 16) or encoding fails.
+bool make_tensor_map(const KParams& k, CUtensorMap* map) {
+  if (k.page_shift < 4 || k.num_blocks < 1) return false;
+  const EncodeTiled enc = encode_tiled();
+  if (enc == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kMlaDim), static_cast<cuuint64_t>(k.page),
+                              static_cast<cuuint64_t>(k.num_blocks)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(k.token_stride), static_cast<cuuint64_t>(k.block_stride)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(k.page < kN ? k.page : kN), 1};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<uint8_t*>(k.cache), dims, strides, box, estr,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 template <bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
@@ -500,7 +634,14 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
     (void)cudaGetLastError();  // not left for the next launch's check
     return attr;
   }
-  decode_mla_seesaw_kernel<SPLIT><<<grid, kThreads, kSmem, stream>>>(k);
+  // KVFERRY_MLA_TMA=0 keeps the cp.async producer (for comparison).
+  static const bool tma_allowed = [] {
+    const char* e = std::getenv("KVFERRY_MLA_TMA");
+    return e == nullptr || std::strcmp(e, "0") != 0;
+  }();
+  CUtensorMap map{};
+  const int use_tma = tma_allowed && make_tensor_map(k, &map) ? 1 : 0;
+  decode_mla_seesaw_kernel<SPLIT><<<grid, kThreads, kSmem, stream>>>(k, map, use_tma);
   return cudaGetLastError();
 }
 

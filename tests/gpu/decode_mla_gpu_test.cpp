@@ -183,6 +183,10 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
 INSTANTIATE_TEST_SUITE_P(FormatsHeadsPages, DecodeMlaGpu,
                          ::testing::Combine(::testing::Values(0, 1, 2), ::testing::Values(16, 32, 64, 128),
                                             ::testing::Values(16, 32, 64)));
+// Pages the seesaw kernel's tensor copies do not take (not a power of two, or under 16 tokens):
+// its cp.async producer, and every kernel's non-power-of-two page arithmetic.
+INSTANTIATE_TEST_SUITE_P(OddPages, DecodeMlaGpu,
+                         ::testing::Combine(::testing::Values(0), ::testing::Values(64, 128), ::testing::Values(8, 48)));
 
 TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
   SKIP_WITHOUT_GPU();
