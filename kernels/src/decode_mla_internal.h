@@ -25,9 +25,9 @@ struct KParams {
   float vscale;      // k_scale for mla_fp8, else 1
   uint16_t* o;
   float* lse;
-  float* part_o;      // [batch, splits, heads, 512]
-  float* part_lse;    // [batch, splits, heads]
-  int32_t conv_rows;  // wgmma, fp8 caches: rows of each tile the producer warpgroup converts (set by launch_wgmma)
+  float* part_o;       // [batch, splits, heads, 512]
+  float* part_lse;     // [batch, splits, heads]
+  int32_t conv_rows;   // wgmma, fp8 caches: rows of each tile the producer warpgroup converts (set by launch_wgmma)
   int64_t num_blocks;  // blocks of the cache view (the seesaw kernel's tensor map)
 };
 

@@ -93,9 +93,7 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
-__device__ __forceinline__ void bar_arrive(int id) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
-}
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 
 #define KF_F8(x, i)                                                                                               \
@@ -160,8 +158,8 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t da, uint64
 // block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`.
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(
-          dst),
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
+          "r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
       : "memory");
 }
@@ -243,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       return;
     }
     // Byte offsets of this thread's rows of tile t from the cache base, -1 past the end.
-    auto row_offsets = [&](int t, int64_t (&off)[8]) {
+    auto row_offsets = [&](int t, int64_t(&off)[8]) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const int tok = start + t * kN + r0 + 8 * k;
@@ -347,7 +345,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   // S(t) (completed) -> x = S scaled to the log2 domain, masked past the end; row maxima.
-  auto load_s = [&](int t, float (&x)[32], float& mx0, float& mx1) {
+  auto load_s = [&](int t, float(&x)[32], float& mx0, float& mx1) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
     const bool last = t == ntiles - 1;
@@ -370,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
   };
   // x <- exp2(x - max) in place; returns the row sums of this thread's values.
-  auto exponentiate = [&](float (&x)[32], float nm0, float nm1, float& rs0, float& rs1) {
+  auto exponentiate = [&](float(&x)[32], float nm0, float nm1, float& rs0, float& rs1) {
     rs0 = 0.0f;
     rs1 = 0.0f;
 #pragma unroll
@@ -383,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       rs1 += x[4 * n + 2] + x[4 * n + 3];
     }
   };
-  auto pack_pa = [&](const float (&x)[32]) {
+  auto pack_pa = [&](const float(&x)[32]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       pa[i][0] = pack_bf16(x[8 * i], x[8 * i + 1]);
@@ -393,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   // P (times f0 / f1 per row) as bf16 into a swizzled [64 rows x 64 tokens] K-major block at `dst`.
-  auto store_p = [&](const float (&x)[32], float f0, float f1, uint32_t dst) {
+  auto store_p = [&](const float(&x)[32], float f0, float f1, uint32_t dst) {
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const uint32_t a0 = dst + r0 * 128 + (((n ^ g) << 4) | (tq << 2));
@@ -533,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         l0 += rs0;
         l1 += rs1;
         store_p(x, 1.0f, 1.0f, k_u32 + (bt & 1) * kTileBytes + kRope * kCbBytes);  // over the rope block S read
-        bar_arrive(3);  // m1 and P(b) ready for warpgroup 0
+        bar_arrive(3);                                                             // m1 and P(b) ready for warpgroup 0
         pack_pa(x);
         zero_tail(bt);
         issue_pv_rs(bt);

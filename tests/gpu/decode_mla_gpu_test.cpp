@@ -186,7 +186,8 @@ INSTANTIATE_TEST_SUITE_P(FormatsHeadsPages, DecodeMlaGpu,
 // Pages the seesaw kernel's tensor copies do not take (not a power of two, or under 16 tokens):
 // its cp.async producer, and every kernel's non-power-of-two page arithmetic.
 INSTANTIATE_TEST_SUITE_P(OddPages, DecodeMlaGpu,
-                         ::testing::Combine(::testing::Values(0), ::testing::Values(64, 128), ::testing::Values(8, 48)));
+                         ::testing::Combine(::testing::Values(0), ::testing::Values(64, 128),
+                                            ::testing::Values(8, 48)));
 
 TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
   SKIP_WITHOUT_GPU();
