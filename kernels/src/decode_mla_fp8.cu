@@ -13,11 +13,19 @@
 //  - S = Q K^T per warp: warp w of a head group owns nope tile w (128 deep, 8 fp16 k-steps) and rope
 //    k-step w (bf16), so its partial is ts * (q_nope . k_nope) + q_rope . k_rope, with ts the
 //    token's tile scale (mla_fp8_ds) or 1 (mla_fp8, whose per-tensor scale is in scale_log2). The
-//    four partials are added through shared memory in one fixed order, then multiplied by the
-//    row's 2^-e * scale_log2.
+//    four partials go through shared memory and warp w adds those of tokens 8 w .. 8 w + 7 (one
+//    fixed order), times the row's 2^-e * scale_log2, and exponentiates them: each warp does a
+//    quarter of the softmax and shares its P (fp16) with the group.
+//  - Softmax against a lazy reference: P = 2^(x - m) with m the row's reference from earlier tiles,
+//    kept while no x of the tile exceeds m + 8 (P <= 256 in fp16). The barrier after P is written
+//    also ORs that test over the group (bar.red), so a tile that keeps every reference (all but the
+//    first and rare jumps) exchanges no maxima and rescales no accumulators; one that does not
+//    exchanges the rows' maxima, moves m to them and recomputes P. Each warp sums l over its own
+//    tokens; the four parts are added at the end.
 //  - P V per warp: output columns [128 w, +128) are exactly nope tile w, so V = ts * e4m3 and the
-//    warp multiplies P by ts / R instead, with R the running maximum of its tile's scales (folded
-//    into the accumulators' rescale like the softmax maximum); o = acc * R * vscale / l.
+//    warp multiplies P by ts / R instead (fp16), with R a bound on its tile's scales so far, moved
+//    to the tile's maximum when a scale exceeds it 16-fold (folded into the accumulators' rescale
+//    like the softmax reference); o = acc * R * vscale / l.
 // The rope of mla_fp8 (e4m3) and of mla_fp8_ds (bf16) enter the same bf16 mma with the same
 // operand positions, and a unit scale multiplies exactly, so a mla_fp8 cache and the same cache
 // requantised to mla_fp8_ds give bit-identical output.
@@ -47,6 +55,7 @@ namespace {
 
 constexpr int kTileN = kFp8TileN;
 constexpr int kQOff = kFp8QOff;
+constexpr float kLazyExp = 8.0f;  // P <= 2^8 against a row's reference (fp16 holds up to 65504)
 
 template <int FMT>
 struct Raw;
@@ -98,6 +107,30 @@ __device__ __forceinline__ uint32_t f16x2_bf16x2(uint32_t h) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(f.x, f.y);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
+/// Barrier ID0 + group of 128 threads that also returns whether `pred` held for any of them.
+template <int ID0>
+__device__ __forceinline__ bool bar_red_or(int group, bool pred) {
+  uint32_t r;
+#define KVFERRY_BAR_RED_OR(ID)                                                          \
+  asm volatile(                                                                         \
+      "{\n .reg .pred c, o;\n setp.ne.u32 c, %1, 0;\n bar.red.or.pred o, %2, 128, c;\n" \
+      " selp.u32 %0, 1, 0, o;\n}\n"                                                     \
+      : "=r"(r)                                                                         \
+      : "r"(static_cast<uint32_t>(pred)), "n"(ID)                                       \
+      : "memory")
+  switch (group) {
+    case 0: KVFERRY_BAR_RED_OR(ID0); break;
+    case 1: KVFERRY_BAR_RED_OR(ID0 + 1); break;
+    case 2: KVFERRY_BAR_RED_OR(ID0 + 2); break;
+    default: KVFERRY_BAR_RED_OR(ID0 + 3); break;
+  }
+#undef KVFERRY_BAR_RED_OR
+  return r != 0;
+}
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -124,7 +157,7 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   float* s_rowscale = reinterpret_cast<float*>(smem + 64);
   uint8_t* sQ = smem + kQOff;
   uint8_t* sRaw = sQ + HB / 16 * kFp8QGroupBytes;
-  float4* sS = reinterpret_cast<float4*>(sRaw + ST * kStageBytes);
+  uint8_t* sX = sRaw + ST * kStageBytes;
   const uint32_t bar0 = smem_u32(smem);
 
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -260,9 +293,15 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   // (l & 7) + 8 ((l >> 3) & 1) at byte column + 16 (l >> 4).
   const uint32_t k_lane = lane * PITCH + 128 * ch;
   const uint32_t v_lane = ((lane & 7) + ((lane >> 3) & 1) * 8) * PITCH + 128 * ch + (lane >> 4) * 16;
-  constexpr int SB = fp8_s_buffers(FMT == kFmtDs, HB), kSBuf = HB / 16 * 4 * 4 * 32;  // float4 per buffer
-  float4* s_mine = sS + (hgl * 4 + ch) * 4 * 32 + lane;
-  const float4* s_group = sS + hgl * 4 * 4 * 32 + lane;
+  // The group's exchange area: the S partials [w][n][lane] (float4), P [i][lane] (fp16 A
+  // fragments of tokens 16 i + 0..15, uint4; warp ch writes the half of n = ch) and one float per
+  // row and warp [row][ch] (the tile's row maxima, or l at the end).
+  uint8_t* const gx = sX + hgl * kFp8GroupXBytes;
+  float4* const x_part = reinterpret_cast<float4*>(gx);
+  const uint32_t x_p = smem_u32(gx + kFp8XPartBytes);
+  uint2* const p_mine = reinterpret_cast<uint2*>(gx + kFp8XPartBytes + ((ch >> 1) * 32 + lane) * 16 + (ch & 1) * 8);
+  float* const x_row = reinterpret_cast<float*>(gx + kFp8XPartBytes + kFp8XPBytes);
+  const int gid = HB == 16 ? 0 : hgl;
 
   // acc[j][q][eo]: output columns 128 ch + 32 j + 16 q + {even, odd} x 8.
   float acc[4][2][2][4];
@@ -272,19 +311,23 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
     for (int q = 0; q < 2; ++q)
 #pragma unroll
       for (int eo = 0; eo < 2; ++eo) acc[j][q][eo][0] = acc[j][q][eo][1] = acc[j][q][eo][2] = acc[j][q][eo][3] = 0.0f;
+  // The rows' reference m (log2 domain; P = 2^(x - m) <= 2^kLazyExp) and this warp's part of l.
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-  float vref = FLT_MIN;                // mla_fp8_ds: the largest tile-ch scale so far (R)
+  float vref = FLT_MIN;                // mla_fp8_ds: R, a bound on the tile-ch scales so far
+  float vinv = 1.0f / FLT_MIN;         // and 1 / R
   float row_s0 = 0.0f, row_s1 = 0.0f;  // the rows' 2^-e * scale_log2, read after the first barrier
 
   // Named barriers: 9 all consumer warps (here: Q rows and row scales written); per head group
-  // 1..4 the S exchange and 5..8 the reuse of a single S buffer.
+  // 1..4 the S partials, 5..8 P written (a reduction: does any P need a new reference), 10..13 the
+  // row maxima of a tile that moved a reference.
   asm volatile("bar.sync 9, %0;\n" ::"n"(NC) : "memory");
   row_s0 = s_rowscale[hgl * 16 + g];
   row_s1 = s_rowscale[hgl * 16 + g + 8];
 
   for (int t = 0; t < ntiles; ++t) {
-    mbar_wait(bar0 + (t % ST) * 8, (t / ST) & 1);
-    const uint32_t tile = raw0 + (t % ST) * kStageBytes;
+    const int stage = t % ST;
+    mbar_wait(bar0 + stage * 8, (t / ST) & 1);
+    const uint32_t tile = raw0 + stage * kStageBytes;
 
     // This lane's tokens 8 n + 2 tq + {0, 1}: their tile-ch scales (mla_fp8_ds).
     float ts[4][2];
@@ -310,14 +353,29 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
         mma_f16(s[n], qa.x, qa.y, qa.z, qa.w, b0, b1);
       }
     }
+    // mla_fp8_ds: the partial's tile scales, R (moved only when a scale exceeds it 16-fold, so
+    // P ts / R <= 16 P), the accumulators' factor for its move and this tile's P factors ts / R.
+    float vratio = 1.0f;
+    uint32_t fpk[4];
     if constexpr (FMT == kFmtDs) {
+      float mt = 0.0f;
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
         s[n][0] *= ts[n][0];
         s[n][1] *= ts[n][1];
         s[n][2] *= ts[n][0];
         s[n][3] *= ts[n][1];
+        mt = fmaxf(mt, fmaxf(ts[n][0], ts[n][1]));
       }
+      if (__any_sync(0xffffffffu, mt > 16.0f * vref)) {  // warp-uniform; the first tile, then rarely
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));  // ts depends on tq only
+        vratio = vref / mt;
+        vref = mt;
+        vinv = 1.0f / mt;
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n) fpk[n] = pack_f16(ts[n][0] * vinv, ts[n][1] * vinv);
     }
     {  // rope k-step ch (bf16)
       const uint4 qa = lds128(qf + 512 * (kMlaRank / 16 + ch));
@@ -338,93 +396,90 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
         }
       }
     }
-    // The four partial S tiles of the group, added in one fixed order (every warp holds the same S).
-    // One buffer: wait until the group has read tile t - 1's partials. Two: a warp can only get
-    // here with tile t - 2's buffer once every warp of its group passed tile t - 1's barrier, after
-    // reading tile t - 2's partials.
-    if (SB == 1 && t > 0) named_barrier<5, 128>(HB == 16 ? 0 : hgl);
-    const int sb = SB == 2 ? (t & 1) * kSBuf : 0;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) s_mine[sb + n * 32] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
-    named_barrier<1, 128>(HB == 16 ? 0 : hgl);
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      float4 a = s_group[sb + n * 32];
-#pragma unroll
-      for (int w = 1; w < 4; ++w) {
-        const float4 u = s_group[sb + (w * 4 + n) * 32];
-        a.x += u.x;
-        a.y += u.y;
-        a.z += u.z;
-        a.w += u.w;
-      }
-      s[n][0] = a.x;
-      s[n][1] = a.y;
-      s[n][2] = a.z;
-      s[n][3] = a.w;
-    }
 
-    // Online softmax (log2 domain) of x = s * row scale (> 0, so the maximum of x is the row
-    // scale times that of s). Rows g (elements 0, 1) and g + 8 (elements 2, 3). Only a split's
-    // last tile has tokens past the end.
+    // The group's S: warp ch adds the four partials of tokens 8 ch .. 8 ch + 7 (rows g, g + 8 of
+    // tokens 8 ch + 2 tq + {0, 1}) in one fixed order.
+#pragma unroll
+    for (int n = 0; n < 4; ++n) x_part[(ch * 4 + n) * 32 + lane] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+    named_barrier<1, 128>(gid);
+    float4 r = x_part[ch * 32 + lane];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) {
+      const float4 u = x_part[(w * 4 + ch) * 32 + lane];
+      r.x += u.x;
+      r.y += u.y;
+      r.z += u.z;
+      r.w += u.w;
+    }
     const int tok0 = start + t * kTileN;
-    if (tok0 + kTileN > end) {
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (tok0 + n * 8 + tq * 2 + (e & 1) >= end) s[n][e] = -INFINITY;
+    if (tok0 + kTileN > end) {  // only a split's last tile has tokens past the end
+      const int tk = tok0 + ch * 8 + tq * 2;
+      if (tk >= end) r.x = r.z = -INFINITY;
+      if (tk + 1 >= end) r.y = r.w = -INFINITY;
     }
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    // Online softmax (log2 domain) of x = s * row scale against the rows' reference m, kept while
+    // no x of the group's tile exceeds m + kLazyExp: then no maxima are exchanged and nothing is
+    // rescaled. The P barrier ORs that test over the group; where it holds (the first tile, where
+    // m = -inf gives x - m = +inf or NaN, and rare jumps after) m moves to the rows' maxima and P
+    // is recomputed.
+    float p0 = fmaf(r.x, row_s0, -m0), p1 = fmaf(r.y, row_s0, -m0);
+    float p2 = fmaf(r.z, row_s1, -m1), p3 = fmaf(r.w, row_s1, -m1);
+    const bool over = fmaxf(fmaxf(p0, p1), fmaxf(p2, p3)) > kLazyExp;
+    p0 = fast_exp2(p0);
+    p1 = fast_exp2(p1);
+    p2 = fast_exp2(p2);
+    p3 = fast_exp2(p3);
+    *p_mine = make_uint2(pack_f16(p0, p1), pack_f16(p2, p3));
+    float al0 = vratio, al1 = vratio;
+    if (bar_red_or<5>(gid, over)) {  // the group's verdict: uniform
+      float mx0 = fmaxf(r.x, r.y), mx1 = fmaxf(r.z, r.w);
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      if (tq == 0) {
+        x_row[g * 4 + ch] = mx0;
+        x_row[(g + 8) * 4 + ch] = mx1;
+      }
+      named_barrier<10, 128>(gid);
+      const float4 a = *reinterpret_cast<const float4*>(x_row + g * 4);
+      const float4 c = *reinterpret_cast<const float4*>(x_row + (g + 8) * 4);
+      // Finite: every tile has a valid token. The maximum of x is the row scale (> 0) times that of s.
+      const float nm0 = fmaxf(m0, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)) * row_s0);
+      const float nm1 = fmaxf(m1, fmaxf(fmaxf(c.x, c.y), fmaxf(c.z, c.w)) * row_s1);
+      const float e0 = fast_exp2(m0 - nm0), e1 = fast_exp2(m1 - nm1);
+      m0 = nm0;
+      m1 = nm1;
+      p0 = fast_exp2(fmaf(r.x, row_s0, -nm0));
+      p1 = fast_exp2(fmaf(r.y, row_s0, -nm0));
+      p2 = fast_exp2(fmaf(r.z, row_s1, -nm1));
+      p3 = fast_exp2(fmaf(r.w, row_s1, -nm1));
+      *p_mine = make_uint2(pack_f16(p0, p1), pack_f16(p2, p3));
+      l0 *= e0;
+      l1 *= e1;
+      al0 *= e0;
+      al1 *= e1;
+      named_barrier<10, 128>(gid);
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    // Finite: every tile has a valid token.
-    const float nm0 = fmaxf(m0, mx0 * row_s0), nm1 = fmaxf(m1, mx1 * row_s1);
-    float al0 = fast_exp2(m0 - nm0), al1 = fast_exp2(m1 - nm1);
-    m0 = nm0;
-    m1 = nm1;
-    float rs0 = 0.0f, rs1 = 0.0f;
+    l0 += p0 + p1;  // this warp's tokens; the group's four parts are added at the end
+    l1 += p2 + p3;
+    uint32_t pa[2][4];
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      s[n][0] = fast_exp2(fmaf(s[n][0], row_s0, -nm0));
-      s[n][1] = fast_exp2(fmaf(s[n][1], row_s0, -nm0));
-      s[n][2] = fast_exp2(fmaf(s[n][2], row_s1, -nm1));
-      s[n][3] = fast_exp2(fmaf(s[n][3], row_s1, -nm1));
-      rs0 += s[n][0] + s[n][1];
-      rs1 += s[n][2] + s[n][3];
+    for (int i = 0; i < 2; ++i) {
+      const uint4 v = lds128(x_p + (i * 32 + lane) * 16);
+      pa[i][0] = v.x;
+      pa[i][1] = v.y;
+      pa[i][2] = v.z;
+      pa[i][3] = v.w;
     }
-    l0 = l0 * al0 + rs0;
-    l1 = l1 * al1 + rs1;
-    if constexpr (FMT == kFmtDs) {
-      // P' = P * ts / R with R the running maximum of the tile-ch scales: every P' <= 1.
-      float mt = 0.0f;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) mt = fmaxf(mt, fmaxf(ts[n][0], ts[n][1]));
-      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-      mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-      const float nref = fmaxf(vref, mt);
-      const float ratio = vref / nref, inv = 1.0f / nref;
-      vref = nref;
-      al0 *= ratio;
-      al1 *= ratio;
+    if constexpr (FMT == kFmtDs) {  // P' = P ts / R (fp16)
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
-        const float f0 = ts[n][0] * inv, f1 = ts[n][1] * inv;
-        s[n][0] *= f0;
-        s[n][1] *= f1;
-        s[n][2] *= f0;
-        s[n][3] *= f1;
+        pa[n >> 1][(n & 1) * 2] = hmul2(pa[n >> 1][(n & 1) * 2], fpk[n]);
+        pa[n >> 1][(n & 1) * 2 + 1] = hmul2(pa[n >> 1][(n & 1) * 2 + 1], fpk[n]);
       }
     }
-    // Rescale the accumulators only when some row's maximum (or R) moved: after the first tiles
-    // it rarely does.
+    // Rescale the accumulators only when a reference (or R) moved.
     if (__any_sync(0xffffffffu, al0 != 1.0f || al1 != 1.0f)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -442,8 +497,6 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
     // O += P V for this warp's 128 columns (fp16 P, V converted from the ldmatrix.trans registers).
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uint32_t a0 = pack_f16(s[2 * i][0], s[2 * i][1]), a1 = pack_f16(s[2 * i][2], s[2 * i][3]);
-      const uint32_t a2 = pack_f16(s[2 * i + 1][0], s[2 * i + 1][1]), a3 = pack_f16(s[2 * i + 1][2], s[2 * i + 1][3]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         uint32_t vr[4];
@@ -455,19 +508,31 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
           uint32_t e0, o0, e1, o1;
           e4m3x4_f16x4(x0, e0, o0);
           e4m3x4_f16x4(x1, e1, o1);
-          mma_f16(acc[j][q][0], a0, a1, a2, a3, e0, e1);
-          mma_f16(acc[j][q][1], a0, a1, a2, a3, o0, o1);
+          mma_f16(acc[j][q][0], pa[i][0], pa[i][1], pa[i][2], pa[i][3], e0, e1);
+          mma_f16(acc[j][q][1], pa[i][0], pa[i][1], pa[i][2], pa[i][3], o0, o1);
         }
       }
     }
     __syncwarp();
-    if (lane == 0) mbar_arrive(bar0 + 32 + (t % ST) * 8);  // this warp is done with the stage
+    if (lane == 0) mbar_arrive(bar0 + 32 + stage * 8);  // this warp is done with the stage
   }
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  {  // the group's l: its four warps' parts in one order (every warp read the last maxima before
+     // its last barrier)
+    if (tq == 0) {
+      x_row[g * 4 + ch] = l0;
+      x_row[(g + 8) * 4 + ch] = l1;
+    }
+    named_barrier<1, 128>(gid);
+    const float4 a = *reinterpret_cast<const float4*>(x_row + g * 4);
+    const float4 c = *reinterpret_cast<const float4*>(x_row + (g + 8) * 4);
+    l0 = ((a.x + a.y) + a.z) + a.w;
+    l1 = ((c.x + c.y) + c.z) + c.w;
+  }
   const float vs = FMT == kFmtDs ? vref : p.vscale;
   const float inv0 = vs / l0, inv1 = vs / l1;
   const int h0 = head0 + hgl * 16 + g;

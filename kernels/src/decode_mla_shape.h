@@ -22,12 +22,13 @@ KVFERRY_MLA_HD constexpr int kFp8RawPitch(bool ds) { return ds ? kMlaDsBytes : k
 /// H200, mla_fp8 at 16 heads: 81 us with 2 stages and 3 CTAs per SM, 83 with 3 and 84 with 4
 /// stages at 2 CTAs per SM); 4 for 64 heads (one CTA per SM either way).
 KVFERRY_MLA_HD constexpr int fp8_stages(int hb) { return hb == 64 ? 4 : 2; }
-/// Buffers of the S partials (8 KiB per 16 heads): two where they still fit three CTAs of 16 heads
-/// on an SM (mla_fp8), so a group needs one barrier per tile instead of two.
-KVFERRY_MLA_HD constexpr int fp8_s_buffers(bool ds, int hb) { return !ds && hb == 16 ? 2 : 1; }
+/// A head group's S exchange: the four warps' S partials (8 KiB), the fp16 P tile (1 KiB) and
+/// one float per row and warp (256 B).
+constexpr int kFp8XPartBytes = 4 * 4 * 32 * 16;
+constexpr int kFp8XPBytes = 2 * 32 * 16;
+constexpr int kFp8GroupXBytes = kFp8XPartBytes + kFp8XPBytes + 16 * 4 * 4;
 KVFERRY_MLA_HD constexpr int fp8_smem_bytes(bool ds, int hb, int stages) {
-  return kFp8QOff + hb / 16 * kFp8QGroupBytes + stages * kFp8TileN * kFp8RawPitch(ds) +
-         fp8_s_buffers(ds, hb) * hb / 16 * 4 * 4 * 32 * 16;
+  return kFp8QOff + hb / 16 * (kFp8QGroupBytes + kFp8GroupXBytes) + stages * kFp8TileN * kFp8RawPitch(ds);
 }
 /// CTAs of `hb` heads that fit on one SM (228 KiB of shared memory, 1 KiB reserved per CTA).
 KVFERRY_MLA_HD constexpr int fp8_ctas_per_sm(bool ds, int hb, int stages) {
