@@ -474,7 +474,9 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
 
 template <bool kFp8, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaParams p) {
-  constexpr int kG = kFp8 ? 2 : 4;  // 16-byte groups per lane and plane in flight
+  // 16-byte groups per lane and plane in flight: 4, one item per token at 8 x 128 (fp8 with 2,
+  // two items per token: 0.819 of the D2D copy against 0.866 with 4 on an H200, contiguous cache).
+  constexpr int kG = 4;
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
