@@ -1433,7 +1433,7 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
             in.rope = *reinterpret_cast<const uint32_t*>(e + kMlaDsRopeOffset + 4 * lane);
             if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(e + kMlaDsScaleOffset + 4 * lane);
             // One not_lossless store per item and block, not per entry: the flags of the blocks in
-            // flight share a few L2 lines, which every warp's stores met (0.764 -> 0.814 of the
+            // flight share a few L2 lines, which every warp's stores met (0.756 -> 0.814 of the
             // D2D copy with 2 entries per item, before the 4-entry items).
             const bool ok = store_ds_as_fp8(in, dst, lane);
             const int64_t b = reinterpret_cast<const int64_t*>(st)[2 * u + 1];
