@@ -204,6 +204,21 @@ __device__ __forceinline__ uint2 dequant4(uint32_t w, const DqScale& d) {
   return dequant4_slow(w, d.s, kUnscaled);
 }
 
+/// 2 e4m3 bytes (the low half of w) -> 2 bf16, as dequant4.
+template <bool kUnscaled = false>
+__device__ __forceinline__ uint32_t dequant2(uint32_t w, const DqScale& d) {
+  w &= 0xffffu;
+  if (d.fast && !has_e4m3_nan(w)) {
+    float2 a = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w), __NV_E4M3)));
+    if constexpr (!kUnscaled) {
+      a.x = mul_rn(a.x, d.s);
+      a.y = mul_rn(a.y, d.s);
+    }
+    return cvt_bf16x2(a.x, a.y);
+  }
+  return dequant4_slow(w, d.s, kUnscaled).x;
+}
+
 template <bool kUnscaled = false>
 __device__ __forceinline__ uint4 dequant8(uint2 q, const DqScale& d) {
   const uint2 a = dequant4<kUnscaled>(q.x, d), b = dequant4<kUnscaled>(q.y, d);
@@ -340,22 +355,26 @@ __device__ __forceinline__ bool store_ds_as_fp8(const Ds8In& in, uint8_t* dst, i
   return __all_sync(kFull, ok);
 }
 
-/// One 576 B mla_fp8 entry as loaded for the conversion to 656 B.
+/// One 576 B mla_fp8 entry as loaded for the conversion to 656 B: every lane 16 nope bytes and 2
+/// rope bytes (the rope converted by all 32 lanes, one packed conversion each, rather than by 8
+/// lanes x 8 values in a third round at a quarter of the warp: on an H200, 576 -> 656 on a layer
+/// view 0.806 -> 0.825, and the fp8 -> bf16 gather's rope likewise 0.815 -> 0.865).
 struct Fp8In {
   uint4 nope = {};
-  uint2 rope = {};
+  uint32_t rope = 0;
 };
+/// src: a global or shared entry.
 __device__ __forceinline__ Fp8In load_fp8(const uint8_t* src, int lane) {
   Fp8In in;
   in.nope = ld_v16(src + 16 * lane);
-  if (lane < 8) in.rope = ld_v8(src + kMlaRank + 8 * lane);
+  in.rope = *reinterpret_cast<const uint16_t*>(src + kMlaRank + 2 * lane);
   return in;
 }
 /// -> 656 B: nope kept, scales 1.0, rope e4m3 -> bf16.
 __device__ __forceinline__ void store_fp8_as_ds(const Fp8In& in, uint8_t* dst, int lane, const DqScale& one) {
   st_v16(dst + 16 * lane, in.nope);
   if (lane == 0) st_v16(dst + kMlaDsScaleOffset, make_uint4(kOneF32Bits, kOneF32Bits, kOneF32Bits, kOneF32Bits));
-  if (lane < 8) st_v16(dst + kMlaDsRopeOffset + 16 * lane, dequant8<true>(in.rope, one));
+  *reinterpret_cast<uint32_t*>(dst + kMlaDsRopeOffset + 4 * lane) = dequant2<true>(in.rope, one);
 }
 
 // ---- the loop shape every kernel below shares (pipeline): a warp takes one work item (a few
@@ -474,7 +493,9 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
 
 template <bool kFp8, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaParams p) {
-  constexpr int kG = kFp8 ? 2 : 4;  // 16-byte groups per lane and plane in flight
+  // 16-byte groups per lane and plane in flight: 4, one item per token at 8 x 128 (fp8 with 2,
+  // two items per token: 0.819 of the D2D copy against 0.866 with 4 on an H200, contiguous cache).
+  constexpr int kG = 4;
   const int lane = threadIdx.x & 31;
   const TensorView& kv = p.k_cache.view;
   const int64_t bs = kv.sizes[1], h = kv.sizes[2], d = kv.sizes[3];
@@ -786,7 +807,7 @@ __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams 
 
 /// fp8 -> bf16 rows of 576 entries (mla_fp8), 2 rows per item, laid out like the 656 B gather so
 /// every warp-wide store is 512 contiguous bytes: lane l takes values [8l, 8l + 8) and
-/// [256 + 8l, 256 + 8l + 8), lanes 0-7 also 8 rope values. (The generic row loop spends a quarter
+/// [256 + 8l, 256 + 8l + 8), and rope values 2l, 2l + 1. (The generic row loop spends a quarter
 /// of its third access idle on 72-vector rows and holds 118 registers.)
 __global__ void __launch_bounds__(kThreads, 3) gather_fp8_576_kernel(const GatherParams p) {
   constexpr int kR = 2;
@@ -796,7 +817,8 @@ __global__ void __launch_bounds__(kThreads, 3) gather_fp8_576_kernel(const Gathe
   const int64_t items = (p.total_rows + kR - 1) / kR;
   const DqScale dq = make_dq_scale(p.scale);
   struct In {
-    uint2 a[kR], b[kR], r[kR];
+    uint2 a[kR], b[kR];
+    uint32_t r[kR];
   };
   pipeline(
       items, [&](int64_t i) { return locate_rows<kR>(p, dbs, i < items ? i * kR : p.total_rows); },
@@ -804,11 +826,12 @@ __global__ void __launch_bounds__(kThreads, 3) gather_fp8_576_kernel(const Gathe
         In in;
 #pragma unroll
         for (int u = 0; u < kR; ++u) {
-          in.a[u] = in.b[u] = in.r[u] = uint2{};
+          in.a[u] = in.b[u] = uint2{};
+          in.r[u] = 0;
           if (!rows.src[u]) continue;
           in.a[u] = ld_v8(rows.src[u] + 8 * lane);
           in.b[u] = ld_v8(rows.src[u] + 256 + 8 * lane);
-          if (lane < 8) in.r[u] = ld_v8(rows.src[u] + kMlaRank + 8 * lane);
+          in.r[u] = *reinterpret_cast<const uint16_t*>(rows.src[u] + kMlaRank + 2 * lane);
         }
         return in;
       },
@@ -820,7 +843,7 @@ __global__ void __launch_bounds__(kThreads, 3) gather_fp8_576_kernel(const Gathe
           uint8_t* const o = out + u * dst_row;
           st_v16(o + 16 * lane, dequant8(in.a[u], dq));
           st_v16(o + 512 + 16 * lane, dequant8(in.b[u], dq));
-          if (lane < 8) st_v16(o + kMlaRank * 2 + 16 * lane, dequant8(in.r[u], dq));
+          *reinterpret_cast<uint32_t*>(o + kMlaRank * 2 + 4 * lane) = dequant2(in.r[u], dq);
         }
       });
 }
@@ -1022,28 +1045,29 @@ constexpr int kStages = 4;
 /// index(i) -> the item's index data (loads issued a trip before fetch needs them; past the end
 /// it must describe an empty item), fetch(i, stage, idx) issues its cp.async (none past the end),
 /// process(i, stage) converts and stores it.
-template <class Index, class Fetch, class Process>
+/// kSt: the ring's stages (kSt - 1 items in flight ahead of the one processed).
+template <int kSt = kStages, class Index, class Fetch, class Process>
 __device__ __forceinline__ void staged(int64_t items, Index index, Fetch fetch, Process process) {
   const int64_t step = total_warps();
   const int64_t i0 = global_warp();
   if (i0 >= items) return;
 #pragma unroll
-  for (int k = 0; k < kStages - 1; ++k) {
+  for (int k = 0; k < kSt - 1; ++k) {
     fetch(i0 + k * step, k, index(i0 + k * step));
     cp_commit();
   }
-  auto pend = index(i0 + (kStages - 1) * step);
+  auto pend = index(i0 + (kSt - 1) * step);
   int stage = 0;
   for (int64_t i = i0; i < items; i += step) {
-    const int ahead = stage == 0 ? kStages - 1 : stage - 1;
-    fetch(i + (kStages - 1) * step, ahead, pend);
+    const int ahead = stage == 0 ? kSt - 1 : stage - 1;
+    fetch(i + (kSt - 1) * step, ahead, pend);
     cp_commit();
-    pend = index(i + kStages * step);
-    cp_wait<kStages - 1>();
+    pend = index(i + kSt * step);
+    cp_wait<kSt - 1>();
     __syncwarp();
     process(i, stage);
     __syncwarp();
-    stage = stage + 1 == kStages ? 0 : stage + 1;
+    stage = stage + 1 == kSt ? 0 : stage + 1;
   }
   cp_wait<0>();
 }
@@ -1053,9 +1077,9 @@ struct NoIndex {};
 __device__ __forceinline__ uint4 lds16(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ uint2 lds8(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
 
-/// The warp's ring: kStages stages of kBytes.
-template <int kBytes>
-__device__ __forceinline__ uint8_t* ring_stage(uint8_t (*ring)[kStages][kBytes], int stage) {
+/// The warp's ring: kSt stages of kBytes.
+template <int kSt, int kBytes>
+__device__ __forceinline__ uint8_t* ring_stage(uint8_t (*ring)[kSt][kBytes], int stage) {
   return ring[threadIdx.x >> 5][stage];
 }
 
@@ -1330,13 +1354,24 @@ __global__ void __launch_bounds__(kThreads) dequant_paged_staged_kernel(const De
       });
 }
 
+/// convert_entries(kind) entries per item, convert_ring(kind) stages. For 576 <-> 656 and
+/// 656 -> bf16, 4 entries per item (2.3-2.6 KB of one block's entries) in a ring of 4-5 stages
+/// (2 CTAs per SM, bounded by shared memory) against 2 entries and 4 stages (5 CTAs per SM): on an
+/// H200, contiguous cache, 576 -> 656 0.818 -> 0.873 (5 stages; 0.836 with 4), 656 -> 576
+/// 0.764 -> 0.876 (with one not_lossless store per item and block), 656 -> bf16 0.843 -> 0.868
+/// (layer views 0.79 -> 0.81, 0.77 -> 0.83, 0.80 -> 0.82); 8 entries and 2 stages, or 4 and 3,
+/// measured between the two, and 2 or 4 entries for bf16 -> 656 lower than 1 (0.725, 0.685).
+constexpr int convert_entries(int kind) { return kind == 2 ? 1 : 4; }
+constexpr int convert_ring(int kind) { return kind == 0 ? 5 : kStages; }
+
 template <int kKind>
 __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertParams p) {
-  constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
+  constexpr int kU = convert_entries(kKind);
+  constexpr int kSt = convert_ring(kKind);
   constexpr int kSrc = kKind == 0 ? kMlaFp8Bytes : kKind == 2 ? kMlaDim * 2 : kMlaDsBytes;
   constexpr int kHdr = 16 * kU;  // destination pointer and block index per entry
   constexpr int kBytes = kHdr + kU * kSrc;
-  __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
+  __shared__ __align__(16) uint8_t ring[kWarps][kSt][kBytes];
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
   const Div dbs = make_div(bs);
@@ -1349,7 +1384,7 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
     uint8_t* dst[kU];
     int64_t blk[kU];
   };
-  staged(
+  staged<kSt>(
       items,
       [&](int64_t i) {
         Where a;
@@ -1384,23 +1419,28 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
       },
       [&](int64_t, int stage) {
         const uint8_t* st = ring_stage(ring, stage);
+        int64_t flagged = -1;  // the block this item last reported not lossless
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           uint8_t* dst = reinterpret_cast<uint8_t* const*>(st)[2 * u];
           if (!dst) continue;
           const uint8_t* e = st + kHdr + u * kSrc;
           if constexpr (kKind == 0) {
-            Fp8In in;
-            in.nope = lds16(e + 16 * lane);
-            if (lane < 8) in.rope = lds8(e + kMlaRank + 8 * lane);
-            store_fp8_as_ds(in, dst, lane, one);
+            store_fp8_as_ds(load_fp8(e, lane), dst, lane, one);
           } else if constexpr (kKind == 1) {
             Ds8In in;
             in.q = lds16(e + 16 * lane);
             in.rope = *reinterpret_cast<const uint32_t*>(e + kMlaDsRopeOffset + 4 * lane);
             if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(e + kMlaDsScaleOffset + 4 * lane);
+            // One not_lossless store per item and block, not per entry: the flags of the blocks in
+            // flight share a few L2 lines, which every warp's stores met (0.756 -> 0.814 of the
+            // D2D copy with 2 entries per item, before the 4-entry items).
             const bool ok = store_ds_as_fp8(in, dst, lane);
-            if (!ok && lane == 0 && p.not_lossless) p.not_lossless[reinterpret_cast<const int64_t*>(st)[2 * u + 1]] = 1;
+            const int64_t b = reinterpret_cast<const int64_t*>(st)[2 * u + 1];
+            if (!ok && b != flagged) {
+              if (lane == 0 && p.not_lossless) p.not_lossless[b] = 1;
+              flagged = b;
+            }
           } else if constexpr (kKind == 2) {
             store_bf16_as_ds<true>(load_bf16(e, e + kMlaRank * 2, lane), dst, lane);
           } else {
@@ -1524,13 +1564,17 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const bool sg = use_staged(p.kind != ConvertKind::kBf16ToDs);
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
-      return sg ? go<convert_staged_kernel<0>>(p, n, 2, stream) : go<convert_kernel<0>>(p, n, 2, stream);
+      return sg ? go<convert_staged_kernel<0>>(p, n, convert_entries(0), stream)
+                : go<convert_kernel<0>>(p, n, 2, stream);
     case ConvertKind::kDsToFp8:
-      return sg ? go<convert_staged_kernel<1>>(p, n, 2, stream) : go<convert_kernel<1>>(p, n, 2, stream);
+      return sg ? go<convert_staged_kernel<1>>(p, n, convert_entries(1), stream)
+                : go<convert_kernel<1>>(p, n, 2, stream);
     case ConvertKind::kBf16ToDs:
-      return sg ? go<convert_staged_kernel<2>>(p, n, 1, stream) : go<convert_kernel<2>>(p, n, 1, stream);
+      return sg ? go<convert_staged_kernel<2>>(p, n, convert_entries(2), stream)
+                : go<convert_kernel<2>>(p, n, 1, stream);
     case ConvertKind::kDsToBf16:
-      return sg ? go<convert_staged_kernel<3>>(p, n, 2, stream) : go<convert_kernel<3>>(p, n, 2, stream);
+      return sg ? go<convert_staged_kernel<3>>(p, n, convert_entries(3), stream)
+                : go<convert_kernel<3>>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;
   }
 }
