@@ -155,15 +155,16 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t da, uint64
 #undef KF_F8
 
 // One tensor copy (TMA) of a [rows x 64] box of the cache view at (column c0, token-in-page c1,
-// block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`.
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar) {
+// block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`, with L2 policy
+// `policy`.
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar,
+                                         uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3, "
+      "%4}], [%5], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
       : "memory");
 }
-
 // TMA: tiles come by tensor copies (pages a power of two >= 16); otherwise by cp.async.
 template <bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -216,6 +217,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // boxes wholly past the end are not copied (the math warps zero those rows).
       if ((pt & 31) != 0 || (pt >> 5) != 0) return;
       const int bp = min(p.page, kN), shift = p.page_shift;
+      // Evict-first in L2: measured 157.0 against 159.7 us (evict-last 160.0) at 128 heads on an H200.
+      uint64_t policy;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
       for (int t = odd; t < ntiles; t += 2) {
         const int tok0 = start + t * kN, nvalid = min(kN, end - tok0), nbox = (nvalid + bp - 1) / bp;
         int blk[kN / 16], in_page[kN / 16];
@@ -235,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
 #pragma unroll
           for (int k = 0; k < kN / 16; ++k)
-            if (k < nbox) tma_load(dst + cb * kCbBytes + k * bp * 128, &tmap, cb * 64, in_page[k], blk[k], bar);
+            if (k < nbox) tma_load(dst + cb * kCbBytes + k * bp * 128, &tmap, cb * 64, in_page[k], blk[k], bar, policy);
         }
       }
       return;
