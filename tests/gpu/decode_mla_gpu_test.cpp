@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -126,9 +127,10 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
   Out ref;
   run_cpu(c, &ref);
   bool wgmma_skipped = false;
-  for (int run = 0; run < 22; ++run) {
+  for (int run = 0; run < 23; ++run) {
     // mma.sync: every (splits, loader) pair with both warp layouts; then wgmma with each splits
-    // choice, and the auto path.
+    // choice, the auto path, and (bf16) the depth-split wgmma kernel that KVFERRY_MLA_SEESAW=0
+    // selects instead of the seesaw one.
     const int splits = run % 3 == 0   ? 1
                        : run % 3 == 1 ? 0
                                       : 7,
@@ -138,7 +140,10 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
                                  : 0,
               mma = run < 18   ? 1
                     : run < 21 ? 2
-                               : 0;
+                    : run < 22 ? 0
+                               : 2;
+    const bool depth_split = run == 22;
+    if (depth_split && fmt != 0) continue;
     if (mma == 2 && !decode_mla_wgmma_available()) {
       wgmma_skipped = true;
       continue;
@@ -147,9 +152,11 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
     // all there is to run on the mma.sync path.
     if (fmt != 0 && mma == 1 && run >= 3) continue;
     SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader) + " group_warps " +
-                 std::to_string(warps) + " mma " + std::to_string(mma));
+                 std::to_string(warps) + " mma " + std::to_string(mma) + (depth_split ? " depth-split" : ""));
     Out got;
+    if (depth_split) setenv("KVFERRY_MLA_SEESAW", "0", 1);
     run_gpu(c, splits, &got, loader, warps, mma);
+    if (depth_split) unsetenv("KVFERRY_MLA_SEESAW");
     if (HasFatalFailure()) return;
     for (int b = 0; b < c.batch(); ++b) {
       double num = 0, den = 0;
