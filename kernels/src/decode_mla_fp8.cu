@@ -136,11 +136,6 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 // 2^x by the hardware approximation (2 ulp; -inf -> 0, 0 -> 1), subnormal results flushed.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 // 2^e for e in [-126, 127], exact.
 __device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
 // The smallest x with |v| < 2^x for a finite v (subnormals and zero give -126).

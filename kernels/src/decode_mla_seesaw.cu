@@ -36,6 +36,7 @@
 
 #include "decode_mla_internal.h"
 #include "decode_mla_ptx.cuh"
+#include "decode_mla_wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -71,35 +72,8 @@ static_assert(visit(1, 0) == 4 && visit(1, 4) == 0 && visit(1, 7) == 3 && visit(
 // Part of column block cb: 0 (V_L and rope, released by warpgroup 0) or 1 (V_R, by warpgroup 1).
 __host__ __device__ constexpr int part_of(int cb) { return cb >= 4 && cb < 8 ? 1 : 0; }
 
-constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);  // sbo 1024, 128-byte swizzle (bit 62)
-__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
-  return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
-}
-__device__ __forceinline__ uint64_t desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
-
-#define KF_F8(x, i)                                                                                               \
-  "+f"(x[i + 0]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3]), "+f"(x[i + 4]), "+f"(x[i + 5]), "+f"(x[i + 6]), \
-      "+f"(x[i + 7])
-#define KF_F32(x, i) KF_F8(x, i), KF_F8(x, i + 8), KF_F8(x, i + 16), KF_F8(x, i + 24)
 
 // d (64 x 64 fp32) = [d +] A (64 x 16, K-major smem) * B (64 x 16, K-major smem)^T.
 __device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
@@ -108,7 +82,7 @@ __device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : KF_F32(d, 0)
+      : KVF_WG_F32(d, 0)
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
@@ -141,18 +115,16 @@ __device__ __forceinline__ void wgmma_s_first(float (&d)[32], uint64_t da, uint6
 __device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
   asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " KF_PV_D
                ", {%128,%129,%130,%131}, %132, 1, 1, 1, 1;\n"
-               : KF_F32(d, 0), KF_F32(d, 32), KF_F32(d, 64), KF_F32(d, 96)
+               : KVF_WG_F32(d, 0), KVF_WG_F32(d, 32), KVF_WG_F32(d, 64), KVF_WG_F32(d, 96)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 // d (64 x 256 fp32) += A (64 x 16 bf16, K-major smem) * B (16 x 256, N-major smem).
 __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t da, uint64_t db) {
   asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " KF_PV_D ", %128, %129, 1, 1, 1, 0, 1;\n"
-               : KF_F32(d, 0), KF_F32(d, 32), KF_F32(d, 64), KF_F32(d, 96)
+               : KVF_WG_F32(d, 0), KVF_WG_F32(d, 32), KVF_WG_F32(d, 64), KVF_WG_F32(d, 96)
                : "l"(da), "l"(db));
 }
 #undef KF_PV_D
-#undef KF_F32
-#undef KF_F8
 
 // One tensor copy (TMA) of a [rows x 64] box of the cache view at (column c0, token-in-page c1,
 // block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`, with L2 policy
@@ -572,22 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   bar_sync(1);
   l0 = sL[r0] + sL[kM + r0];
   l1 = sL[r1] + sL[kM + r1];
-  const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
-  const int col0 = wg * 256 + tq * 2;
-  const int64_t base = out_row<SPLIT>(p, b, split, head0);
-  if (r0 < hb) {
-#pragma unroll
-    for (int n = 0; n < 32; ++n) store_o2<SPLIT>(p, base + r0, col0 + n * 8, acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
-    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r0, lse0);
-  }
-  if (r1 < hb) {
-#pragma unroll
-    for (int n = 0; n < 32; ++n)
-      store_o2<SPLIT>(p, base + r1, col0 + n * 8, acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
-    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r1, lse1);
-  }
+  store_out<SPLIT>(p, b, split, head0, hb, wg, r0, tq, acc, m0, m1, l0, l1);
 #else
   __trap();  // built without sm_90a: launch_seesaw is never chosen for such a build (see decode_mla.cu)
 #endif

@@ -44,6 +44,7 @@
 
 #include "decode_mla_internal.h"
 #include "decode_mla_ptx.cuh"
+#include "decode_mla_wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -81,30 +82,6 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
   return static_cast<uint32_t>((c >> 3) * ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-// wgmma shared-memory matrix descriptor, 128-byte swizzle. K-major operands: rows 128 B apart,
-// 8-row groups `sbo` apart (lbo unused). N-major: 64-element column blocks `lbo` apart, 8-row (k)
-// groups `sbo` apart.
-// Every descriptor here has sbo = 1024, so the high word is a constant and a descriptor is its low
-// word: the start address in 16-byte units (14 bits; shared addresses stay below 256 KiB, so adding
-// an in-bounds byte offset / 16 to it never carries out) and lbo / 16.
-constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);  // sbo 1024, 128-byte swizzle (bit 62)
-__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
-  return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
-}
-__device__ __forceinline__ uint64_t desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&r)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
 // d (64 x 32 fp32) = [d +] A (64 x 16, K-major smem) * B (32 x 16, K-major smem)^T.
 __device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
@@ -115,11 +92,6 @@ __device__ __forceinline__ void wgmma_qk(float (&d)[16], uint64_t da, uint64_t d
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "l"(da), "l"(db), "r"(accumulate));
 }
-
-#define KF_F8(x, i)                                                                                               \
-  "+f"(x[i + 0]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3]), "+f"(x[i + 4]), "+f"(x[i + 5]), "+f"(x[i + 6]), \
-      "+f"(x[i + 7])
-#define KF_F32(x, i) KF_F8(x, i), KF_F8(x, i + 8), KF_F8(x, i + 16), KF_F8(x, i + 24)
 
 // d (64 x 256 fp32) += A (64 x 16 bf16, registers) * B (16 x 256, N-major smem).
 __device__ __forceinline__ void wgmma_pv(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
@@ -135,11 +107,9 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const uint32_t (&a)[4]
       "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,"
       "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127},"
       " {%128,%129,%130,%131}, %132, p, 1, 1, 1;\n}\n"
-      : KF_F32(d, 0), KF_F32(d, 32), KF_F32(d, 64), KF_F32(d, 96)
+      : KVF_WG_F32(d, 0), KVF_WG_F32(d, 32), KVF_WG_F32(d, 64), KVF_WG_F32(d, 96)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
-#undef KF_F32
-#undef KF_F8
 
 // 16 e4m3 bytes -> 16 bf16 (times `s` when SCALED, rounded once from fp32), two 16-byte stores.
 // mla_fp8 skips the multiply: a product by 1 is exact, so mla_fp8 and mla_fp8_ds with unit scales
@@ -591,23 +561,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
-  const int r0 = wl * 16 + g, r1 = r0 + 8;
-  const int col0 = wg * 256 + tq * 2;
-  const int64_t base = out_row<SPLIT>(p, b, split, head0);
-  if (r0 < hb) {
-#pragma unroll
-    for (int n = 0; n < 32; ++n) store_o2<SPLIT>(p, base + r0, col0 + n * 8, acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
-    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r0, lse0);
-  }
-  if (r1 < hb) {
-#pragma unroll
-    for (int n = 0; n < 32; ++n)
-      store_o2<SPLIT>(p, base + r1, col0 + n * 8, acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
-    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r1, lse1);
-  }
+  store_out<SPLIT>(p, b, split, head0, hb, wg, wl * 16 + g, tq, acc, m0, m1, l0, l1);
 #else
   __trap();  // built without sm_90a: launch_wgmma is never chosen for such a build (see decode_mla.cu)
 #endif

@@ -1,0 +1,68 @@
+#pragma once
+// What the two wgmma decode kernels share (decode_mla_wgmma.cu, decode_mla_seesaw.cu): shared-memory
+// matrix descriptors for the 128-byte swizzle, the wgmma fence / commit / wait wrappers, and the
+// operand lists of their accumulator registers. Private to kernels/src.
+#include <cstdint>
+
+#include "decode_mla_ptx.cuh"
+
+namespace kvferry::mla_detail {
+
+// wgmma shared-memory matrix descriptor, 128-byte swizzle. K-major operands: rows 128 B apart,
+// 8-row groups `sbo` apart (lbo unused). N-major: 64-element column blocks `lbo` apart, 8-row (k)
+// groups `sbo` apart.
+// Every descriptor here has sbo = 1024, so the high word is a constant and a descriptor is its low
+// word: the start address in 16-byte units (14 bits; shared addresses stay below 256 KiB, so adding
+// an in-bounds byte offset / 16 to it never carries out) and lbo / 16.
+constexpr uint32_t kDescHi = (1024 >> 4) | (1u << 30);  // sbo 1024, 128-byte swizzle (bit 62)
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
+  return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16);
+}
+__device__ __forceinline__ uint64_t desc(uint32_t lo) { return (static_cast<uint64_t>(kDescHi) << 32) | lo; }
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/// Keeps the compiler from moving reads or writes of accumulators across a wgmma wait.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+/// The epilogue both wgmma kernels share: this thread's rows r0 = 16 w + g and r1 = r0 + 8 (rows
+/// >= hb are padding) of the output half [256 wg, +256) from the m64n256 accumulators, times
+/// inv0 / inv1, and (warpgroup 0, tq 0) their lse from the log2-domain maxima m0 / m1 and sums
+/// l0 / l1. Needs decode_mla_ptx.cuh.
+template <bool SPLIT>
+__device__ __forceinline__ void store_out(const KParams& p, int b, int split, int head0, int hb, int wg, int r0, int tq,
+                                          const float (&acc)[128], float m0, float m1, float l0, float l1) {
+  const int r1 = r0 + 8;
+  const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  const int col0 = wg * 256 + tq * 2;
+  const int64_t base = out_row<SPLIT>(p, b, split, head0);
+  if (r0 < hb) {
+#pragma unroll
+    for (int n = 0; n < 32; ++n) store_o2<SPLIT>(p, base + r0, col0 + n * 8, acc[4 * n] * inv0, acc[4 * n + 1] * inv0);
+    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r0, lse0);
+  }
+  if (r1 < hb) {
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+      store_o2<SPLIT>(p, base + r1, col0 + n * 8, acc[4 * n + 2] * inv1, acc[4 * n + 3] * inv1);
+    if (wg == 0 && tq == 0) store_lse<SPLIT>(p, base + r1, lse1);
+  }
+}
+
+}  // namespace kvferry::mla_detail
+
+// In-out operand lists of 8 and 32 fp32 accumulators x[i..] for the wgmma inline assembly.
+#define KVF_WG_F8(x, i)                                                                                           \
+  "+f"(x[i + 0]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3]), "+f"(x[i + 4]), "+f"(x[i + 5]), "+f"(x[i + 6]), \
+      "+f"(x[i + 7])
+#define KVF_WG_F32(x, i) KVF_WG_F8(x, i), KVF_WG_F8(x, i + 8), KVF_WG_F8(x, i + 16), KVF_WG_F8(x, i + 24)
