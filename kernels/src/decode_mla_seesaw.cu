@@ -75,15 +75,14 @@ __host__ __device__ constexpr int part_of(int cb) { return cb >= 4 && cb < 8 ? 1
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 
-// d (64 x 64 fp32) = [d +] A (64 x 16, K-major smem) * B (64 x 16, K-major smem)^T.
-__device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+// d (64 x 64 fp32) += A (64 x 16, K-major smem) * B (64 x 16, K-major smem)^T.
+__device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 1, 1, 1, 0, 0;\n"
       : KVF_WG_F32(d, 0)
-      : "l"(da), "l"(db), "r"(accumulate));
+      : "l"(da), "l"(db));
 }
 
 // d = A B^T, the first k step of an S: d is written, not read, so S's registers are free between
@@ -289,7 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (i == 0 && kk == 0)
           wgmma_s_first(s, desc(q_lo + off), desc(tile_lo + off));
         else
-          wgmma_s(s, desc(q_lo + off), desc(tile_lo + off), 1);
+          wgmma_s(s, desc(q_lo + off), desc(tile_lo + off));
       }
     }
     wgmma_commit();
