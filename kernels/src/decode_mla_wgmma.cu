@@ -111,23 +111,11 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const uint32_t (&a)[4]
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// 16 e4m3 bytes -> 16 bf16 (times `s` when SCALED, rounded once from fp32), two 16-byte stores.
-// mla_fp8 skips the multiply: a product by 1 is exact, so mla_fp8 and mla_fp8_ds with unit scales
-// fill the tile with the same bits.
+// 16 e4m3 bytes -> 16 bf16 (convert16_words), two 16-byte stores.
 template <bool SCALED>
 __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0, uint8_t* d1) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __half2_raw hr =
-          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
-      const float2 f = __half22float2(__half2(hr));
-      out[2 * i + h] = SCALED ? pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s)) : pack_bf16(f.x, f.y);
-    }
-  }
+  convert16_words<SCALED>(raw, s, out);
   *reinterpret_cast<uint4*>(d0) = make_uint4(out[0], out[1], out[2], out[3]);
   *reinterpret_cast<uint4*>(d1) = make_uint4(out[4], out[5], out[6], out[7]);
 }

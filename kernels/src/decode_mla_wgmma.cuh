@@ -2,6 +2,10 @@
 // What the two wgmma decode kernels share (decode_mla_wgmma.cu, decode_mla_seesaw.cu): shared-memory
 // matrix descriptors for the 128-byte swizzle, the wgmma fence / commit / wait wrappers, and the
 // operand lists of their accumulator registers. Private to kernels/src.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cstdint>
 
 #include "decode_mla_ptx.cuh"
@@ -31,6 +35,48 @@ template <int N>
 __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+/// 16 e4m3 bytes -> 16 bf16 words (times `s` when SCALED, rounded once from fp32). mla_fp8 skips
+/// the multiply: a product by 1 is exact, so mla_fp8 and mla_fp8_ds with unit scales give the
+/// tile the same bits.
+template <bool SCALED>
+__device__ __forceinline__ void convert16_words(const uint4 raw, float s, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __half2_raw hr =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffffu), __NV_E4M3);
+      const float2 f = __half22float2(__half2(hr));
+      out[2 * i + h] = SCALED ? pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s)) : pack_bf16(f.x, f.y);
+    }
+  }
+}
+
+/// Two e4m3 bytes (bytes `sel` picks into the high byte of each half, the low bytes zero) -> two
+/// bf16, exactly, in integer and one bf16 multiply: sign kept, the 7 exponent and mantissa bits
+/// moved to bf16's bits 4..10 read as a bf16 of exponent bias 127, which is the e4m3 value times
+/// 2^-120 (subnormal e4m3 included, as bf16 subnormals), then times 2^120. The NaN codes
+/// (0x7f, 0xff) give +-480 instead of NaN: writers saturate, so a cache holds none where it is read.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, uint32_t sel) {
+  const uint32_t a = __byte_perm(w, 0u, sel);
+  const uint32_t bits = ((a & 0x7f007f00u) >> 4) | (a & 0x80008000u);
+  __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+  const __nv_bfloat162 k2p120 = __halves2bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80));
+  v = __hmul2(v, k2p120);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+/// 16 e4m3 bytes -> 16 bf16 words, exact (e4m3x2_to_bf16x2); the same bits as
+/// convert16_words<false> for every code but the NaNs.
+__device__ __forceinline__ void convert16_words_int(const uint4 raw, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = e4m3x2_to_bf16x2(w[i], 0x1404u);
+    out[2 * i + 1] = e4m3x2_to_bf16x2(w[i], 0x3424u);
+  }
 }
 
 /// The epilogue both wgmma kernels share: this thread's rows r0 = 16 w + g and r1 = r0 + 8 (rows
