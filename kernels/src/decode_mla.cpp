@@ -190,11 +190,11 @@ int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
 
 int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   if (p.mma == 1 || p.mma == 2) return p.mma;
-  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma vs mma.sync: 128 heads bf16 159
-  // (seesaw kernel) vs 407 us, mla_fp8 261 vs 295, mla_fp8_ds 325 vs 317; 16 heads (padded to 64
-  // rows) bf16 110 vs 96, mla_fp8 136 vs 66, mla_fp8_ds 168 vs 70: wgmma where a CTA has 64 real
-  // heads. mla_fp8_ds at 128 heads stays on wgmma although mma.sync measured 2 % faster: mla_fp8
-  // and mla_fp8_ds must take the same kernel, or a requantized cache would not give the same bits.
+  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma (seesaw kernel) vs mma.sync: 128
+  // heads bf16 159 vs 407 us, mla_fp8 259 vs 300, mla_fp8_ds 294 vs 319; 16 heads (padded to 64
+  // rows) bf16 108 vs 95, mla_fp8 138 vs 64, mla_fp8_ds 156 vs 67: wgmma where a CTA has 64 real
+  // heads. mla_fp8 and mla_fp8_ds must take the same kernel, or a requantized cache would not give
+  // the same bits.
   return p.heads >= 64 ? 2 : 1;
 }
 

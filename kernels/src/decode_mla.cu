@@ -502,12 +502,12 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   const int mma = p.mma == 0 && !wgmma_available() ? 1 : decode_mla_resolved_mma(p);
   if (mma == 2) {
     if (!wgmma_available()) return cudaErrorInvalidDeviceFunction;
-    // bf16 caches run the seesaw kernel; KVFERRY_MLA_SEESAW=0 selects the depth-split one (for
-    // comparison; read at each call, so a test can exercise both).
+    // The seesaw kernel, where it can run (fp8 caches need tensor copies); KVFERRY_MLA_SEESAW=0
+    // selects the depth-split one (for comparison; read at each call, so a test can exercise both).
     const char* env = std::getenv("KVFERRY_MLA_SEESAW");
     const bool seesaw = env == nullptr || std::strcmp(env, "0") != 0;
-    err = fmt == kFmtBf16 && seesaw ? mla_detail::launch_seesaw(k, p.batch, stream)
-                                    : mla_detail::launch_wgmma(k, fmt, p.batch, stream);
+    err = seesaw ? mla_detail::launch_seesaw(k, fmt, p.batch, stream) : cudaErrorNotSupported;
+    if (err == cudaErrorNotSupported) err = mla_detail::launch_wgmma(k, fmt, p.batch, stream);
   } else {
     err = fmt == kFmtBf16 ? launch_bf16(k, p.batch, bulk, nw, stream)
                           : mla_detail::launch_fp8_regs(k, fmt, p.batch, stream);

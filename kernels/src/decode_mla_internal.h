@@ -37,11 +37,13 @@ struct KParams {
 /// built for sm_90a.
 cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream);
 
-/// Launches the seesaw wgmma split kernel for bf16 caches (decode_mla_seesaw.cu): one CTA of two
-/// math warpgroups and a producer warpgroup per request, split and 64 heads, over 64-token tiles.
-/// Writes o/lse with one split, the fp32 partials otherwise (the caller merges). Needs a device of
-/// compute capability 9.0 and code built for sm_90a.
-cudaError_t launch_seesaw(const KParams& k, int batch, cudaStream_t stream);
+/// Launches the seesaw wgmma split kernel (decode_mla_seesaw.cu): one CTA of two math warpgroups
+/// and a producer warpgroup per request, split and 64 heads, over 64-token tiles, for cache format
+/// `fmt`. Writes o/lse with one split, the fp32 partials otherwise (the caller merges). Needs a
+/// device of compute capability 9.0 and code built for sm_90a. fp8 caches need tensor copies (a page
+/// that is a power of two >= 16, and KVFERRY_MLA_TMA not 0): otherwise it returns
+/// cudaErrorNotSupported having launched nothing, and the caller takes launch_wgmma.
+cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, cudaStream_t stream);
 
 /// Launches the mma.sync kernel for fp8 caches (fmt kFmtFp8 or kFmtDs) that converts the fp8 tile
 /// in registers (decode_mla_fp8.cu): one CTA per request, split and group of up to 64 heads. Writes

@@ -2,7 +2,9 @@
 // against layouts' float_to_e4m3 (what the CPU twins use) for all 2^32 float bit patterns; the
 // kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, the one-multiply
 // quantisation (quant2_fast) against e4m3 of __fdiv_rn for every float dividend and a set of
-// divisors, and the hardware e4m3x2 -> f16x2 conversion against e4m3_to_float for every byte pair.
+// divisors, and the hardware e4m3x2 -> f16x2 conversion against e4m3_to_float for every byte pair;
+// and the MLA decode's integer e4m3 -> bf16 route (decode_mla_wgmma.cuh) against
+// float_to_bf16(e4m3_to_float) for every byte pair.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -12,6 +14,7 @@
 #include <cstdint>
 
 #include "common/datapath_math.h"
+#include "decode_mla_wgmma.cuh"
 #include "kvferry/kernels/device.h"
 
 namespace kvferry {
@@ -96,6 +99,39 @@ TEST(KernelsGpuFp8, FastPathsMatchScalarMathForAllFloats) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(*count, 0ull) << "divisor " << s << ": first mismatch at float bits 0x" << std::hex << *first;
   }
+  cudaFree(count);
+  cudaFree(first);
+}
+
+// Every byte pair, in both byte positions of a word: the two bf16 of e4m3x2_to_bf16x2 against the
+// exact value rounded by the host's float_to_bf16 (exact here: e4m3 fits bf16). The NaN codes
+// 0x7f / 0xff are outside its contract (it gives +-480).
+__global__ void compare_decode_e4m3(unsigned* mismatches, unsigned* first) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;  // < 65536
+  const uint32_t w = i | (i << 16);
+  const uint32_t lo = mla_detail::e4m3x2_to_bf16x2(w, 0x1404u), hi = mla_detail::e4m3x2_to_bf16x2(w, 0x3424u);
+  const uint8_t bytes[2] = {static_cast<uint8_t>(i & 0xff), static_cast<uint8_t>(i >> 8)};
+  for (int k = 0; k < 2; ++k) {
+    if ((bytes[k] & 0x7f) == 0x7f) continue;
+    const uint16_t want = float_to_bf16(e4m3_to_float(bytes[k]));
+    if (static_cast<uint16_t>(lo >> (16 * k)) != want || static_cast<uint16_t>(hi >> (16 * k)) != want) {
+      atomicAdd(mismatches, 1u);
+      atomicMin(first, i);
+    }
+  }
+}
+
+TEST(KernelsGpuFp8, DecodeIntegerE4m3ToBf16MatchesForAllBytePairs) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  unsigned* count = nullptr;
+  unsigned* first = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
+  *count = 0;
+  *first = 0xffffffffu;
+  compare_decode_e4m3<<<256, 256>>>(count, first);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(*count, 0u) << "first mismatch at byte pair 0x" << std::hex << *first;
   cudaFree(count);
   cudaFree(first);
 }

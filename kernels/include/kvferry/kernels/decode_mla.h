@@ -31,18 +31,22 @@
 // splits' (o, lse) pairs. All compute in fp32 with an online softmax and 16-bit tensor-core
 // operands, and read each K tile once for all the heads of a CTA:
 //  - wgmma (Hopper, sm_90a; chosen at >= 64 heads): one CTA per (request, split, 64 heads) with
-//    two math warpgroups. Q stays in shared memory; each 32-token K tile is brought in once in
-//    the 128-byte-swizzled layout that serves both as the K-major operand of Q K^T and as the
-//    transposed V operand of P V. A third, producer warpgroup feeds the tiles (mbarrier
-//    hand-over): a bf16 cache by cp.async straight into that layout, fp8 caches by bulk copies
-//    of the raw rows, which three producer warps (a third of each tile's rows, ahead) and the
-//    math warpgroups (the rest, while the tensor cores run the previous tile) convert (with a
-//    bf16 cache the math warpgroups run the next tile's softmax meanwhile). Warpgroup w computes
-//    the partial S over half of the 576 depth (m64n32k16), the two halves are exchanged through
-//    shared memory and added (in either order the same bits), and it owns 256 output columns
-//    (m64n256k16, P from registers). At 128 heads two CTAs (adjacent in the grid, so the second
-//    read of a tile is an L2 hit) share each tile: the fp32 accumulators of 128 heads x 512
-//    columns (256 KiB) exceed an SM's registers.
+//    two math warpgroups and a producer warpgroup (mbarrier hand-over). Q stays in shared memory;
+//    each K tile is brought in once, in the 128-byte-swizzled layout that serves both as the
+//    K-major operand of Q K^T and as the transposed V operand of P V. At 128 heads two CTAs
+//    (adjacent in the grid, so the second read of a tile is an L2 hit) share each tile: the fp32
+//    accumulators of 128 heads x 512 columns (256 KiB) exceed an SM's registers. Two kernels:
+//    - seesaw (decode_mla_seesaw.cu): 64-token tiles; warpgroup 0 computes S of the even tiles,
+//      warpgroup 1 of the odd ones, over the whole depth, sharing one running row maximum, and
+//      each owns 256 output columns, so one's softmax runs while the other's products keep the
+//      tensor cores busy. Tiles come by tensor copies (cp.async where the page is not a power of
+//      two >= 16, bf16 only); fp8 tiles land raw in the slots they fill and producer warps convert
+//      them to bf16 in place (mla_fp8 exactly, mla_fp8_ds as the bf16 rounding of each product).
+//    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
+//      KVFERRY_MLA_SEESAW=0): 32-token tiles; each warpgroup computes the partial S over half the
+//      depth, the halves are exchanged through shared memory and added (in either order the same
+//      bits), and both run the same softmax. fp8 tiles are bulk-copied raw and converted by three
+//      producer warps and the math warpgroups.
 //  - mma.sync (m16n8k16; chosen at <= 32 heads, where it measured faster), two kernels:
 //    - bf16 caches: one CTA per (request, split, group of <= 64 heads) that brings each 32-token
 //      K tile into shared memory (bulk copies or cp.async, double-buffered); 2 or 4 warps share
