@@ -61,7 +61,7 @@ constexpr int kOffP = 3 * kTileBytes;
 constexpr int kOffM = kOffP + kPBytes;     // float [2][64]
 constexpr int kOffL = kOffM + 2 * kM * 4;  // float [2][64]
 constexpr int kOffBar = kOffL + 2 * kM * 4;
-constexpr int kBars = 4 * kCb + 4;  // full[buf][cb], empty[buf][part], raw[buf][cb] (fp8 caches)
+constexpr int kBars = 4 * kCb + 4;     // full[buf][cb], empty[buf][part], raw[buf][cb] (fp8 caches)
 constexpr int kRawOff = kCbBytes / 2;  // fp8 caches: a block's raw bytes land in the upper half of its slot
 constexpr int kSmem = 1024 + kOffBar + kBars * 8;
 static_assert(kSmem <= 227 * 1024, "one CTA per SM");
@@ -220,10 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // full: the TMA thread's expect_tx, each thread of a cp.async producer pair, or (fp8) each lane
     // of the converting warp; mla_fp8_ds's rope block comes by a tensor copy unconverted.
     for (int i = 0; i < 2 * kCb; ++i)
-      mbar_init(bars + 8 * i, FMT == kFmtBf16      ? (use_tma ? 1 : 64)
-                              : i % kCb != kRope ? 32
-                              : FMT == kFmtDs    ? 1
-                                                 : 32);
+      mbar_init(bars + 8 * i, FMT == kFmtBf16 ? (use_tma ? 1 : 64) : i % kCb != kRope ? 32 : FMT == kFmtDs ? 1 : 32);
     for (int i = 0; i < 2 * kCb; ++i) mbar_init(raw_bar(i / kCb, i % kCb), 1);
     for (int i = 0; i < 4; ++i) mbar_init(empty_bar(i >> 1, i & 1), 4);  // lane 0 of the releasing warpgroup's warps
     mbar_fence_init();
@@ -273,7 +270,8 @@ __global__ void __launch_bounds__(kThreads, 1)
               mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
 #pragma unroll
               for (int k = 0; k < kN / 16; ++k)
-                if (k < nbox) tma_load(tile + kRope * kCbBytes + k * bp * 128, &rope, 0, in_page[k], blk[k], bar, policy);
+                if (k < nbox)
+                  tma_load(tile + kRope * kCbBytes + k * bp * 128, &rope, 0, in_page[k], blk[k], bar, policy);
               continue;
             }
             const bool scales = FMT == kFmtDs && first;
@@ -741,8 +739,8 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   const int use_tma = tma_allowed && make_maps<FMT>(k, &map, &rope) ? 1 : 0;
   if (FMT != kFmtBf16 && use_tma == 0) return cudaErrorNotSupported;
   const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
-  static const cudaError_t attr = cudaFuncSetAttribute(decode_mla_seesaw_kernel<FMT, SPLIT>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(decode_mla_seesaw_kernel<FMT, SPLIT>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attr != cudaSuccess) {
     (void)cudaGetLastError();  // not left for the next launch's check
     return attr;
