@@ -149,6 +149,27 @@ __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint3
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
+// The boxes of the tile starting at token tok0 (tensor-copy producers): nbox boxes of bp rows
+// (min(page, 64)), box k at block blk[k], row in_page[k]; boxes wholly past `end` are not copied.
+__device__ __forceinline__ int tile_boxes(const KParams& p, const int32_t* table, int tok0, int end, int bp,
+                                          int (&blk)[kN / 16], int (&in_page)[kN / 16]) {
+  const int nbox = (min(kN, end - tok0) + bp - 1) / bp;
+#pragma unroll
+  for (int k = 0; k < kN / 16; ++k) {
+    const int tok = tok0 + k * bp;
+    blk[k] = k < nbox ? table[tok >> p.page_shift] : 0;
+    in_page[k] = tok & (p.page - 1);
+  }
+  return nbox;
+}
+// L2 evict-first for the tile copies: measured 157.0 against 159.7 us (evict-last 160.0) for bf16
+// at 128 heads on an H200; for the fp8 copies the policy made no difference.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // fp8 caches: converts a column block of a tile in place, one warp. Its raw bytes (64 rows x 64
 // e4m3, rows 64 B apart) are in the upper half of its 8 KiB slot; its bf16 rows go to the whole
 // slot, swizzled. Lane (rr, c) takes 16-byte chunk c of rows rr + 8 k: a quarter warp reads 128
@@ -248,18 +269,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (warp < 10) {
         if (lane != 0) return;
         const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
-        const int bp = min(p.page, kN), shift = p.page_shift;
-        uint64_t policy;
-        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+        const int bp = min(p.page, kN);
+        const uint64_t policy = evict_first_policy();
         for (int t = buf; t < ntiles; t += 2) {
-          const int tok0 = start + t * kN, nvalid = min(kN, end - tok0), nbox = (nvalid + bp - 1) / bp;
           int blk[kN / 16], in_page[kN / 16];
-#pragma unroll
-          for (int k = 0; k < kN / 16; ++k) {
-            const int tok = tok0 + k * bp;
-            blk[k] = k < nbox ? table[tok >> shift] : 0;
-            in_page[k] = tok & (p.page - 1);
-          }
+          const int nbox = tile_boxes(p, table, start + t * kN, end, bp, blk, in_page);
 #pragma unroll 1
           for (int i = 0; i < kCb; ++i) {
             const int cb = visit(buf, i);
@@ -320,19 +334,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       // One thread per buffer: a box of min(page, 64) rows per column block and page of the tile;
       // boxes wholly past the end are not copied (the math warps zero those rows).
       if ((pt & 31) != 0 || (pt >> 5) != 0) return;
-      const int bp = min(p.page, kN), shift = p.page_shift;
-      // Evict-first in L2: measured 157.0 against 159.7 us (evict-last 160.0) at 128 heads on an H200.
-      uint64_t policy;
-      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+      const int bp = min(p.page, kN);
+      const uint64_t policy = evict_first_policy();
       for (int t = odd; t < ntiles; t += 2) {
-        const int tok0 = start + t * kN, nvalid = min(kN, end - tok0), nbox = (nvalid + bp - 1) / bp;
         int blk[kN / 16], in_page[kN / 16];
-#pragma unroll
-        for (int k = 0; k < kN / 16; ++k) {
-          const int tok = tok0 + k * bp;
-          blk[k] = k < nbox ? table[tok >> shift] : 0;
-          in_page[k] = tok & (p.page - 1);
-        }
+        const int nbox = tile_boxes(p, table, start + t * kN, end, bp, blk, in_page);
         const uint32_t dst = k_u32 + odd * kTileBytes;
 #pragma unroll 1
         for (int i = 0; i < kCb; ++i) {
