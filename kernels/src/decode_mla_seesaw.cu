@@ -22,12 +22,13 @@
 //
 // A producer warpgroup (56 registers via setmaxnreg; the math warpgroups get 224) copies each tile
 // (tensor copies, or cp.async) straight into the swizzled layout, one column block at a time,
-// publishing each on its own mbarrier, so S starts on the first block that landed; fp8 blocks land
-// raw in the upper half of their slots and a producer warp converts each in place before
-// publishing it. A tile's blocks are released in two
-// parts: V_L and the rope block (also P(b)'s place) by warpgroup 0 once its products read them, V_R
-// by warpgroup 1. S visits the blocks in the order they are freed (even tiles: V_L, rope, V_R; odd
-// tiles: V_R, V_L, rope) and the producer refills them in that order.
+// publishing each on its own mbarrier, so S starts on the first block that landed. fp8 blocks land
+// raw in the upper half of their slots and two producer warps per buffer convert each in place
+// before publishing it; their copies are issued by the math warp that releases a part last. A
+// tile's blocks are released in two parts: V_L and the rope block (also P(b)'s place) by
+// warpgroup 0 once its products read them, V_R by warpgroup 1. S visits the blocks in the order
+// they are freed (even tiles: V_L, rope, V_R; odd tiles: V_R, V_L, rope) and they are refilled in
+// that order.
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -63,7 +64,11 @@ constexpr int kOffL = kOffM + 2 * kM * 4;  // float [2][64]
 constexpr int kOffBar = kOffL + 2 * kM * 4;
 constexpr int kBars = 4 * kCb + 4;     // full[buf][cb], empty[buf][part], raw[buf][cb] (fp8 caches)
 constexpr int kRawOff = kCbBytes / 2;  // fp8 caches: a block's raw bytes land in the upper half of its slot
-constexpr int kSmem = 1024 + kOffBar + kBars * 8;
+// fp8 caches: release counts [buf][part] and block ids [buf][tile parity][box] of the tile the
+// buffer refills next.
+constexpr int kOffCnt = kOffBar + kBars * 8;
+constexpr int kOffIds = kOffCnt + 16;
+constexpr int kSmem = 1024 + kOffIds + 2 * 2 * (kN / 16) * 4;
 static_assert(kSmem <= 227 * 1024, "one CTA per SM");
 
 // Column block visited i-th by S of a tile of parity `odd` (and refilled i-th by the producer).
@@ -170,37 +175,34 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return policy;
 }
 
-// fp8 caches: converts a column block of a tile in place, one warp. Its raw bytes (64 rows x 64
-// e4m3, rows 64 B apart) are in the upper half of its 8 KiB slot; its bf16 rows go to the whole
-// slot, swizzled. Lane (rr, c) takes 16-byte chunk c of rows rr + 8 k: a quarter warp reads 128
-// contiguous raw bytes and writes its 32-byte halves to distinct banks. Rows 0-31 land in the lower
-// half, which holds no raw byte; rows 32-63 overwrite raw rows, so they are written after every lane
-// has read all its raw rows (converting 16 rows at a time, with a warp barrier before each group
-// that overwrites raw rows, measured 275.6 against 260 us for mla_fp8 at 128 heads). mla_fp8_ds:
-// sc[k] is the scale of row rr + 8 k.
+// fp8 caches: converts half of a column block of a tile in place, one warp of the buffer's pair
+// (cw 0: rows 0-31, cw 1: rows 32-63). The block's raw bytes (64 rows x 64 e4m3, rows 64 B apart)
+// are in the upper half of its 8 KiB slot; its bf16 rows go to the whole slot, swizzled. Lane
+// (rr, c) takes 16-byte chunk c of rows 32 cw + rr + 8 k: a quarter warp reads 128 contiguous raw
+// bytes and writes its 32-byte halves to distinct banks. Rows 32-63 overwrite raw rows (and
+// mla_fp8_ds's scale copy lies under rows 0-31 of blocks 3 and 7), so both warps of the pair load
+// their raw rows (and the caller their scales) before the pair's barrier `bar_id`, and store after
+// it. mla_fp8_ds: sc[k] is the scale of row 32 cw + rr + 8 k.
 __device__ __forceinline__ void convert_row_chunk(uint32_t slot, int r, int c, const uint32_t (&w)[8]) {
   const uint32_t row = slot + r * 128;
   sts128(row + (((2 * c) ^ (r & 7)) << 4), w[0], w[1], w[2], w[3]);
   sts128(row + (((2 * c + 1) ^ (r & 7)) << 4), w[4], w[5], w[6], w[7]);
 }
 template <int FMT>
-__device__ __forceinline__ void convert_block(uint32_t slot, const float (&sc)[8], int lane) {
+__device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4], int lane, int cw, int bar_id) {
   const int rr = lane >> 2, c = lane & 3;
+  uint4 raw[4];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {  // rows [32 h, 32 h + 32)
-    uint4 raw[4];
+  for (int k = 0; k < 4; ++k) raw[k] = lds128(slot + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c);
+  asm volatile("bar.sync %0, 64;\n" ::"r"(bar_id) : "memory");  // the pair has read its raw rows
 #pragma unroll
-    for (int k = 0; k < 4; ++k) raw[k] = lds128(slot + kRawOff + (32 * h + rr + 8 * k) * 64 + 16 * c);
-    if (h == 1) __syncwarp();  // rows 32-63 overwrite raw rows 0-63: every lane has read its own
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      uint32_t w[8];
-      if constexpr (FMT == kFmtDs)
-        convert16_words<true>(raw[k], sc[4 * h + k], w);
-      else
-        convert16_words_int(raw[k], w);
-      convert_row_chunk(slot, 32 * h + rr + 8 * k, c, w);
-    }
+  for (int k = 0; k < 4; ++k) {
+    uint32_t w[8];
+    if constexpr (FMT == kFmtDs)
+      convert16_words<true>(raw[k], sc[k], w);
+    else
+      convert16_words_int(raw[k], w);
+    convert_row_chunk(slot, 32 * cw + rr + 8 * k, c, w);
   }
   fence_proxy_async();  // the tensor cores read these rows
 }
@@ -222,6 +224,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto full_bar = [&](int buf, int cb) { return bars + 8 * (buf * kCb + cb); };
   auto empty_bar = [&](int buf, int part) { return bars + 8 * (2 * kCb + buf * 2 + part); };
   auto raw_bar = [&](int buf, int cb) { return bars + 8 * (2 * kCb + 4 + buf * kCb + cb); };
+  uint32_t* const rel_cnt = reinterpret_cast<uint32_t*>(smem + kOffCnt);  // fp8: [buf][part]
+  int32_t* const next_ids = reinterpret_cast<int32_t*>(smem + kOffIds);   // fp8: [buf][parity][box]
 
   const int hb = min(p.heads, kM);
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -236,14 +240,48 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   const int ntiles = (end - start + kN - 1) / kN;
+  const int bp = min(p.page, kN);  // rows per tensor-copy box
+  // fp8 caches: issues the tensor copies of part `part` of tile t into buffer t & 1 (ids: the
+  // tile's block ids in shared memory, read as they are used: the math warps issue this between
+  // their products). Its raw column blocks land in the upper halves of their slots on their raw
+  // barriers; mla_fp8_ds's part also brings bytes [512, 576) of every row (the four tile scales
+  // first) to the lower half of the part's last converted block (3 or 7), with its first block, and
+  // its bf16 rope straight to the rope block.
+  auto issue_part = [&](int t, int part, const int32_t* ids) {
+    const int buf = t & 1, tok0 = start + t * kN, nfirst = buf ? 4 : 5;
+    const int nbox = (min(kN, end - tok0) + bp - 1) / bp;
+    const uint32_t tile = k_u32 + buf * kTileBytes;
+    const bool first_part = part == (buf ? 1 : 0);  // the part S visits first
+#pragma unroll 1
+    for (int i = first_part ? 0 : nfirst; i < (first_part ? nfirst : kCb); ++i) {
+      const int cb = visit(buf, i);
+      const bool rope_bf16 = FMT == kFmtDs && cb == kRope;
+      const bool scales = FMT == kFmtDs && !rope_bf16 && (i == 0 || i == nfirst);  // the part's first block
+      const uint32_t bar = rope_bf16 ? full_bar(buf, kRope) : raw_bar(buf, cb);
+      mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * (rope_bf16 ? 128 : scales ? 128 : 64)));
+      const uint32_t sc_slot = tile + (part_of(cb) ? 7 : 3) * kCbBytes;
+#pragma unroll 1
+      for (int k = 0; k < nbox; ++k) {
+        const int blk = ids[k], in_page = (tok0 + k * bp) & (p.page - 1);
+        const uint64_t policy = evict_first_policy();
+        if (rope_bf16) {
+          tma_load(tile + kRope * kCbBytes + k * bp * 128, &rope, 0, in_page, blk, bar, policy);
+        } else {
+          tma_load(tile + cb * kCbBytes + kRawOff + k * bp * 64, &tmap, cb * 64, in_page, blk, bar, policy);
+          if (scales) tma_load(sc_slot + k * bp * 64, &tmap, kMlaRank, in_page, blk, bar, policy);
+        }
+      }
+    }
+  };
 
   if (tid == 0) {
     // full: the TMA thread's expect_tx, each thread of a cp.async producer pair, or (fp8) each lane
-    // of the converting warp; mla_fp8_ds's rope block comes by a tensor copy unconverted.
+    // of the buffer's two converting warps; mla_fp8_ds's rope block comes by a tensor copy unconverted.
     for (int i = 0; i < 2 * kCb; ++i)
-      mbar_init(bars + 8 * i, FMT == kFmtBf16 ? (use_tma ? 1 : 64) : i % kCb != kRope ? 32 : FMT == kFmtDs ? 1 : 32);
+      mbar_init(bars + 8 * i, FMT == kFmtBf16 ? (use_tma ? 1 : 64) : FMT == kFmtDs && i % kCb == kRope ? 1 : 64);
     for (int i = 0; i < 2 * kCb; ++i) mbar_init(raw_bar(i / kCb, i % kCb), 1);
     for (int i = 0; i < 4; ++i) mbar_init(empty_bar(i >> 1, i & 1), 4);  // lane 0 of the releasing warpgroup's warps
+    for (int i = 0; i < 4; ++i) rel_cnt[i] = 0;
     mbar_fence_init();
   }
   __syncthreads();
@@ -255,79 +293,66 @@ __global__ void __launch_bounds__(kThreads, 1)
     // block's full barrier when they land (cp.async.mbarrier.arrive.noinc): the producer never
     // waits for its own copies, it blocks only on a part's release, and every free byte of its
     // buffer is in flight.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     if constexpr (FMT != kFmtBf16) {
-      // fp8 caches (tensor copies only): lane 0 of warp 8 + buf issues buffer buf's copies, warp
-      // 10 + buf converts them. A released part's raw column blocks all land at once, each in the
-      // upper half of its own slot on its own raw barrier; the converter turns each into bf16 in
-      // place, in the order S visits them, and publishes it on the block's full barrier.
-      // mla_fp8_ds: the first block of a part also brings bytes [512, 576) of every row (the four
-      // tile scales first) to the lower half of the part's last converted block (3 or 7), and the
-      // bf16 rope goes straight to its block.
-      const int buf = warp & 1;
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+      // fp8 caches (tensor copies only): warps 8 + buf (rows 0-31 of each block) and 10 + buf
+      // (rows 32-63) convert buffer buf's tiles. A released part's raw column blocks all land at
+      // once, each in the upper half of its own slot on its own raw barrier; the pair turns each
+      // into bf16 in place, in the order S visits them, and publishes it on the block's full
+      // barrier. The copies of a part are issued by the math warp that releases it last (the
+      // producer warps never wait for a release, so a part is copied as soon as it is free while
+      // they convert); lane 0 of warp 8 + buf issues the buffer's first tile and looks up the block
+      // ids of the tile after the one it converts (next_ids). (One warp per buffer converting while
+      // another issued, v1 in kernels/NOTES.md, kept the math warps waiting for converted blocks
+      // about half their time; a pair whose first lane also issued, waiting for releases, kept
+      // them waiting longer.)
+      const int buf = warp & 1, cw = (warp >> 1) & 1, bar_id = 8 + buf;
       const uint32_t tile = k_u32 + buf * kTileBytes;
-      if (warp < 10) {
-        if (lane != 0) return;
-        const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
-        const int bp = min(p.page, kN);
-        const uint64_t policy = evict_first_policy();
-        for (int t = buf; t < ntiles; t += 2) {
-          int blk[kN / 16], in_page[kN / 16];
-          const int nbox = tile_boxes(p, table, start + t * kN, end, bp, blk, in_page);
-#pragma unroll 1
-          for (int i = 0; i < kCb; ++i) {
-            const int cb = visit(buf, i);
-            const bool first = i == 0 || i == (buf ? 4 : 5);  // first block of a part
-            if (t >= 2 && first) mbar_wait(empty_bar(buf, part_of(cb)), ((t >> 1) - 1) & 1);
-            if (FMT == kFmtDs && cb == kRope) {
-              const uint32_t bar = full_bar(buf, kRope);
-              mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
-#pragma unroll
-              for (int k = 0; k < kN / 16; ++k)
-                if (k < nbox)
-                  tma_load(tile + kRope * kCbBytes + k * bp * 128, &rope, 0, in_page[k], blk[k], bar, policy);
-              continue;
-            }
-            const bool scales = FMT == kFmtDs && first;
-            const uint32_t bar = raw_bar(buf, cb);
-            mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 64 * (scales ? 2 : 1)));
-#pragma unroll
-            for (int k = 0; k < kN / 16; ++k)
-              if (k < nbox)
-                tma_load(tile + cb * kCbBytes + kRawOff + k * bp * 64, &tmap, cb * 64, in_page[k], blk[k], bar, policy);
-            if (scales) {
-              const uint32_t sc_slot = tile + (part_of(cb) ? 7 : 3) * kCbBytes;
-#pragma unroll
-              for (int k = 0; k < kN / 16; ++k)
-                if (k < nbox) tma_load(sc_slot + k * bp * 64, &tmap, kMlaRank, in_page[k], blk[k], bar, policy);
-            }
-          }
+      const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
+      auto ids_of = [&](int t) { return next_ids + (buf * 2 + ((t >> 1) & 1)) * (kN / 16); };
+      if (cw == 0 && buf < ntiles) {  // the buffer's first tile
+        const int tok = start + buf * kN + lane * bp;
+        if (lane < kN / 16 && tok < end) ids_of(buf)[lane] = table[tok >> p.page_shift];
+        __syncwarp();
+        if (lane == 0) {
+          issue_part(buf, 0, ids_of(buf));
+          issue_part(buf, 1, ids_of(buf));
         }
-        return;
       }
       for (int t = buf; t < ntiles; t += 2) {
         const uint32_t par = (t >> 1) & 1;
+        // Lane k < 4 of warp 8 + buf looks up box k of tile t + 2, stored after the first block.
+        int nxt = 0;
+        if (cw == 0 && lane < kN / 16 && t + 2 < ntiles) {
+          const int tok = start + (t + 2) * kN + lane * bp;
+          if (tok < end) nxt = table[tok >> p.page_shift];
+        }
 #pragma unroll 1
         for (int i = 0; i < kCb; ++i) {
           const int cb = visit(buf, i);
           if (FMT == kFmtDs && cb == kRope) continue;
           mbar_wait(raw_bar(buf, cb), par);
-          float sc[8] = {};
+          float sc[4] = {};
           if constexpr (FMT == kFmtDs) {
             const uint32_t sc_slot = tile + (part_of(cb) ? 7 : 3) * kCbBytes;
 #pragma unroll
-            for (int k = 0; k < 8; ++k)
+            for (int k = 0; k < 4; ++k)
               asm volatile("ld.shared.f32 %0, [%1];\n"
                            : "=f"(sc[k])
-                           : "r"(sc_slot + ((lane >> 2) + 8 * k) * 64 + 4 * (cb >> 1)));
-            __syncwarp();  // blocks 3 and 7 overwrite the scale copy
+                           : "r"(sc_slot + (32 * cw + (lane >> 2) + 8 * k) * 64 + 4 * (cb >> 1)));
           }
-          convert_block<FMT>(tile + cb * kCbBytes, sc, lane);
+          convert_half<FMT>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
+          if (i == 0 && cw == 0 && lane < kN / 16 && t + 2 < ntiles)
+            // Read by the math warps after they have waited for this tile's blocks (the arrive
+            // below releases it); a parity slot per tile, as a part of tile t may still be issued
+            // from the other slot's ids after this point.
+            ids_of(t + 2)[lane] = nxt;
           mbar_arrive(full_bar(buf, cb));
         }
       }
       return;
     }
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int odd = (warp - 8) >> 1, pt = tid & 63, c = pt & 7, r0 = pt >> 3;
     const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
     if (use_tma) {
@@ -548,7 +573,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto release = [&](int t, int part) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(empty_bar(t & 1, part));
+    if (lane != 0) return;
+    if constexpr (FMT == kFmtBf16) {
+      mbar_arrive(empty_bar(t & 1, part));
+    } else {
+      // The last of the warpgroup's four warps to release the part issues its refill.
+      uint32_t old;
+      asm volatile("atom.acq_rel.cta.shared::cta.add.u32 %0, [%1], 1;\n"
+                   : "=r"(old)
+                   : "r"(smem_u32(rel_cnt + (t & 1) * 2 + part))
+                   : "memory");
+      if ((old & 3) == 3 && t + 2 < ntiles)
+        issue_part(t + 2, part, next_ids + ((t & 1) * 2 + (((t + 2) >> 1) & 1)) * (kN / 16));
+    }
   };
 
   // Each warpgroup waits for a product as soon as the buffer part it read can be refilled and

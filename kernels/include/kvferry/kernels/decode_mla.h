@@ -40,8 +40,9 @@
 //      warpgroup 1 of the odd ones, over the whole depth, sharing one running row maximum, and
 //      each owns 256 output columns, so one's softmax runs while the other's products keep the
 //      tensor cores busy. Tiles come by tensor copies (cp.async where the page is not a power of
-//      two >= 16, bf16 only); fp8 tiles land raw in the slots they fill and producer warps convert
-//      them to bf16 in place (mla_fp8 exactly, mla_fp8_ds as the bf16 rounding of each product).
+//      two >= 16, bf16 only); fp8 tiles land raw in the slots they fill (copies issued by the math
+//      warp that frees the slots) and producer warps convert them to bf16 in place (mla_fp8
+//      exactly, mla_fp8_ds as the bf16 rounding of each product).
 //    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
 //      KVFERRY_MLA_SEESAW=0): 32-token tiles; each warpgroup computes the partial S over half the
 //      depth, the halves are exchanged through shared memory and added (in either order the same
