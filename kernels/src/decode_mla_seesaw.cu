@@ -201,7 +201,7 @@ __device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4]
     if constexpr (FMT == kFmtDs)
       convert16_words<true>(raw[k], sc[k], w);
     else
-      convert16_words_int(raw[k], w);
+      convert16_words<false>(raw[k], 1.0f, w);
     convert_row_chunk(slot, 32 * cw + rr + 8 * k, c, w);
   }
   fence_proxy_async();  // the tensor cores read these rows

@@ -55,30 +55,6 @@ __device__ __forceinline__ void convert16_words(const uint4 raw, float s, uint32
   }
 }
 
-/// Two e4m3 bytes (bytes `sel` picks into the high byte of each half, the low bytes zero) -> two
-/// bf16, exactly, in integer and one bf16 multiply: sign kept, the 7 exponent and mantissa bits
-/// moved to bf16's bits 4..10 read as a bf16 of exponent bias 127, which is the e4m3 value times
-/// 2^-120 (subnormal e4m3 included, as bf16 subnormals), then times 2^120. The NaN codes
-/// (0x7f, 0xff) give +-480 instead of NaN: writers saturate, so a cache holds none where it is read.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, uint32_t sel) {
-  const uint32_t a = __byte_perm(w, 0u, sel);
-  const uint32_t bits = ((a & 0x7f007f00u) >> 4) | (a & 0x80008000u);
-  __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-  const __nv_bfloat162 k2p120 = __halves2bfloat162(__ushort_as_bfloat16(0x7b80), __ushort_as_bfloat16(0x7b80));
-  v = __hmul2(v, k2p120);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-/// 16 e4m3 bytes -> 16 bf16 words, exact (e4m3x2_to_bf16x2); the same bits as
-/// convert16_words<false> for every code but the NaNs.
-__device__ __forceinline__ void convert16_words_int(const uint4 raw, uint32_t (&out)[8]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = e4m3x2_to_bf16x2(w[i], 0x1404u);
-    out[2 * i + 1] = e4m3x2_to_bf16x2(w[i], 0x3424u);
-  }
-}
-
 /// The epilogue both wgmma kernels share: this thread's rows r0 = 16 w + g and r1 = r0 + 8 (rows
 /// >= hb are padding) of the output half [256 wg, +256) from the m64n256 accumulators, times
 /// inv0 / inv1, and (warpgroup 0, tq 0) their lse from the log2-domain maxima m0 / m1 and sums

@@ -103,25 +103,33 @@ TEST(KernelsGpuFp8, FastPathsMatchScalarMathForAllFloats) {
   cudaFree(first);
 }
 
-// Every byte pair, in both byte positions of a word: the two bf16 of e4m3x2_to_bf16x2 against the
-// exact value rounded by the host's float_to_bf16 (exact here: e4m3 fits bf16). The NaN codes
-// 0x7f / 0xff are outside its contract (it gives +-480).
+// Every byte pair: the tile conversion of the wgmma decode kernels (convert16_words, unscaled as for
+// mla_fp8 and times 1 as for mla_fp8_ds with unit scales) against the host's
+// float_to_bf16(e4m3_to_float) (exact: every e4m3 value is a bf16 value); the NaN codes 0x7f / 0xff
+// give a NaN.
 __global__ void compare_decode_e4m3(unsigned* mismatches, unsigned* first) {
   const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;  // < 65536
   const uint32_t w = i | (i << 16);
-  const uint32_t lo = mla_detail::e4m3x2_to_bf16x2(w, 0x1404u), hi = mla_detail::e4m3x2_to_bf16x2(w, 0x3424u);
-  const uint8_t bytes[2] = {static_cast<uint8_t>(i & 0xff), static_cast<uint8_t>(i >> 8)};
-  for (int k = 0; k < 2; ++k) {
-    if ((bytes[k] & 0x7f) == 0x7f) continue;
-    const uint16_t want = float_to_bf16(e4m3_to_float(bytes[k]));
-    if (static_cast<uint16_t>(lo >> (16 * k)) != want || static_cast<uint16_t>(hi >> (16 * k)) != want) {
-      atomicAdd(mismatches, 1u);
-      atomicMin(first, i);
+  uint32_t a[8], b[8];
+  mla_detail::convert16_words<false>(make_uint4(w, w, w, w), 1.0f, a);
+  mla_detail::convert16_words<true>(make_uint4(w, w, w, w), 1.0f, b);
+  bool ok = true;
+  for (int k = 0; k < 2; ++k) {  // every output word holds bf16(byte 0) low, bf16(byte 1) high
+    const uint8_t byte = static_cast<uint8_t>(i >> (8 * k));
+    const bool nan = (byte & 0x7f) == 0x7f;
+    const uint16_t want = nan ? 0 : float_to_bf16(e4m3_to_float(byte));
+    for (int j = 0; j < 8; ++j) {
+      const uint16_t ga = static_cast<uint16_t>(a[j] >> (16 * k)), gb = static_cast<uint16_t>(b[j] >> (16 * k));
+      ok = ok && (nan ? (ga & 0x7fff) > 0x7f80 && (gb & 0x7fff) > 0x7f80 : ga == want && gb == want);
     }
+  }
+  if (!ok) {
+    atomicAdd(mismatches, 1u);
+    atomicMin(first, i);
   }
 }
 
-TEST(KernelsGpuFp8, DecodeIntegerE4m3ToBf16MatchesForAllBytePairs) {
+TEST(KernelsGpuFp8, DecodeE4m3ToBf16MatchesForAllBytePairs) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
   unsigned* count = nullptr;
   unsigned* first = nullptr;
