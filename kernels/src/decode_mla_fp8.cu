@@ -86,6 +86,21 @@ __device__ __forceinline__ float lds32f(uint32_t addr) {
   return v;
 }
 
+// The four warps of a head group (warp ch) exchange one value per row through x_row: v0 of row g,
+// v1 of row g + 8 (one lane per quad writes); a and c get the group's four values of those rows,
+// column ch from warp ch, after barrier kBar + gid.
+template <int kBar>
+__device__ __forceinline__ void exchange_rows(float* x_row, int g, int ch, int tq, int gid, float v0, float v1,
+                                              float4& a, float4& c) {
+  if (tq == 0) {
+    x_row[g * 4 + ch] = v0;
+    x_row[(g + 8) * 4 + ch] = v1;
+  }
+  named_barrier<kBar, 128>(gid);
+  a = *reinterpret_cast<const float4*>(x_row + g * 4);
+  c = *reinterpret_cast<const float4*>(x_row + (g + 8) * 4);
+}
+
 __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                         uint32_t b1) {
   asm volatile(
@@ -432,13 +447,8 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
       mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
       mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      if (tq == 0) {
-        x_row[g * 4 + ch] = mx0;
-        x_row[(g + 8) * 4 + ch] = mx1;
-      }
-      named_barrier<10, 128>(gid);
-      const float4 a = *reinterpret_cast<const float4*>(x_row + g * 4);
-      const float4 c = *reinterpret_cast<const float4*>(x_row + (g + 8) * 4);
+      float4 a, c;
+      exchange_rows<10>(x_row, g, ch, tq, gid, mx0, mx1, a, c);
       // Finite: every tile has a valid token. The maximum of x is the row scale (> 0) times that of s.
       const float nm0 = fmaxf(m0, fmaxf(fmaxf(a.x, a.y), fmaxf(a.z, a.w)) * row_s0);
       const float nm1 = fmaxf(m1, fmaxf(fmaxf(c.x, c.y), fmaxf(c.z, c.w)) * row_s1);
@@ -518,13 +528,8 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   {  // the group's l: its four warps' parts in one order (every warp read the last maxima before
      // its last barrier)
-    if (tq == 0) {
-      x_row[g * 4 + ch] = l0;
-      x_row[(g + 8) * 4 + ch] = l1;
-    }
-    named_barrier<1, 128>(gid);
-    const float4 a = *reinterpret_cast<const float4*>(x_row + g * 4);
-    const float4 c = *reinterpret_cast<const float4*>(x_row + (g + 8) * 4);
+    float4 a, c;
+    exchange_rows<1>(x_row, g, ch, tq, gid, l0, l1, a, c);
     l0 = ((a.x + a.y) + a.z) + a.w;
     l1 = ((c.x + c.y) + c.z) + c.w;
   }
