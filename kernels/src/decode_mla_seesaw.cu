@@ -154,11 +154,13 @@ __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint3
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
-// The boxes of the tile starting at token tok0 (tensor-copy producers): nbox boxes of bp rows
-// (min(page, 64)), box k at block blk[k], row in_page[k]; boxes wholly past `end` are not copied.
+// Tensor-copy boxes of bp rows (min(page, 64)) in the tile starting at token tok0: boxes wholly
+// past `end` are not copied.
+__device__ __forceinline__ int tile_nbox(int tok0, int end, int bp) { return (min(kN, end - tok0) + bp - 1) / bp; }
+// The boxes of that tile: box k at block blk[k], row in_page[k].
 __device__ __forceinline__ int tile_boxes(const KParams& p, const int32_t* table, int tok0, int end, int bp,
                                           int (&blk)[kN / 16], int (&in_page)[kN / 16]) {
-  const int nbox = (min(kN, end - tok0) + bp - 1) / bp;
+  const int nbox = tile_nbox(tok0, end, bp);
 #pragma unroll
   for (int k = 0; k < kN / 16; ++k) {
     const int tok = tok0 + k * bp;
@@ -249,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // its bf16 rope straight to the rope block.
   auto issue_part = [&](int t, int part, const int32_t* ids) {
     const int buf = t & 1, tok0 = start + t * kN, nfirst = buf ? 4 : 5;
-    const int nbox = (min(kN, end - tok0) + bp - 1) / bp;
+    const int nbox = tile_nbox(tok0, end, bp);
     const uint32_t tile = k_u32 + buf * kTileBytes;
     const bool first_part = part == (buf ? 1 : 0);  // the part S visits first
 #pragma unroll 1
@@ -310,9 +312,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t tile = k_u32 + buf * kTileBytes;
       const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
       auto ids_of = [&](int t) { return next_ids + (buf * 2 + ((t >> 1) & 1)) * (kN / 16); };
+      // Lane k < 4: the block id of box k of tile t (0 past the end).
+      auto box_id = [&](int t) {
+        const int tok = start + t * kN + lane * bp;
+        return lane < kN / 16 && tok < end ? table[tok >> p.page_shift] : 0;
+      };
       if (cw == 0 && buf < ntiles) {  // the buffer's first tile
-        const int tok = start + buf * kN + lane * bp;
-        if (lane < kN / 16 && tok < end) ids_of(buf)[lane] = table[tok >> p.page_shift];
+        if (lane < kN / 16) ids_of(buf)[lane] = box_id(buf);
         __syncwarp();
         if (lane == 0) {
           issue_part(buf, 0, ids_of(buf));
@@ -322,11 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int t = buf; t < ntiles; t += 2) {
         const uint32_t par = (t >> 1) & 1;
         // Lane k < 4 of warp 8 + buf looks up box k of tile t + 2, stored after the first block.
-        int nxt = 0;
-        if (cw == 0 && lane < kN / 16 && t + 2 < ntiles) {
-          const int tok = start + (t + 2) * kN + lane * bp;
-          if (tok < end) nxt = table[tok >> p.page_shift];
-        }
+        const int nxt = cw == 0 && t + 2 < ntiles ? box_id(t + 2) : 0;
 #pragma unroll 1
         for (int i = 0; i < kCb; ++i) {
           const int cb = visit(buf, i);
