@@ -66,9 +66,13 @@ __global__ void compare_fast_paths(float s, unsigned long long* mismatches, unsi
       bad |= u != (float_to_bf16(x) | (static_cast<uint32_t>(float_to_bf16(-x)) << 16));
     }
     uint32_t q = 0;
-    if (d.fast && kernels::detail::quant2_fast(x, -x, d, &q))
+    if (d.fast && kernels::detail::quant2_fast(x, -x, d, &q)) {
       bad |= q != (kernels::detail::to_e4m3(__fdiv_rn(x, s)) |
                    (static_cast<uint32_t>(kernels::detail::to_e4m3(__fdiv_rn(-x, s))) << 8));
+      // quot_fast_pos (the bf16 -> 656 conversion's quotient, s > 0 only) has quot_fast's bits.
+      bad |= float_bits(kernels::detail::quot_fast_pos(x, d)) != float_bits(kernels::detail::quot_fast(x, d)) ||
+             float_bits(kernels::detail::quot_fast_pos(-x, d)) != float_bits(kernels::detail::quot_fast(-x, d));
+    }
     if (i < 65536u) {
       const uint8_t b0 = static_cast<uint8_t>(i), b1 = static_cast<uint8_t>(i >> 8);
       if ((b0 & 0x7fu) != 0x7fu && (b1 & 0x7fu) != 0x7fu) {

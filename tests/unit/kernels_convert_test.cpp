@@ -129,6 +129,23 @@ TEST(KernelsConvert, RejectsMismatchedSpecsAndBlocks) {
   b.block_size = 4;
   EXPECT_EQ(kernels::convert_blocks_cpu(ra.bytes.data(), a, ids, rb.bytes.data(), b, ids).code(),
             ErrorCode::kInvalidArgument);
+  // Layer and block counts past what the CUDA kernels' 32-bit entry walk holds are refused by name.
+  Region rd(test::mk_spec(2, 3, 8, EntryFormat::mla_fp8_ds()), 3);
+  kernels::ConvertParams p;
+  p.kind = ConvertKind::kFp8ToDs;
+  p.src = ra.layer(0);
+  p.dst = rd.layer(0);
+  p.count = 1;
+  p.src_blocks = ids.data();
+  p.dst_blocks = ids.data();
+  ASSERT_TRUE(kernels::validate_convert(p).ok());
+  for (const auto& [layers, count] : {std::pair<int64_t, int64_t>{int64_t{1} << 31, 1}, {1, int64_t{1} << 31}}) {
+    p.layers = layers;
+    p.count = count;
+    st = kernels::validate_convert(p);
+    EXPECT_EQ(st.code(), ErrorCode::kOutOfRange) << st.to_string();
+    EXPECT_NE(st.message().find("2^31"), std::string::npos) << st.to_string();
+  }
 }
 
 // Cross-layer convert: converting layer l of block-major buffers must equal converting a

@@ -87,6 +87,34 @@ TEST(KernelsFastMath, FastQuantisationIsExact) {
   EXPECT_FALSE(make_qdiv(INFINITY).fast);
 }
 
+// quot_fast_pos (no zero select, for positive divisors) gives quot_fast's bits, signed zeros and
+// NaN payloads included, for every bit-pattern class of dividend and positive divisors across the
+// fast range (the GPU test checks every float for a set of divisors).
+TEST(KernelsFastMath, PositiveDivisorQuotientMatchesQuotFast) {
+  std::mt19937 g(13);
+  std::vector<float> xs(100000);
+  for (float& x : xs) x = bits_float(static_cast<uint32_t>(g()));
+  xs.insert(xs.end(), {0.0f, -0.0f, INFINITY, -INFINITY, 1e-45f, -1e-45f, 448.0f, -448.0f});
+  int64_t checked = 0;
+  for (int k = 0; k < 200; ++k) {
+    const float s = k == 0   ? 0x1p-80f
+                    : k == 1 ? 0x1.fffffep79f
+                             : bits_float(((47u + g() % 160u) << 23) | (g() & 0x7fffffu));
+    const QDiv d = make_qdiv(s);
+    ASSERT_TRUE(d.fast);
+    for (float x : xs) {
+      const float a = quot_fast_pos(x, d), b = quot_fast(x, d);
+      if (a != a && b != b) continue;  // both NaN: the cvt gives 0x7f either way
+      EXPECT_TRUE(same_bits(a, b)) << "x bits 0x" << std::hex << float_bits(x) << " s bits 0x" << float_bits(s);
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 15000000);  // NaN dividends and quotients are most of the rest
+  // Signed zeros keep their sign (the case the select of quot_fast exists for).
+  EXPECT_EQ(float_bits(quot_fast_pos(-0.0f, make_qdiv(0.3f))), 0x80000000u);
+  EXPECT_EQ(float_bits(quot_fast_pos(0.0f, make_qdiv(0.3f))), 0u);
+}
+
 TEST(KernelsFastMath, DequantScaleAndNanBytes) {
   // The hardware e4m3 path is taken for finite scales only (checked bit for bit on the GPU by
   // kernels_datapath_gpu_test); NaN bytes are recognised four at a time.

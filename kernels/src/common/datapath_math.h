@@ -159,6 +159,19 @@ KVFERRY_HOST_DEVICE float quot_fast(float x, const QDiv& d) {
   return x == 0.0f ? q0 : q2;
 }
 
+/// quot_fast for s > 0 without the zero select: the residuals are negated (s * q - x, subtracted),
+/// so a zero x keeps its sign through both corrections (a zero residual is +0, its correction
+/// -0 * y = -0, and q0 + -0 is q0 for either zero q0, where x - s * q adds +0 and turns q0 = -0
+/// into +0). For x != 0 it is quot_fast (RN is symmetric). The tile scales of mla_fp8_ds are
+/// positive; for s < 0 a zero x would come out as +0 where -0 is due.
+KVFERRY_HOST_DEVICE float quot_fast_pos(float x, const QDiv& d) {
+  const float q0 = mul_rn(x, d.y);
+  const float r0 = fma_rn(d.s, q0, -x);
+  const float q1 = fma_rn(-r0, d.y, q0);
+  const float r1 = fma_rn(d.s, q1, -x);
+  return fma_rn(-r1, d.y, q1);
+}
+
 /// RN(a / 448) by quot_fast: exact for a in [2^-90, 2^100], where no step leaves the normal range.
 KVFERRY_HOST_DEVICE float div448_fast(float a) {
   QDiv d;

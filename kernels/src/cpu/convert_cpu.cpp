@@ -47,6 +47,9 @@ Status validate_convert(const ConvertParams& p) {
   const KindShape s = shape_of(p.kind);
   if (p.layers < 1) return {ErrorCode::kInvalidArgument, "convert: layers must be >= 1"};
   if (p.count < 0) return {ErrorCode::kInvalidArgument, "convert: count is negative"};
+  constexpr int64_t kMax31 = int64_t{1} << 31;  // the CUDA kernels walk entries in 32-bit parts
+  if (p.layers >= kMax31 || p.count >= kMax31 || p.src.view.sizes[1] >= kMax31)
+    return {ErrorCode::kOutOfRange, "convert: layers, count and the block size must each be below 2^31"};
   KVFERRY_TRY(check_side(p.src, "convert source", s.src_elems, s.src_eb, p.layers, p.src_layer_stride));
   KVFERRY_TRY(check_side(p.dst, "convert destination", s.dst_elems, s.dst_eb, p.layers, p.dst_layer_stride));
   if (p.src.view.size(1) != p.dst.view.size(1))
