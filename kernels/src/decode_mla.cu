@@ -28,8 +28,6 @@ using mla_detail::bulk_g2s;
 using mla_detail::cp_async16;
 using mla_detail::cp_async_commit;
 using mla_detail::cp_async_wait;
-using mla_detail::cta_work;
-using mla_detail::CtaWork;
 using mla_detail::fence_proxy_async;
 using mla_detail::kFmtBf16;
 using mla_detail::kFmtDs;
@@ -46,6 +44,7 @@ using mla_detail::named_barrier;
 using mla_detail::out_row;
 using mla_detail::pack_bf16;
 using mla_detail::smem_u32;
+using mla_detail::split_tokens;
 using mla_detail::store_lse;
 using mla_detail::store_o2;
 using mla_detail::write_empty_split;
@@ -93,13 +92,17 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
   float4* sS = reinterpret_cast<float4*>(sK + 2 * kTileBytes);
   const uint32_t bar0 = smem_u32(smem);
 
-  const CtaWork w = cta_work<kTileN>(p, HB);
-  const int b = w.b, split = w.split, head0 = w.head0, start = w.start, end = w.end, ntiles = w.ntiles;
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (ntiles == 0) {  // nothing to attend to: an empty split, or a request of length 0
+  const int2 range = split_tokens<kTileN>(p, b, split);
+  const int start = range.x, end = range.y;
+  const int head0 = hg * HB;
+
+  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
     write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
     return;
   }
+  const int ntiles = (end - start + kTileN - 1) / kTileN;
 
   {  // Q rows of this head group
     const uint8_t* qsrc = reinterpret_cast<const uint8_t*>(p.q + (static_cast<int64_t>(b) * p.heads + head0) * kMlaDim);

@@ -170,13 +170,17 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   uint8_t* sX = sRaw + ST * kStageBytes;
   const uint32_t bar0 = smem_u32(smem);
 
-  const CtaWork w = cta_work<kTileN>(p, HB);
-  const int b = w.b, split = w.split, head0 = w.head0, start = w.start, end = w.end, ntiles = w.ntiles;
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (ntiles == 0) {  // nothing to attend to: an empty split, or a request of length 0
+  const int2 range = split_tokens<kTileN>(p, b, split);
+  const int start = range.x, end = range.y;
+  const int head0 = hg * HB;
+
+  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
     write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
     return;
   }
+  const int ntiles = (end - start + kTileN - 1) / kTileN;
 
   // Stage s: full[s] at bar0 + 8 s (the producer's expect_tx and the copies' bytes), empty[s] at
   // bar0 + 32 + 8 s (one arrival per consumer warp once it is done with the tile).

@@ -151,33 +151,6 @@ __device__ __forceinline__ void write_empty_split(const KParams& p, int b, int s
           make_uint4(0, 0, 0, 0);
 }
 
-/// What a decode CTA attends to: request b = blockIdx.z, split blockIdx.y, heads
-/// [head0, head0 + nh) of head group blockIdx.x, tokens [start, end) in ntiles TILE-token tiles.
-struct CtaWork {
-  int b, split, head0, start, end, ntiles;
-};
-
-/// The CTA's work; ntiles = 0 where it has nothing to attend to (an empty split, or a request of
-/// length 0), for which the kernel writes write_empty_split's result and returns.
-template <int TILE>
-__device__ __forceinline__ CtaWork cta_work(const KParams& p, int nh) {
-  CtaWork w;
-  w.b = blockIdx.z;
-  w.split = blockIdx.y;
-  w.head0 = blockIdx.x * nh;
-  const int2 r = split_tokens<TILE>(p, w.b, w.split);
-  w.start = r.x;
-  w.end = r.y;
-  w.ntiles = w.start < w.end ? (w.end - w.start + TILE - 1) / TILE : 0;
-  return w;
-}
-
-/// The dynamic shared memory from its first 1024-byte boundary (the 128-byte swizzle pattern of
-/// the tensor copies and wgmma repeats every 1024 bytes of the shared address).
-__device__ __forceinline__ uint8_t* smem_align_1024(uint8_t* smem_dyn) {
-  return smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
-}
-
 /// Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device
 /// (the attribute belongs to the device's context, so a second GPU needs its own call); a failure
 /// is returned, cleared rather than left for the next launch's error check, and tried again on the

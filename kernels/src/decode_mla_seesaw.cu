@@ -217,7 +217,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                              const __grid_constant__ CUtensorMap rope, const int use_tma) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
-  uint8_t* smem = smem_align_1024(smem_dyn);
+  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
+  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
   const uint32_t q_u32 = smem_u32(smem), k_u32 = q_u32 + kOffK, p_u32 = q_u32 + kOffP;
   float* sM = reinterpret_cast<float*>(smem + kOffM);  // [warpgroup][row]: m0 (WG0), m1 (WG1)
   float* sL = reinterpret_cast<float*>(smem + kOffL);  // [warpgroup][row]: final row sums
@@ -229,15 +230,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* const next_ids = reinterpret_cast<int32_t*>(smem + kOffIds);   // fp8: [buf][parity][box]
 
   const int hb = min(p.heads, kM);
-  const CtaWork w = cta_work<kN>(p, hb);
-  const int b = w.b, split = w.split, head0 = w.head0, start = w.start, end = w.end, ntiles = w.ntiles;
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  if (ntiles == 0) {  // nothing to attend to: an empty split, or a request of length 0
+  // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform.
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
+  const int2 range = split_tokens<kN>(p, b, split);
+  const int start = range.x, end = range.y;
+  const int head0 = hg * hb;
+  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
     write_empty_split<SPLIT, kThreads>(p, b, split, head0, hb, tid);
     return;
   }
-  // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform.
-  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
+  const int ntiles = (end - start + kN - 1) / kN;
   const int bp = min(p.page, kN);  // rows per tensor-copy box
   // fp8 caches: issues the tensor copies of part `part` of tile t into buffer t & 1 (ids: the
   // tile's block ids in shared memory, read as they are used: the math warps issue this between
