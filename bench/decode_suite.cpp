@@ -21,6 +21,10 @@
 
 #if defined(KVFERRY_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include <chrono>
+
+#include "launch_gate.h"
 #endif
 
 namespace kvferry::bench {
@@ -115,11 +119,12 @@ int run_decode(const Options& opts) {
   BENCH_CUDA(cudaEventCreate(&ev0));
   BENCH_CUDA(cudaEventCreate(&ev1));
   const int warm = 3, reps = opts.quick ? 5 : 25;
-  // A sample times this many back-to-back calls (split kernel and merge each) and divides. The
-  // default is one call between a synchronized pair of events, which charges the host's launch
-  // latency (about 6-8 us on the H200 host) to every call. KVFERRY_BENCH_LAUNCHES (1-100) times
-  // N calls instead: on the H200, 10 calls take the contiguous 128-head bf16 row from 161.6 to
-  // 153.6 us but leave its 8-layer view at 161.7 us (unexplained), so the default stays 1.
+  // A sample times this many back-to-back calls (split kernel and merge each) and divides; the
+  // default is one. Each sample's events and calls are queued behind a gate (launch_gate: a warp
+  // sleeping kGateNs on the GPU), so the events time the calls and not the host's launch latency,
+  // which a sample of one call between an idle stream's events would charge to every call (about
+  // 6-8 us on the H200 host; that figure, "with launch", is in each row's note).
+  constexpr uint64_t kGateNs = 200'000;
   const int kLaunchesPerSample = [] {
     const char* e = std::getenv("KVFERRY_BENCH_LAUNCHES");
     const int n = e ? std::atoi(e) : 1;
@@ -240,17 +245,34 @@ int run_decode(const Options& opts) {
           return 1;
         }
         const int splits = decode_mla_splits(p);
-        std::vector<double> ts;
-        for (int i = 0; i < warm + reps; ++i) {
-          BENCH_CUDA(cudaEventRecord(ev0, stream));
-          for (int k = 0; k < kLaunchesPerSample; ++k) BENCH_CUDA(launch_decode_mla(p, stream));
-          BENCH_CUDA(cudaEventRecord(ev1, stream));
-          BENCH_CUDA(cudaEventSynchronize(ev1));
-          float ms = 0;
-          BENCH_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
-          if (i >= warm) ts.push_back(ms * 1e3 / kLaunchesPerSample);
-        }
-        const double us = median(ts);
+        // gated: the sample's launches queued behind the gate (the row's figure); else from an
+        // idle stream, the host's launch latency included (the note's "with launch").
+        int late = 0;  // gated samples the host took longer to queue than the gate held the stream
+        auto sample = [&](bool gated, double& us) -> int {
+          std::vector<double> ts;
+          for (int i = 0; i < warm + reps; ++i) {
+            if (gated) BENCH_CUDA(launch_gate(kGateNs, stream));
+            const auto h0 = std::chrono::steady_clock::now();
+            BENCH_CUDA(cudaEventRecord(ev0, stream));
+            for (int k = 0; k < kLaunchesPerSample; ++k) BENCH_CUDA(launch_decode_mla(p, stream));
+            BENCH_CUDA(cudaEventRecord(ev1, stream));
+            if (gated && i >= warm &&
+                std::chrono::steady_clock::now() - h0 > std::chrono::nanoseconds(static_cast<int64_t>(kGateNs)))
+              ++late;
+            BENCH_CUDA(cudaEventSynchronize(ev1));
+            float ms = 0;
+            BENCH_CUDA(cudaEventElapsedTime(&ms, ev0, ev1));
+            if (i >= warm) ts.push_back(ms * 1e3 / kLaunchesPerSample);
+          }
+          us = median(ts);
+          return 0;
+        };
+        double us = 0, us_launch = 0;
+        if (sample(true, us) != 0 || sample(false, us_launch) != 0) return 1;
+        if (late > 0)
+          report.note(f.name() + " h" + std::to_string(heads) + ": " + std::to_string(late) + " of " +
+                      std::to_string(reps) + " samples took the host longer to queue than the gate's " +
+                      std::to_string(kGateNs / 1000) + " us (their times include launch latency)");
         if (run == 0) t_flat = us;
         Row r;
         r.name = f.name() + " h" + std::to_string(heads) + (cross ? " layer 3 of 8" : " contiguous") +
@@ -261,18 +283,22 @@ int run_decode(const Options& opts) {
         r.limit_name = "KV bytes at D2D rate";
         r.higher_is_better = false;
         r.target = kv_bytes / kH200CopyRate * 1e6 / target_us;
-        char note[192];
+        char note[224];
         if (mma == 2)
-          std::snprintf(note, sizeof note, "%.0f GB/s, %.0f TFLOP/s, splits %d, wgmma, H200 target %.0f us",
-                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us);
-        else if (kind != FormatKind::kMlaBf16)  // the fp8 kernel: its own fixed layout
           std::snprintf(note, sizeof note,
-                        "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync fp8 in registers, H200 target %.0f us",
-                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us);
-        else
+                        "%.0f GB/s, %.0f TFLOP/s, splits %d, wgmma, H200 target %.0f us, with launch %.1f us",
+                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us, us_launch);
+        else if (kind != FormatKind::kMlaBf16)  // the fp8 kernel: its own fixed layout
           std::snprintf(
-              note, sizeof note, "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync %s %d warps/16h, H200 target %.0f us",
-              kv_bytes / us * 1e-3, flops / us * 1e-6, splits, loader == 1 ? "bulk" : "cp.async", warps, target_us);
+              note, sizeof note,
+              "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync fp8 in registers, H200 target %.0f us, with launch %.1f us",
+              kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us, us_launch);
+        else
+          std::snprintf(note, sizeof note,
+                        "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync %s %d warps/16h, H200 target %.0f us, with "
+                        "launch %.1f us",
+                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, loader == 1 ? "bulk" : "cp.async", warps,
+                        target_us, us_launch);
         r.note = note;
         report.add(r);
         if (cross) {
