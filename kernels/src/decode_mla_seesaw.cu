@@ -22,9 +22,11 @@
 //
 // A producer warpgroup (56 registers via setmaxnreg; the math warpgroups get 224) copies each tile
 // (tensor copies, or cp.async) straight into the swizzled layout, one column block at a time,
-// publishing each on its own mbarrier, so S starts on the first block that landed. fp8 blocks land
-// raw in the upper half of their slots and two producer warps per buffer convert each in place
-// before publishing it; their copies are issued by the math warp that releases a part last. A
+// publishing each on its own mbarrier, so S starts on the first block that landed (bf16 at 128
+// heads: the two head groups' CTAs form a cluster and each copies half of every tile's blocks into
+// both, see CL). fp8 blocks land raw in the upper half of their slots and two producer warps per
+// buffer convert each in place before publishing it; their copies are issued by the math warp that
+// releases a part last. A
 // tile's blocks are released in two parts: V_L and the rope block (also P(b)'s place) by
 // warpgroup 0 once its products read them, V_R by warpgroup 1. S visits the blocks in the order
 // they are freed (even tiles: V_L, rope, V_R; odd tiles: V_R, V_L, rope) and they are refilled in
@@ -145,6 +147,24 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
       : "memory");
 }
+// The same copy landing at `dst` (and completing on `bar`) in every CTA of the cluster in `mask`.
+__device__ __forceinline__ void tma_load_mc(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar,
+                                            uint16_t mask, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4}], [%5], %6, %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask), "l"(policy)
+      : "memory");
+}
+// Arrives on the mbarrier at shared offset `bar` of CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ void cluster_sync_all() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
@@ -211,7 +231,12 @@ __device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4]
 // TMA: tiles come by tensor copies (pages a power of two >= 16); otherwise by cp.async (bf16 only).
 // fp8 caches: `tmap` maps the raw entries as bytes ([blocks][page][entry bytes], 64-byte boxes, no
 // swizzle); mla_fp8_ds's bf16 rope comes through `rope` ([blocks][page][64] bf16, swizzled).
-template <int FMT, bool SPLIT>
+// CL (bf16 by tensor copies, 128 heads): the two head groups of a request run as a cluster of two
+// CTAs that share the tiles: CTA r copies the column blocks cb with cb % 2 == r into both CTAs'
+// shared memory (multicast), each CTA expects all of a tile's bytes on its own barriers, and a
+// part is refilled once both CTAs released it (each releasing warp arrives on both CTAs' empty
+// barriers).
+template <int FMT, bool SPLIT, bool CL>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_mla_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
                              const __grid_constant__ CUtensorMap rope, const int use_tma) {
@@ -282,11 +307,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 2 * kCb; ++i)
       mbar_init(bars + 8 * i, FMT == kFmtBf16 ? (use_tma ? 1 : 64) : FMT == kFmtDs && i % kCb == kRope ? 1 : 64);
     for (int i = 0; i < 2 * kCb; ++i) mbar_init(raw_bar(i / kCb, i % kCb), 1);
-    for (int i = 0; i < 4; ++i) mbar_init(empty_bar(i >> 1, i & 1), 4);  // lane 0 of the releasing warpgroup's warps
+    for (int i = 0; i < 4; ++i)  // lane 0 of the releasing warpgroup's warps (in both CTAs of a cluster)
+      mbar_init(empty_bar(i >> 1, i & 1), CL ? 8 : 4);
     for (int i = 0; i < 4; ++i) rel_cnt[i] = 0;
     mbar_fence_init();
   }
-  __syncthreads();
+  if constexpr (CL)
+    cluster_sync_all();  // both CTAs' barriers are set up before either copies or arrives remotely
+  else
+    __syncthreads();
 
   if (wg == 2) {
     // Producer: warps 8-9 fill the even tiles' buffer, warps 10-11 the odd tiles'. Thread pt of a
@@ -363,6 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if ((pt & 31) != 0 || (pt >> 5) != 0) return;
       const int bp = min(p.page, kN);
       const uint64_t policy = evict_first_policy();
+      const uint32_t rank = CL ? blockIdx.x & 1 : 0;  // the cluster spans the two head groups
       for (int t = odd; t < ntiles; t += 2) {
         int blk[kN / 16], in_page[kN / 16];
         const int nbox = tile_boxes(p, table, start + t * kN, end, bp, blk, in_page);
@@ -374,10 +404,23 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_wait(empty_bar(odd, part_of(cb)), ((t >> 1) - 1) & 1);
           const uint32_t bar = full_bar(odd, cb);
           mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
+          if (CL && static_cast<uint32_t>(cb & 1) != rank) continue;  // the other CTA copies it to both
 #pragma unroll
-          for (int k = 0; k < kN / 16; ++k)
-            if (k < nbox) tma_load(dst + cb * kCbBytes + k * bp * 128, &tmap, cb * 64, in_page[k], blk[k], bar, policy);
+          for (int k = 0; k < kN / 16; ++k) {
+            if (k >= nbox) continue;
+            if constexpr (CL)
+              tma_load_mc(dst + cb * kCbBytes + k * bp * 128, &tmap, cb * 64, in_page[k], blk[k], bar, 3, policy);
+            else
+              tma_load(dst + cb * kCbBytes + k * bp * 128, &tmap, cb * 64, in_page[k], blk[k], bar, policy);
+          }
         }
+      }
+      if constexpr (CL) {
+        // Stay until both CTAs released this buffer's last tile: the other CTA's warps arrive on
+        // this CTA's barriers, and must not find it gone.
+        const int last = odd + ((ntiles - 1 - odd) / 2) * 2;
+        if (last < ntiles)
+          for (int part = 0; part < 2; ++part) mbar_wait(empty_bar(odd, part), (last >> 1) & 1);
       }
       return;
     }
@@ -578,6 +621,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane != 0) return;
     if constexpr (FMT == kFmtBf16) {
       mbar_arrive(empty_bar(t & 1, part));
+      if constexpr (CL) mbar_arrive_cluster(empty_bar(t & 1, part), (blockIdx.x & 1) ^ 1);
     } else {
       // The last of the warpgroup's four warps to release the part issues its refill.
       uint32_t old;
@@ -773,6 +817,29 @@ bool make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* rope) {
                                    CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
+template <int FMT, bool SPLIT, bool CL>
+cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map,
+                          const CUtensorMap& rope, int use_tma) {
+  auto* kernel = decode_mla_seesaw_kernel<FMT, SPLIT, CL>;
+  const cudaError_t attr = allow_dynamic_smem<decode_mla_seesaw_kernel<FMT, SPLIT, CL>>(kSmem);
+  if (attr != cudaSuccess) return attr;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  if (CL) {
+    at[0].id = cudaLaunchAttributeClusterDimension;
+    at[0].val.clusterDim.x = 2;
+    at[0].val.clusterDim.y = 1;
+    at[0].val.clusterDim.z = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, k, map, rope, use_tma);
+}
+
 template <int FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   // KVFERRY_MLA_TMA=0 keeps the cp.async producer (for comparison); fp8 caches need tensor copies.
@@ -783,11 +850,15 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   CUtensorMap map{}, rope{};
   const int use_tma = tma_allowed && make_maps<FMT>(k, &map, &rope) ? 1 : 0;
   if (FMT != kFmtBf16 && use_tma == 0) return cudaErrorNotSupported;
-  const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
-  const cudaError_t attr = allow_dynamic_smem<decode_mla_seesaw_kernel<FMT, SPLIT>>(kSmem);
-  if (attr != cudaSuccess) return attr;
-  decode_mla_seesaw_kernel<FMT, SPLIT><<<grid, kThreads, kSmem, stream>>>(k, map, rope, use_tma);
-  return cudaGetLastError();
+  // bf16 by tensor copies at 128 heads: the two head groups as a cluster sharing the tile copies
+  // (157 against 160 us on an H200); a device that cannot place the cluster gets the plain launch.
+  if constexpr (FMT == kFmtBf16) {
+    if (use_tma && k.heads == 2 * kM) {
+      if (launch_kernel<FMT, SPLIT, true>(k, batch, stream, map, rope, use_tma) == cudaSuccess) return cudaSuccess;
+      (void)cudaGetLastError();
+    }
+  }
+  return launch_kernel<FMT, SPLIT, false>(k, batch, stream, map, rope, use_tma);
 }
 
 template <int FMT>
