@@ -26,11 +26,10 @@
 // heads: the two head groups' CTAs form a cluster and each copies half of every tile's blocks into
 // both, see CL). fp8 blocks land raw in the upper half of their slots and two producer warps per
 // buffer convert each in place before publishing it; their copies are issued by the math warp that
-// releases a part last. A
-// tile's blocks are released in two parts: V_L and the rope block (also P(b)'s place) by
-// warpgroup 0 once its products read them, V_R by warpgroup 1. S visits the blocks in the order
-// they are freed (even tiles: V_L, rope, V_R; odd tiles: V_R, V_L, rope) and they are refilled in
-// that order.
+// releases a part last. A tile's blocks are released in two parts: V_L and the rope block (also
+// P(b)'s place) by warpgroup 0 once its products read them, V_R by warpgroup 1. S visits the blocks
+// in the order they are freed (even tiles: V_L, rope, V_R; odd tiles: V_R, V_L, rope) and they are
+// refilled in that order.
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -161,6 +160,12 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
   asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// This CTA's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
 }
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
@@ -392,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if ((pt & 31) != 0 || (pt >> 5) != 0) return;
       const int bp = min(p.page, kN);
       const uint64_t policy = evict_first_policy();
-      const uint32_t rank = CL ? blockIdx.x & 1 : 0;  // the cluster spans the two head groups
+      const uint32_t rank = CL ? cluster_rank() : 0;
       for (int t = odd; t < ntiles; t += 2) {
         int blk[kN / 16], in_page[kN / 16];
         const int nbox = tile_boxes(p, table, start + t * kN, end, bp, blk, in_page);
@@ -621,7 +626,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane != 0) return;
     if constexpr (FMT == kFmtBf16) {
       mbar_arrive(empty_bar(t & 1, part));
-      if constexpr (CL) mbar_arrive_cluster(empty_bar(t & 1, part), (blockIdx.x & 1) ^ 1);
+      if constexpr (CL) mbar_arrive_cluster(empty_bar(t & 1, part), cluster_rank() ^ 1);
     } else {
       // The last of the warpgroup's four warps to release the part issues its refill.
       uint32_t old;
@@ -820,8 +825,8 @@ bool make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* rope) {
 template <int FMT, bool SPLIT, bool CL>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map,
                           const CUtensorMap& rope, int use_tma) {
-  auto* kernel = decode_mla_seesaw_kernel<FMT, SPLIT, CL>;
-  const cudaError_t attr = allow_dynamic_smem<decode_mla_seesaw_kernel<FMT, SPLIT, CL>>(kSmem);
+  constexpr auto kernel = decode_mla_seesaw_kernel<FMT, SPLIT, CL>;
+  const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch);

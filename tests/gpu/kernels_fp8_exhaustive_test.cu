@@ -3,7 +3,7 @@
 // kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, the one-multiply
 // quantisation (quant2_fast) against e4m3 of __fdiv_rn for every float dividend and a set of
 // divisors, and the hardware e4m3x2 -> f16x2 conversion against e4m3_to_float for every byte pair;
-// and the MLA decode's integer e4m3 -> bf16 route (decode_mla_wgmma.cuh) against
+// and the MLA decode's e4m3 -> bf16 tile conversion (convert16_words, decode_mla_wgmma.cuh) against
 // float_to_bf16(e4m3_to_float) for every byte pair.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -33,9 +33,10 @@
 //  - wgmma (Hopper, sm_90a; chosen at >= 64 heads): one CTA per (request, split, 64 heads) with
 //    two math warpgroups and a producer warpgroup (mbarrier hand-over). Q stays in shared memory;
 //    each K tile is brought in once, in the 128-byte-swizzled layout that serves both as the
-//    K-major operand of Q K^T and as the transposed V operand of P V. At 128 heads two CTAs
-//    (adjacent in the grid, so the second read of a tile is an L2 hit) share each tile: the fp32
-//    accumulators of 128 heads x 512 columns (256 KiB) exceed an SM's registers. Two kernels:
+//    K-major operand of Q K^T and as the transposed V operand of P V. At 128 heads two CTAs share
+//    each tile (the fp32 accumulators of 128 heads x 512 columns, 256 KiB, exceed an SM's
+//    registers): adjacent in the grid, so the second read of a tile is an L2 hit, and for bf16
+//    caches in the seesaw kernel a cluster of two that copies each tile once into both. Two kernels:
 //    - seesaw (decode_mla_seesaw.cu): 64-token tiles; warpgroup 0 computes S of the even tiles,
 //      warpgroup 1 of the odd ones, over the whole depth, sharing one running row maximum, and
 //      each owns 256 output columns, so one's softmax runs while the other's products keep the
