@@ -122,8 +122,8 @@ int run_decode(const Options& opts) {
   // A sample times this many back-to-back calls (split kernel and merge each) and divides; the
   // default is one. Each sample's events and calls are queued behind a gate (launch_gate: a warp
   // sleeping kGateNs on the GPU), so the events time the calls and not the host's launch latency,
-  // which a sample of one call between an idle stream's events would charge to every call (about
-  // 6-8 us on the H200 host; that figure, "with launch", is in each row's note).
+  // which a sample of one call between an idle stream's events includes (each row's note gives
+  // that time, "with launch": on the H200 up to 2 us more, for the rows with a split merge).
   constexpr uint64_t kGateNs = 200'000;
   const int kLaunchesPerSample = [] {
     const char* e = std::getenv("KVFERRY_BENCH_LAUNCHES");
@@ -283,22 +283,16 @@ int run_decode(const Options& opts) {
         r.limit_name = "KV bytes at D2D rate";
         r.higher_is_better = false;
         r.target = kv_bytes / kH200CopyRate * 1e6 / target_us;
+        // The kernel: wgmma, the fp8 mma.sync kernel (its own fixed layout), or bf16 mma.sync.
+        const std::string kernel = mma == 2 ? "wgmma"
+                                   : kind != FormatKind::kMlaBf16
+                                       ? "mma.sync fp8 in registers"
+                                       : std::string("mma.sync ") + (loader == 1 ? "bulk " : "cp.async ") +
+                                             std::to_string(warps) + " warps/16h";
         char note[224];
-        if (mma == 2)
-          std::snprintf(note, sizeof note,
-                        "%.0f GB/s, %.0f TFLOP/s, splits %d, wgmma, H200 target %.0f us, with launch %.1f us",
-                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us, us_launch);
-        else if (kind != FormatKind::kMlaBf16)  // the fp8 kernel: its own fixed layout
-          std::snprintf(
-              note, sizeof note,
-              "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync fp8 in registers, H200 target %.0f us, with launch %.1f us",
-              kv_bytes / us * 1e-3, flops / us * 1e-6, splits, target_us, us_launch);
-        else
-          std::snprintf(note, sizeof note,
-                        "%.0f GB/s, %.0f TFLOP/s, splits %d, mma.sync %s %d warps/16h, H200 target %.0f us, with "
-                        "launch %.1f us",
-                        kv_bytes / us * 1e-3, flops / us * 1e-6, splits, loader == 1 ? "bulk" : "cp.async", warps,
-                        target_us, us_launch);
+        std::snprintf(note, sizeof note,
+                      "%.0f GB/s, %.0f TFLOP/s, splits %d, %s, H200 target %.0f us, with launch %.1f us",
+                      kv_bytes / us * 1e-3, flops / us * 1e-6, splits, kernel.c_str(), target_us, us_launch);
         r.note = note;
         report.add(r);
         if (cross) {
