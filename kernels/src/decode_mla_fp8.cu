@@ -146,15 +146,6 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
   return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-// 2^x by the hardware approximation (2 ulp; -inf -> 0, 0 -> 1), subnormal results flushed.
-// 2^e for e in [-126, 127], exact.
-__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
-// The smallest x with |v| < 2^x for a finite v (subnormals and zero give -126).
-__device__ __forceinline__ int exp_above(float v) { return max((__float_as_int(v) >> 23) & 0xff, 1) - 126; }
 
 template <int FMT, int HB, bool SPLIT, int ST>
 __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB, ST))
@@ -240,24 +231,13 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
     const uint4* src = reinterpret_cast<const uint4*>(p.q + (static_cast<int64_t>(b) * p.heads + head0 + h) * kMlaDim);
     const uint4 c[2] = {src[lane], src[lane + 32]};
     const uint4 r = lane < 8 ? src[64 + lane] : make_uint4(0, 0, 0, 0);
-    float mn = 0.0f, mr = 0.0f;
-    auto amax = [](const uint4& v, float m) {
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        m = fmaxf(m, fabsf(__uint_as_float(w[i] << 16)));
-        m = fmaxf(m, fabsf(__uint_as_float(w[i] & 0xffff0000u)));
-      }
-      return m;
-    };
-    mn = amax(c[1], amax(c[0], mn));
-    mr = amax(r, mr);
+    float mn = bf16x8_amax(c[1], bf16x8_amax(c[0], 0.0f)), mr = bf16x8_amax(r, 0.0f);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
       mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, o));
     }
-    const int e = max(-126, min(min(15 - exp_above(mn), 127 - exp_above(mr)), 126));
+    const int e = q_row_exponent(mn, mr);
     const float up = exp2i(e);
     // Fragment order: k-step ks (16 depths) of the group is 32 lanes x {a0, a1, a2, a3}, where the
     // lane (g, tq) of the mma holds rows g (a0, a2) and g + 8 (a1, a3) at physical depths 4 tq, +1
@@ -275,19 +255,13 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
     };
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
-      const uint32_t w[4] = {c[k].x, c[k].y, c[k].z, c[k].w};
       uint32_t o[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        o[i] = pack_f16(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+      bf16x8_scaled<true>(c[k], up, o);
       store_chunk(lane + 32 * k, o);
     }
     if (lane < 8) {
-      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
       uint32_t o[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        o[i] = pack_bf16(__uint_as_float(w[i] << 16) * up, __uint_as_float(w[i] & 0xffff0000u) * up);
+      bf16x8_scaled<false>(r, up, o);
       store_chunk(64 + lane, o);
     }
     if (lane == 0) s_rowscale[h] = p.scale_log2 * exp2i(-e);

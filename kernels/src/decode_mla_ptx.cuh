@@ -5,6 +5,7 @@
 // output of an empty split, the o/lse stores), and the launchers' shared-memory opt-in. Private to
 // kernels/src.
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -108,6 +109,40 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+/// 2^e for e in [-126, 127], exact.
+__device__ __forceinline__ float exp2i(int e) { return __int_as_float((e + 127) << 23); }
+/// The smallest x with |v| < 2^x for a finite v (subnormals and zero give -126).
+__device__ __forceinline__ int exp_above(float v) { return max((__float_as_int(v) >> 23) & 0xff, 1) - 126; }
+/// The largest of m and the magnitudes of 8 bf16 values.
+__device__ __forceinline__ float bf16x8_amax(const uint4& v, float m) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m = fmaxf(m, fabsf(__uint_as_float(w[i] << 16)));
+    m = fmaxf(m, fabsf(__uint_as_float(w[i] & 0xffff0000u)));
+  }
+  return m;
+}
+/// 8 bf16 values times `up` (a power of two), as 4 words of fp16 (F16) or bf16 pairs.
+template <bool F16>
+__device__ __forceinline__ void bf16x8_scaled(const uint4& v, float up, uint32_t (&o)[4]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(w[i] << 16) * up, hi = __uint_as_float(w[i] & 0xffff0000u) * up;
+    o[i] = F16 ? pack_f16(lo, hi) : pack_bf16(lo, hi);
+  }
+}
+/// The exponent e that puts a Q row into fp16 for the fp8 decode kernels: its nope part's largest
+/// magnitude `mn` times 2^e in [2^14, 2^15) (exact, and far from fp16's limit), unless the rope
+/// part's largest magnitude `mr` times 2^e would leave fp32 / bf16 range.
+__device__ __forceinline__ int q_row_exponent(float mn, float mr) {
+  return max(-126, min(min(15 - exp_above(mn), 127 - exp_above(mr)), 126));
 }
 
 /// The tokens [x, y) of request b that split `split` attends to: every split but the last covers

@@ -1,9 +1,16 @@
 // Hopper MLA decode split kernel (contract in decode_mla.h): warpgroup MMA with a "seesaw"
-// schedule over 64-token tiles, for bf16 caches and (tiles converted to bf16 in shared memory by
+// schedule over 64-token tiles, for bf16 caches and (tiles converted to fp16 in shared memory by
 // the producer warps; see the producer) fp8 caches.
 //
+// fp8 caches compute in fp16 (F16), where e4m3 converts in one instruction per pair (bf16 took
+// four): the nope blocks of the tiles are fp16 (exact for mla_fp8; mla_fp8_ds: each value times
+// its fp16-rounded tile scale, rounded to fp16), Q's nope part is fp16 times a power of two per row
+// (exact, undone on S), P is fp16, and the rope block stays bf16 (mla_fp8's e4m3 rope converted
+// exactly, mla_fp8_ds's copied) with Q's rope part bf16, so its k steps are bf16 wgmmas into the
+// same S accumulators.
+//
 // One CTA per (64 heads, split, request); fewer heads are padded to 64 rows (zero Q rows, never
-// written out). Q (64 x 576 bf16) and two K tiles (64 tokens x 576) live in shared memory as nine
+// written out). Q (64 x 576, 16-bit) and two K tiles (64 tokens x 576) live in shared memory as nine
 // column blocks of [64 rows x 128 B] with the 128-byte swizzle, so a tile is the K-major B operand
 // of S = Q K^T and its first eight column blocks the N-major B operand of O = P V.
 //
@@ -52,7 +59,7 @@ constexpr int kM = 64;                      // head rows per CTA (the wgmma M)
 constexpr int kCb = kMlaDim / 64;           // column blocks of 64 bf16 = one 128-byte row (9)
 constexpr int kCbBytes = 64 * 128;          // one column block of Q or of a tile (64 rows)
 constexpr int kTileBytes = kCb * kCbBytes;  // 73728, Q alike
-constexpr int kPBytes = kM * kN * 2;        // P (64 x 64 bf16, one swizzled column block)
+constexpr int kPBytes = kM * kN * 2;        // P (64 x 64 16-bit, one swizzled column block)
 constexpr int kThreads = 3 * 128;
 constexpr int kRope = 8;  // column block of the rope part
 
@@ -69,7 +76,8 @@ constexpr int kRawOff = kCbBytes / 2;  // fp8 caches: a block's raw bytes land i
 // buffer refills next.
 constexpr int kOffCnt = kOffBar + kBars * 8;
 constexpr int kOffIds = kOffCnt + 16;
-constexpr int kSmem = 1024 + kOffIds + 2 * 2 * (kN / 16) * 4;
+constexpr int kOffQs = kOffIds + 2 * 2 * (kN / 16) * 4;  // fp8 caches: float [64], see sQs
+constexpr int kSmem = 1024 + kOffQs + kM * 4;
 static_assert(kSmem <= 227 * 1024, "one CTA per SM");
 
 // Column block visited i-th by S of a tile of parity `odd` (and refilled i-th by the producer).
@@ -85,14 +93,25 @@ __host__ __device__ constexpr int part_of(int cb) { return cb >= 4 && cb < 8 ? 1
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 
+// The wgmma instructions come in two operand types: bf16 (bf16 caches; the rope block of fp8
+// caches) and fp16 (F16: the nope blocks and P V of fp8 caches, see the kernel). One accumulator
+// chain may mix them.
+#define KF_MMA(SHAPE, T) "wgmma.mma_async.sync.aligned." SHAPE ".f32." T "." T " "
+#define KF_S_D                                      \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13," \
+  "%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
 // d (64 x 64 fp32) += A (64 x 16, K-major smem) * B (64 x 16, K-major smem)^T.
+template <bool F16>
 __device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 1, 1, 1, 0, 0;\n"
-      : KVF_WG_F32(d, 0)
-      : "l"(da), "l"(db));
+  if constexpr (F16)
+    asm volatile(KF_MMA("m64n64k16", "f16") KF_S_D ", %32, %33, 1, 1, 1, 0, 0;\n"
+                 : KVF_WG_F32(d, 0)
+                 : "l"(da), "l"(db));
+  else
+    asm volatile(KF_MMA("m64n64k16", "bf16") KF_S_D ", %32, %33, 1, 1, 1, 0, 0;\n"
+                 : KVF_WG_F32(d, 0)
+                 : "l"(da), "l"(db));
 }
 
 // d = A B^T, the first k step of an S: d is written, not read, so S's registers are free between
@@ -100,15 +119,19 @@ __device__ __forceinline__ void wgmma_s(float (&d)[32], uint64_t da, uint64_t db
 #define KF_W8(x, i)                                                                                               \
   "=f"(x[i + 0]), "=f"(x[i + 1]), "=f"(x[i + 2]), "=f"(x[i + 3]), "=f"(x[i + 4]), "=f"(x[i + 5]), "=f"(x[i + 6]), \
       "=f"(x[i + 7])
+template <bool F16>
 __device__ __forceinline__ void wgmma_s_first(float (&d)[32], uint64_t da, uint64_t db) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 0, 1, 1, 0, 0;\n"
-      : KF_W8(d, 0), KF_W8(d, 8), KF_W8(d, 16), KF_W8(d, 24)
-      : "l"(da), "l"(db));
+  if constexpr (F16)
+    asm volatile(KF_MMA("m64n64k16", "f16") KF_S_D ", %32, %33, 0, 1, 1, 0, 0;\n"
+                 : KF_W8(d, 0), KF_W8(d, 8), KF_W8(d, 16), KF_W8(d, 24)
+                 : "l"(da), "l"(db));
+  else
+    asm volatile(KF_MMA("m64n64k16", "bf16") KF_S_D ", %32, %33, 0, 1, 1, 0, 0;\n"
+                 : KF_W8(d, 0), KF_W8(d, 8), KF_W8(d, 16), KF_W8(d, 24)
+                 : "l"(da), "l"(db));
 }
 #undef KF_W8
+#undef KF_S_D
 
 #define KF_PV_D                                                                  \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                      \
@@ -119,21 +142,31 @@ __device__ __forceinline__ void wgmma_s_first(float (&d)[32], uint64_t da, uint6
   "%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,"             \
   "%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111," \
   "%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}"
+#define KF_PV_ACC KVF_WG_F32(d, 0), KVF_WG_F32(d, 32), KVF_WG_F32(d, 64), KVF_WG_F32(d, 96)
 
-// d (64 x 256 fp32) += A (64 x 16 bf16, registers) * B (16 x 256, N-major smem).
+// d (64 x 256 fp32) += A (64 x 16, registers) * B (16 x 256, N-major smem).
+template <bool F16>
 __device__ __forceinline__ void wgmma_pv_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " KF_PV_D
-               ", {%128,%129,%130,%131}, %132, 1, 1, 1, 1;\n"
-               : KVF_WG_F32(d, 0), KVF_WG_F32(d, 32), KVF_WG_F32(d, 64), KVF_WG_F32(d, 96)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  if constexpr (F16)
+    asm volatile(KF_MMA("m64n256k16", "f16") KF_PV_D ", {%128,%129,%130,%131}, %132, 1, 1, 1, 1;\n"
+                 : KF_PV_ACC
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+  else
+    asm volatile(KF_MMA("m64n256k16", "bf16") KF_PV_D ", {%128,%129,%130,%131}, %132, 1, 1, 1, 1;\n"
+                 : KF_PV_ACC
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
-// d (64 x 256 fp32) += A (64 x 16 bf16, K-major smem) * B (16 x 256, N-major smem).
+// d (64 x 256 fp32) += A (64 x 16, K-major smem) * B (16 x 256, N-major smem).
+template <bool F16>
 __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 " KF_PV_D ", %128, %129, 1, 1, 1, 0, 1;\n"
-               : KVF_WG_F32(d, 0), KVF_WG_F32(d, 32), KVF_WG_F32(d, 64), KVF_WG_F32(d, 96)
-               : "l"(da), "l"(db));
+  if constexpr (F16)
+    asm volatile(KF_MMA("m64n256k16", "f16") KF_PV_D ", %128, %129, 1, 1, 1, 0, 1;\n" : KF_PV_ACC : "l"(da), "l"(db));
+  else
+    asm volatile(KF_MMA("m64n256k16", "bf16") KF_PV_D ", %128, %129, 1, 1, 1, 0, 1;\n" : KF_PV_ACC : "l"(da), "l"(db));
 }
+#undef KF_PV_ACC
 #undef KF_PV_D
+#undef KF_MMA
 
 // One tensor copy (TMA) of a [rows x 64] box of the cache view at (column c0, token-in-page c1,
 // block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`, with L2 policy
@@ -179,6 +212,11 @@ __device__ __forceinline__ void sts128(uint32_t a, uint32_t x, uint32_t y, uint3
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
+template <bool F16>
+__device__ __forceinline__ uint32_t pack16(float lo, float hi) {
+  return F16 ? pack_f16(lo, hi) : pack_bf16(lo, hi);
+}
+
 // Tensor-copy boxes of bp rows (min(page, 64)) in the tile starting at token tok0: boxes wholly
 // past `end` are not copied.
 __device__ __forceinline__ int tile_nbox(int tok0, int end, int bp) { return (min(kN, end - tok0) + bp - 1) / bp; }
@@ -204,7 +242,8 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 
 // fp8 caches: converts half of a column block of a tile in place, one warp of the buffer's pair
 // (cw 0: rows 0-31, cw 1: rows 32-63). The block's raw bytes (64 rows x 64 e4m3, rows 64 B apart)
-// are in the upper half of its 8 KiB slot; its bf16 rows go to the whole slot, swizzled. Lane
+// are in the upper half of its 8 KiB slot; its 16-bit rows (fp16, or bf16 for mla_fp8's rope
+// block: BF16) go to the whole slot, swizzled. Lane
 // (rr, c) takes 16-byte chunk c of rows 32 cw + rr + 8 k: a quarter warp reads 128 contiguous raw
 // bytes and writes its 32-byte halves to distinct banks. Rows 32-63 overwrite raw rows (and
 // mla_fp8_ds's scale copy lies under rows 0-31 of blocks 3 and 7), so both warps of the pair load
@@ -215,7 +254,7 @@ __device__ __forceinline__ void convert_row_chunk(uint32_t slot, int r, int c, c
   sts128(row + (((2 * c) ^ (r & 7)) << 4), w[0], w[1], w[2], w[3]);
   sts128(row + (((2 * c + 1) ^ (r & 7)) << 4), w[4], w[5], w[6], w[7]);
 }
-template <int FMT>
+template <int FMT, bool BF16>
 __device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4], int lane, int cw, int bar_id) {
   const int rr = lane >> 2, c = lane & 3;
   uint4 raw[4];
@@ -226,9 +265,11 @@ __device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4]
   for (int k = 0; k < 4; ++k) {
     uint32_t w[8];
     if constexpr (FMT == kFmtDs)
-      convert16_words<true>(raw[k], sc[k], w);
-    else
+      convert16_f16<true>(raw[k], ds_scale_f16x2(sc[k]), w);
+    else if constexpr (BF16)
       convert16_words<false>(raw[k], 1.0f, w);
+    else
+      convert16_f16<false>(raw[k], 0u, w);
     convert_row_chunk(slot, 32 * cw + rr + 8 * k, c, w);
   }
   fence_proxy_async();  // the tensor cores read these rows
@@ -258,6 +299,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto raw_bar = [&](int buf, int cb) { return bars + 8 * (2 * kCb + 4 + buf * kCb + cb); };
   uint32_t* const rel_cnt = reinterpret_cast<uint32_t*>(smem + kOffCnt);  // fp8: [buf][part]
   int32_t* const next_ids = reinterpret_cast<int32_t*>(smem + kOffIds);   // fp8: [buf][parity][box]
+  float* const sQs = reinterpret_cast<float*>(smem + kOffQs);             // fp8: [row] scale_log2 * 2^-e
+  constexpr bool F16 = FMT != kFmtBf16;  // fp16 tensor-core math for the nope part and P V
 
   const int hb = min(p.heads, kM);
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -334,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // fp8 caches (tensor copies only): warps 8 + buf (rows 0-31 of each block) and 10 + buf
       // (rows 32-63) convert buffer buf's tiles. A released part's raw column blocks all land at
       // once, each in the upper half of its own slot on its own raw barrier; the pair turns each
-      // into bf16 in place, in the order S visits them, and publishes it on the block's full
+      // into fp16 (bf16: mla_fp8's rope) in place, in the order S visits them, and publishes it on the block's full
       // barrier. The copies of a part are issued by the math warp that releases it last (the
       // producer warps never wait for a release, so a part is copied as soon as it is free while
       // they convert); lane 0 of warp 8 + buf issues the buffer's first tile and looks up the block
@@ -377,7 +420,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                            : "=f"(sc[k])
                            : "r"(sc_slot + (32 * cw + (lane >> 2) + 8 * k) * 64 + 4 * (cb >> 1)));
           }
-          convert_half<FMT>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
+          if (FMT == kFmtFp8 && cb == kRope)
+            convert_half<FMT, true>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
+          else
+            convert_half<FMT, false>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
           if (i == 0 && cw == 0 && lane < kN / 16 && t + 2 < ntiles)
             // Read by the math warps after they have waited for this tile's blocks (the arrive
             // below releases it); a parity slot per tile, as a part of tile t may still be issued
@@ -475,6 +521,44 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     cp_async_commit();
     cp_async_wait<0>();
+    if constexpr (F16) {
+      // fp8 caches: the nope part to fp16 and the rope part kept bf16, both times 2^e (exact; e from
+      // the row's magnitudes, q_row_exponent), in place; scale_log2 * 2^-e goes to sQs. Threads
+      // 4r .. 4r + 3 take row r, thread 4r + j its 16-byte chunks j + 4k (k < 16: nope, 16 and 17:
+      // rope).
+      bar_sync(1);
+      constexpr int kChunks = kMlaDim * 2 / 16 / 4;  // 18
+      const int r = tid >> 2, j = tid & 3;
+      auto chunk = [&](int k) {
+        const int col = j + 4 * k;
+        return q_u32 + (col >> 3) * kCbBytes + r * 128 + (((col & 7) ^ (r & 7)) << 4);
+      };
+      float mn = 0.0f, mr = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        if (k < 16)
+          mn = bf16x8_amax(lds128(chunk(k)), mn);
+        else
+          mr = bf16x8_amax(lds128(chunk(k)), mr);
+      }
+#pragma unroll
+      for (int o = 1; o < 4; o <<= 1) {
+        mn = fmaxf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+        mr = fmaxf(mr, __shfl_xor_sync(0xffffffffu, mr, o));
+      }
+      const int e = q_row_exponent(mn, mr);
+      const float up = exp2i(e);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        uint32_t w[4];
+        if (k < 16)
+          bf16x8_scaled<true>(lds128(chunk(k)), up, w);
+        else
+          bf16x8_scaled<false>(lds128(chunk(k)), up, w);
+        sts128(chunk(k), w[0], w[1], w[2], w[3]);
+      }
+      if (j == 0) sQs[r] = p.scale_log2 * exp2i(-e);
+    }
     fence_proxy_async();
     bar_sync(1);
   }
@@ -499,10 +583,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t off = (cb * kCbBytes + kk * 32) >> 4;
-        if (i == 0 && kk == 0)
-          wgmma_s_first(s, desc(q_lo + off), desc(tile_lo + off));
+        if (i == 0 && kk == 0)  // never the rope block
+          wgmma_s_first<F16>(s, desc(q_lo + off), desc(tile_lo + off));
+        else if (F16 && cb != kRope)
+          wgmma_s<true>(s, desc(q_lo + off), desc(tile_lo + off));
         else
-          wgmma_s(s, desc(q_lo + off), desc(tile_lo + off));
+          wgmma_s<false>(s, desc(q_lo + off), desc(tile_lo + off));
       }
     }
     wgmma_commit();
@@ -539,13 +625,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
     const bool last = t == ntiles - 1;
     const int tok0 = start + t * kN;
+    // To the log2 domain: fp8 caches also undo their Q rows' 2^e (sQs, read here to spare registers).
+    const float sr0 = F16 ? sQs[r0] : p.scale_log2, sr1 = F16 ? sQs[r1] : p.scale_log2;
     mx0 = -INFINITY;
     mx1 = -INFINITY;
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        x[4 * n + e] *= p.scale_log2;
+        x[4 * n + e] *= e < 2 ? sr0 : sr1;
         if (last && tok0 + n * 8 + tq * 2 + (e & 1) >= end) x[4 * n + e] = -INFINITY;
       }
       mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
@@ -573,20 +661,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto pack_pa = [&](const float(&x)[32]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      pa[i][0] = pack_bf16(x[8 * i], x[8 * i + 1]);
-      pa[i][1] = pack_bf16(x[8 * i + 2], x[8 * i + 3]);
-      pa[i][2] = pack_bf16(x[8 * i + 4], x[8 * i + 5]);
-      pa[i][3] = pack_bf16(x[8 * i + 6], x[8 * i + 7]);
+      pa[i][0] = pack16<F16>(x[8 * i], x[8 * i + 1]);
+      pa[i][1] = pack16<F16>(x[8 * i + 2], x[8 * i + 3]);
+      pa[i][2] = pack16<F16>(x[8 * i + 4], x[8 * i + 5]);
+      pa[i][3] = pack16<F16>(x[8 * i + 6], x[8 * i + 7]);
     }
   };
-  // P (times f0 / f1 per row) as bf16 into a swizzled [64 rows x 64 tokens] K-major block at `dst`.
+  // P (times f0 / f1 per row) as bf16 (fp16: F16) into a swizzled [64 rows x 64 tokens] K-major
+  // block at `dst`.
   auto store_p = [&](const float(&x)[32], float f0, float f1, uint32_t dst) {
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
       const uint32_t a0 = dst + r0 * 128 + (((n ^ g) << 4) | (tq << 2));
       const uint32_t a1 = a0 + 8 * 128;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pack_bf16(x[4 * n] * f0, x[4 * n + 1] * f0)) : "memory");
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pack_bf16(x[4 * n + 2] * f1, x[4 * n + 3] * f1))
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0), "r"(pack16<F16>(x[4 * n] * f0, x[4 * n + 1] * f0))
+                   : "memory");
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a1), "r"(pack16<F16>(x[4 * n + 2] * f1, x[4 * n + 3] * f1))
                    : "memory");
     }
     fence_proxy_async();
@@ -597,14 +687,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t vt = v_lo + (t & 1) * (kTileBytes >> 4);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs(acc, pa[ks], desc(vt + ((ks * 16 * 128) >> 4)));
+    for (int ks = 0; ks < 4; ++ks) wgmma_pv_rs<F16>(acc, pa[ks], desc(vt + ((ks * 16 * 128) >> 4)));
     wgmma_commit();
   };
   auto issue_pv_ss = [&](int t, uint32_t p_addr) {
     const uint32_t vt = v_lo + (t & 1) * (kTileBytes >> 4), pl = desc_lo(p_addr, 16);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_pv_ss(acc, desc(pl + ((ks * 32) >> 4)), desc(vt + ((ks * 16 * 128) >> 4)));
+    for (int ks = 0; ks < 4; ++ks)
+      wgmma_pv_ss<F16>(acc, desc(pl + ((ks * 32) >> 4)), desc(vt + ((ks * 16 * 128) >> 4)));
     wgmma_commit();
   };
   // The last tile's V rows past the end hold whatever the page held there (or nothing copied):

@@ -55,6 +55,35 @@ __device__ __forceinline__ void convert16_words(const uint4 raw, float s, uint32
   }
 }
 
+/// 16 e4m3 bytes -> 16 fp16 words (8 fp16x2; low byte first), the seesaw kernel's fp8 tiles: the
+/// hardware conversion (exact: every e4m3 value is an fp16 value), then for mla_fp8_ds (SCALED) one
+/// fp16 product by the tile scale `s2` (an fp16x2 of two equal halves, see ds_scale_f16x2), rounded
+/// once to fp16. A unit scale multiplies exactly, so mla_fp8 and mla_fp8_ds with unit scales give the
+/// tile the same bits.
+template <bool SCALED>
+__device__ __forceinline__ void convert16_f16(const uint4 raw, uint32_t s2, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(out[2 * i]), "=r"(out[2 * i + 1])
+        : "r"(w[i]));
+    if constexpr (SCALED) {
+      asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(out[2 * i]) : "r"(s2));
+      asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(out[2 * i + 1]) : "r"(s2));
+    }
+  }
+}
+/// mla_fp8_ds tile scale `s` as the fp16x2 factor of convert16_f16: rounded to fp16, and at most
+/// 146, so that 448 (the largest e4m3 magnitude) times it stays below fp16's 65504 (a tile with a
+/// larger scale, i.e. values beyond 65408 in magnitude, is read as if its scale were 146; a NaN
+/// scale stays NaN).
+__device__ __forceinline__ uint32_t ds_scale_f16x2(float s) {
+  const __half h = __float2half_rn(s > 146.0f ? 146.0f : s);
+  const __half2 v = __halves2half2(h, h);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 /// The epilogue both wgmma kernels share: this thread's rows r0 = 16 w + g and r1 = r0 + 8 (rows
 /// >= hb are padding) of the output half [256 wg, +256) from the m64n256 accumulators, times
 /// inv0 / inv1, and (warpgroup 0, tq 0) their lse from the log2-domain maxima m0 / m1 and sums

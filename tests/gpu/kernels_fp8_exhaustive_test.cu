@@ -3,8 +3,9 @@
 // kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, the one-multiply
 // quantisation (quant2_fast) against e4m3 of __fdiv_rn for every float dividend and a set of
 // divisors, and the hardware e4m3x2 -> f16x2 conversion against e4m3_to_float for every byte pair;
-// and the MLA decode's e4m3 -> bf16 tile conversion (convert16_words, decode_mla_wgmma.cuh) against
-// float_to_bf16(e4m3_to_float) for every byte pair.
+// and the MLA decode's e4m3 -> bf16 and e4m3 -> fp16 tile conversions (convert16_words and
+// convert16_f16, decode_mla_wgmma.cuh) against the host's rounding of e4m3_to_float for every byte
+// pair.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -142,6 +143,53 @@ TEST(KernelsGpuFp8, DecodeE4m3ToBf16MatchesForAllBytePairs) {
   *count = 0;
   *first = 0xffffffffu;
   compare_decode_e4m3<<<256, 256>>>(count, first);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(*count, 0u) << "first mismatch at byte pair 0x" << std::hex << *first;
+  cudaFree(count);
+  cudaFree(first);
+}
+
+// Every byte pair: the fp16 tile conversion of the seesaw decode kernel (convert16_f16, unscaled as
+// for mla_fp8 and times ds_scale_f16x2(1) as for mla_fp8_ds with unit scales) against the host's
+// float_to_f16(e4m3_to_float) (exact: every e4m3 value is an fp16 value); the NaN codes give a NaN.
+// Also times 2 and times 0.5 (exact for every byte), and a scale above 146 clamps to 146.
+__global__ void compare_decode_e4m3_f16(unsigned* mismatches, unsigned* first) {
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;  // < 65536
+  const uint32_t w = i | (i << 16);
+  const uint4 raw = make_uint4(w, w, w, w);
+  constexpr float kScales[4] = {1.0f, 2.0f, 0.5f, 1000.0f};
+  uint32_t a[8];
+  mla_detail::convert16_f16<false>(raw, 0u, a);
+  bool ok = true;
+  for (int si = -1; si < 4; ++si) {
+    uint32_t b[8];
+    if (si >= 0) mla_detail::convert16_f16<true>(raw, mla_detail::ds_scale_f16x2(kScales[si]), b);
+    const float scale = si < 0 ? 1.0f : si == 3 ? 146.0f : kScales[si];
+    for (int k = 0; k < 2; ++k) {
+      const uint8_t byte = static_cast<uint8_t>(i >> (8 * k));
+      const bool nan = (byte & 0x7f) == 0x7f;
+      const uint16_t want = nan ? 0 : __half_as_ushort(__float2half_rn(e4m3_to_float(byte) * scale));
+      for (int j = 0; j < 8; ++j) {
+        const uint16_t got = static_cast<uint16_t>((si < 0 ? a[j] : b[j]) >> (16 * k));
+        ok = ok && (nan ? (got & 0x7fff) > 0x7c00 : got == want);
+      }
+    }
+  }
+  if (!ok) {
+    atomicAdd(mismatches, 1u);
+    atomicMin(first, i);
+  }
+}
+
+TEST(KernelsGpuFp8, DecodeE4m3ToF16MatchesForAllBytePairs) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  unsigned* count = nullptr;
+  unsigned* first = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
+  *count = 0;
+  *first = 0xffffffffu;
+  compare_decode_e4m3_f16<<<256, 256>>>(count, first);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(*count, 0u) << "first mismatch at byte pair 0x" << std::hex << *first;
   cudaFree(count);

@@ -17,8 +17,12 @@
 //   mla_fp8_ds  656 B entries: k_j[d] = e4m3(byte d) * scale[d / 128] for d < 512 (the exact
 //               product), k_j[512 + i] = the stored bf16 rope value; k_scale must be 1. With all
 //               scales 1.0 this equals mla_fp8 with k_scale 1 exactly, so the two caches give
-//               bit-identical GPU output. (The wgmma kernel rounds each nope product to bf16
-//               before its bf16 tensor-core products: 2^-9 relative per value.)
+//               bit-identical GPU output. (The wgmma kernels round each nope product before
+//               their tensor-core products. The seesaw kernel rounds to fp16 after rounding the
+//               scale to fp16: at most 2^-10 relative where scale and product are >= 2^-14
+//               (fp16's normal range), 2^-25 absolute below; a scale above 146 (values beyond
+//               65408 in magnitude) is read as 146. The depth-split kernel rounds to bf16, 2^-9
+//               relative.)
 // Length 0: o = 0 (all 512 values +0.0) and lse = -inf. Length 1: o = k_0[0:512], lse = x_0.
 //
 // Shapes: q [batch, heads, 576] bf16 contiguous; o [batch, heads, 512] bf16 contiguous; lse
@@ -42,8 +46,10 @@
 //      each owns 256 output columns, so one's softmax runs while the other's products keep the
 //      tensor cores busy. Tiles come by tensor copies (cp.async where the page is not a power of
 //      two >= 16, bf16 only); fp8 tiles land raw in the slots they fill (copies issued by the math
-//      warp that frees the slots) and producer warps convert them to bf16 in place (mla_fp8
-//      exactly, mla_fp8_ds as the bf16 rounding of each product).
+//      warp that frees the slots) and producer warps convert them in place to fp16 (mla_fp8
+//      exactly, mla_fp8_ds as the fp16 rounding of each product), and the fp8 formats compute in
+//      fp16: Q's nope part is fp16 scaled per head by a power of two (exact), P is fp16, and the
+//      rope part (Q and tile) stays bf16.
 //    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
 //      KVFERRY_MLA_SEESAW=0): 32-token tiles; each warpgroup computes the partial S over half the
 //      depth, the halves are exchanged through shared memory and added (in either order the same
