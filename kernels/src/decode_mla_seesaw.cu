@@ -274,6 +274,34 @@ __device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4]
   }
   fence_proxy_async();  // the tensor cores read these rows
 }
+// The same for the two column blocks of one 128-wide tile (scales sc alike, fp16) in slots a and
+// b, pipelined: b's raw rows are loaded while a's are converted (a's stores leave b's slot alone),
+// block a is published on full barrier `full_a`, and a second pair barrier orders both warps'
+// loads of b before its stores.
+template <int FMT>
+__device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float (&sc)[4], int lane, int cw, int bar_id,
+                                            uint32_t full_a) {
+  const int rr = lane >> 2, c = lane & 3;
+  uint4 raw[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) raw[k] = lds128(a + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    asm volatile("bar.sync %0, 64;\n" ::"r"(bar_id) : "memory");  // the pair has read these raw rows
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint32_t w[8];
+      if constexpr (FMT == kFmtDs)
+        convert16_f16<true>(raw[k], ds_scale_f16x2(sc[k]), w);
+      else
+        convert16_f16<false>(raw[k], 0u, w);
+      if (h == 0) raw[k] = lds128(b + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c);
+      convert_row_chunk(h ? b : a, 32 * cw + rr + 8 * k, c, w);
+    }
+    fence_proxy_async();  // the tensor cores read these rows
+    if (h == 0) mbar_arrive(full_a);
+  }
+}
 // TMA: tiles come by tensor copies (pages a power of two >= 16); otherwise by cp.async (bf16 only).
 // fp8 caches: `tmap` maps the raw entries as bytes ([blocks][page][entry bytes], 64-byte boxes, no
 // swizzle); mla_fp8_ds's bf16 rope comes through `rope` ([blocks][page][64] bf16, swizzled).
@@ -377,14 +405,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       // fp8 caches (tensor copies only): warps 8 + buf (rows 0-31 of each block) and 10 + buf
       // (rows 32-63) convert buffer buf's tiles. A released part's raw column blocks all land at
       // once, each in the upper half of its own slot on its own raw barrier; the pair turns each
-      // into fp16 (bf16: mla_fp8's rope) in place, in the order S visits them, and publishes it on the block's full
-      // barrier. The copies of a part are issued by the math warp that releases it last (the
-      // producer warps never wait for a release, so a part is copied as soon as it is free while
-      // they convert); lane 0 of warp 8 + buf issues the buffer's first tile and looks up the block
-      // ids of the tile after the one it converts (next_ids). (One warp per buffer converting while
-      // another issued, v1 in kernels/NOTES.md, kept the math warps waiting for converted blocks
-      // about half their time; a pair whose first lane also issued, waiting for releases, kept
-      // them waiting longer.)
+      // into fp16 (bf16: mla_fp8's rope) in place, in the order S visits them, two blocks of a
+      // 128-wide tile at a time (convert_two), and publishes each on the block's full barrier. The copies of a part are
+      // issued by the math warp that releases it last (the producer warps never wait for a release, so a part is copied
+      // as soon as it is free while they convert); lane 0 of warp 8 + buf issues the buffer's first tile and looks up
+      // the block ids of the tile after the one it converts (next_ids). (One warp per buffer converting while another
+      // issued, v1 in kernels/NOTES.md, kept the math warps waiting for converted blocks about half their time; a pair
+      // whose first lane also issued, waiting for releases, kept them waiting longer.)
       const int buf = warp & 1, cw = (warp >> 1) & 1, bar_id = 8 + buf;
       const uint32_t tile = k_u32 + buf * kTileBytes;
       const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
@@ -406,11 +433,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t par = (t >> 1) & 1;
         // Lane k < 4 of warp 8 + buf looks up box k of tile t + 2, stored after the first block.
         const int nxt = cw == 0 && t + 2 < ntiles ? box_id(t + 2) : 0;
+        // The blocks in S's order, two of one 128-wide tile (cb, cb + 1) at a time, then the rope.
 #pragma unroll 1
-        for (int i = 0; i < kCb; ++i) {
+        for (int i = 0; i < kCb; i += visit(buf, i) == kRope ? 1 : 2) {
           const int cb = visit(buf, i);
           if (FMT == kFmtDs && cb == kRope) continue;
           mbar_wait(raw_bar(buf, cb), par);
+          if (cb != kRope) mbar_wait(raw_bar(buf, cb + 1), par);
+          if (i == 0 && cw == 0 && lane < kN / 16 && t + 2 < ntiles)
+            // Read by the math warps after they have waited for this tile's blocks (the arrives
+            // below release it); a parity slot per tile, as a part of tile t may still be issued
+            // from the other slot's ids after this point.
+            ids_of(t + 2)[lane] = nxt;
           float sc[4] = {};
           if constexpr (FMT == kFmtDs) {
             const uint32_t sc_slot = tile + (part_of(cb) ? 7 : 3) * kCbBytes;
@@ -420,16 +454,13 @@ __global__ void __launch_bounds__(kThreads, 1)
                            : "=f"(sc[k])
                            : "r"(sc_slot + (32 * cw + (lane >> 2) + 8 * k) * 64 + 4 * (cb >> 1)));
           }
-          if (FMT == kFmtFp8 && cb == kRope)
+          if (cb == kRope) {  // mla_fp8's rope, to bf16
             convert_half<FMT, true>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
-          else
-            convert_half<FMT, false>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
-          if (i == 0 && cw == 0 && lane < kN / 16 && t + 2 < ntiles)
-            // Read by the math warps after they have waited for this tile's blocks (the arrive
-            // below releases it); a parity slot per tile, as a part of tile t may still be issued
-            // from the other slot's ids after this point.
-            ids_of(t + 2)[lane] = nxt;
-          mbar_arrive(full_bar(buf, cb));
+            mbar_arrive(full_bar(buf, cb));
+          } else {
+            convert_two<FMT>(tile + cb * kCbBytes, tile + (cb + 1) * kCbBytes, sc, lane, cw, bar_id, full_bar(buf, cb));
+            mbar_arrive(full_bar(buf, cb + 1));
+          }
         }
       }
       return;
