@@ -240,42 +240,39 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return policy;
 }
 
-// fp8 caches: converts half of a column block of a tile in place, one warp of the buffer's pair
-// (cw 0: rows 0-31, cw 1: rows 32-63). The block's raw bytes (64 rows x 64 e4m3, rows 64 B apart)
-// are in the upper half of its 8 KiB slot; its 16-bit rows (fp16, or bf16 for mla_fp8's rope
-// block: BF16) go to the whole slot, swizzled. Lane
-// (rr, c) takes 16-byte chunk c of rows 32 cw + rr + 8 k: a quarter warp reads 128 contiguous raw
-// bytes and writes its 32-byte halves to distinct banks. Rows 32-63 overwrite raw rows (and
-// mla_fp8_ds's scale copy lies under rows 0-31 of blocks 3 and 7), so both warps of the pair load
-// their raw rows (and the caller their scales) before the pair's barrier `bar_id`, and store after
-// it. mla_fp8_ds: sc[k] is the scale of row 32 cw + rr + 8 k.
+// fp8 caches: a converting warp's half of a column block of a tile, converted in place (cw 0: rows
+// 0-31, cw 1: rows 32-63). The block's raw bytes (64 rows x 64 e4m3, rows 64 B apart) are in the
+// upper half of its 8 KiB slot; its 16-bit rows go to the whole slot, swizzled. Lane (rr, c) takes
+// 16-byte chunk c of rows 32 cw + rr + 8 k (raw_chunk): a quarter warp reads 128 contiguous raw
+// bytes and writes its 32-byte halves to distinct banks (convert_row_chunk). Rows 32-63 overwrite
+// raw rows (and mla_fp8_ds's scale copy lies under rows 0-31 of the part's last block), so both
+// warps of the pair load their raw rows (and the caller their scales) before the pair's barrier
+// `bar_id`, and store after it. mla_fp8_ds: sc[k] is the scale of row 32 cw + rr + 8 k.
+__device__ __forceinline__ uint32_t raw_chunk(uint32_t slot, int cw, int rr, int c, int k) {
+  return slot + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c;
+}
 __device__ __forceinline__ void convert_row_chunk(uint32_t slot, int r, int c, const uint32_t (&w)[8]) {
   const uint32_t row = slot + r * 128;
   sts128(row + (((2 * c) ^ (r & 7)) << 4), w[0], w[1], w[2], w[3]);
   sts128(row + (((2 * c + 1) ^ (r & 7)) << 4), w[4], w[5], w[6], w[7]);
 }
-template <int FMT, bool BF16>
-__device__ __forceinline__ void convert_half(uint32_t slot, const float (&sc)[4], int lane, int cw, int bar_id) {
+// mla_fp8's rope block, to bf16 (it meets Q's bf16 rope part in bf16 wgmmas).
+__device__ __forceinline__ void convert_rope_half(uint32_t slot, int lane, int cw, int bar_id) {
   const int rr = lane >> 2, c = lane & 3;
   uint4 raw[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) raw[k] = lds128(slot + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c);
+  for (int k = 0; k < 4; ++k) raw[k] = lds128(raw_chunk(slot, cw, rr, c, k));
   asm volatile("bar.sync %0, 64;\n" ::"r"(bar_id) : "memory");  // the pair has read its raw rows
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     uint32_t w[8];
-    if constexpr (FMT == kFmtDs)
-      convert16_f16<true>(raw[k], ds_scale_f16x2(sc[k]), w);
-    else if constexpr (BF16)
-      convert16_words<false>(raw[k], 1.0f, w);
-    else
-      convert16_f16<false>(raw[k], 0u, w);
+    convert16_words<false>(raw[k], 1.0f, w);
     convert_row_chunk(slot, 32 * cw + rr + 8 * k, c, w);
   }
   fence_proxy_async();  // the tensor cores read these rows
 }
-// The same for the two column blocks of one 128-wide tile (scales sc alike, fp16) in slots a and
-// b, pipelined: b's raw rows are loaded while a's are converted (a's stores leave b's slot alone),
+// The two nope column blocks of one 128-wide tile (scales sc alike), to fp16, in slots a and b,
+// pipelined: b's raw rows are loaded while a's are converted (a's stores leave b's slot alone),
 // block a is published on full barrier `full_a`, and a second pair barrier orders both warps'
 // loads of b before its stores.
 template <int FMT>
@@ -284,7 +281,7 @@ __device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float 
   const int rr = lane >> 2, c = lane & 3;
   uint4 raw[4];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) raw[k] = lds128(a + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c);
+  for (int k = 0; k < 4; ++k) raw[k] = lds128(raw_chunk(a, cw, rr, c, k));
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     asm volatile("bar.sync %0, 64;\n" ::"r"(bar_id) : "memory");  // the pair has read these raw rows
@@ -295,7 +292,7 @@ __device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float 
         convert16_f16<true>(raw[k], ds_scale_f16x2(sc[k]), w);
       else
         convert16_f16<false>(raw[k], 0u, w);
-      if (h == 0) raw[k] = lds128(b + kRawOff + (32 * cw + rr + 8 * k) * 64 + 16 * c);
+      if (h == 0) raw[k] = lds128(raw_chunk(b, cw, rr, c, k));
       convert_row_chunk(h ? b : a, 32 * cw + rr + 8 * k, c, w);
     }
     fence_proxy_async();  // the tensor cores read these rows
@@ -455,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                            : "r"(sc_slot + (32 * cw + (lane >> 2) + 8 * k) * 64 + 4 * (cb >> 1)));
           }
           if (cb == kRope) {  // mla_fp8's rope, to bf16
-            convert_half<FMT, true>(tile + cb * kCbBytes, sc, lane, cw, bar_id);
+            convert_rope_half(tile + cb * kCbBytes, lane, cw, bar_id);
             mbar_arrive(full_bar(buf, cb));
           } else {
             convert_two<FMT>(tile + cb * kCbBytes, tile + (cb + 1) * kCbBytes, sc, lane, cw, bar_id, full_bar(buf, cb));

@@ -134,19 +134,24 @@ __global__ void compare_decode_e4m3(unsigned* mismatches, unsigned* first) {
   }
 }
 
-TEST(KernelsGpuFp8, DecodeE4m3ToBf16MatchesForAllBytePairs) {
-  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+// Runs a byte-pair comparison kernel (one thread per pair: mismatches counted, the first kept).
+void expect_all_byte_pairs_match(void (*kernel)(unsigned*, unsigned*)) {
   unsigned* count = nullptr;
   unsigned* first = nullptr;
   ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
   ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
   *count = 0;
   *first = 0xffffffffu;
-  compare_decode_e4m3<<<256, 256>>>(count, first);
+  kernel<<<256, 256>>>(count, first);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(*count, 0u) << "first mismatch at byte pair 0x" << std::hex << *first;
   cudaFree(count);
   cudaFree(first);
+}
+
+TEST(KernelsGpuFp8, DecodeE4m3ToBf16MatchesForAllBytePairs) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  expect_all_byte_pairs_match(compare_decode_e4m3);
 }
 
 // Every byte pair: the fp16 tile conversion of the seesaw decode kernel (convert16_f16, unscaled as
@@ -183,17 +188,7 @@ __global__ void compare_decode_e4m3_f16(unsigned* mismatches, unsigned* first) {
 
 TEST(KernelsGpuFp8, DecodeE4m3ToF16MatchesForAllBytePairs) {
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-  unsigned* count = nullptr;
-  unsigned* first = nullptr;
-  ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
-  ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
-  *count = 0;
-  *first = 0xffffffffu;
-  compare_decode_e4m3_f16<<<256, 256>>>(count, first);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(*count, 0u) << "first mismatch at byte pair 0x" << std::hex << *first;
-  cudaFree(count);
-  cudaFree(first);
+  expect_all_byte_pairs_match(compare_decode_e4m3_f16);
 }
 
 }  // namespace
