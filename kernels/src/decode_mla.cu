@@ -1,13 +1,13 @@
 // CUDA MLA paged decode (contract in decode_mla.h).
 //
 // One CTA per (group of HB <= 64 heads, split, request). Every 32-token K tile is brought into
-// shared memory once (cp.async, double-buffered; fp8 tiles are converted to bf16 in shared memory)
-// and used by all HB heads: four warps share 16 heads; warp w owns heads [16*(w/4), +16), the QK^T
-// depth [144*(w%4), +144) for all 32 tokens (the four partial S tiles are added through shared
-// memory in one fixed order) and output columns [128*(w%4), +128) of P.V. At most 128 registers
-// per thread, so a 64-head CTA runs 16 warps on an SM. QK^T (576 deep) and P.V (V = the first 512 of the same tile) run
-// on mma.sync m16n8k16 bf16 with fp32 accumulation and an online softmax in the log2 domain. With more than one split
-// the CTAs write fp32 (o, lse) partials and a small kernel merges them; with one split the CTA writes o, lse.
+// shared memory once (bulk copies or cp.async, double-buffered; bf16 caches only, the fp8 caches
+// have their own kernels) and used by all HB heads: four warps share 16 heads; warp w owns heads [16*(w/4), +16), the
+// QK^T depth [144*(w%4), +144) for all 32 tokens (the four partial S tiles are added through shared memory in one fixed
+// order) and output columns [128*(w%4), +128) of P.V. At most 128 registers per thread, so a 64-head CTA runs 16 warps
+// on an SM. QK^T (576 deep) and P.V (V = the first 512 of the same tile) run on mma.sync m16n8k16 bf16 with fp32
+// accumulation and an online softmax in the log2 domain. With more than one split the CTAs write fp32 (o, lse) partials
+// and a small kernel merges them; with one split the CTA writes o, lse.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>

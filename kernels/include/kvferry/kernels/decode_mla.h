@@ -13,7 +13,7 @@
 // Dequantization (the contract both implementations follow):
 //   mla_bf16    k_j[d] = the stored bf16 value; k_scale must be 1.
 //   mla_fp8     k_j[d] = e4m3(byte d) * k_scale (per-tensor scale). The GPU keeps e4m3 as exact
-//               bf16 and folds k_scale into the logit scale and the output.
+//               fp16 or bf16 and folds k_scale into the logit scale and the output.
 //   mla_fp8_ds  656 B entries: k_j[d] = e4m3(byte d) * scale[d / 128] for d < 512 (the exact
 //               product), k_j[512 + i] = the stored bf16 rope value; k_scale must be 1. With all
 //               scales 1.0 this equals mla_fp8 with k_scale 1 exactly, so the two caches give
