@@ -191,7 +191,7 @@ int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
 int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   if (p.mma == 1 || p.mma == 2) return p.mma;
   // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma (seesaw kernel) vs mma.sync: 128
-  // heads bf16 157 vs 409 us, mla_fp8 219 vs 302, mla_fp8_ds 249 vs 319; 16 heads (padded to 64
+  // heads bf16 157 vs 407 us, mla_fp8 202 vs 301, mla_fp8_ds 218 vs 320; 16 heads (padded to 64
   // rows) bf16 107 vs 95, mla_fp8 117 vs 62, mla_fp8_ds 133 vs 65: wgmma where a CTA has 64 real
   // heads. mla_fp8 and mla_fp8_ds must take the same kernel, or a requantized cache would not give
   // the same bits.

@@ -109,13 +109,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// Four e4m3 bytes (low byte first) -> two fp16x2 (bytes 0, 1 and 2, 3; low half first), exact:
-// the hardware conversion reads each 16-bit half of the register in place.
-__device__ __forceinline__ void e4m3x4_f16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
-  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
-}
 // fp16x2 holding e4m3 values -> bf16x2, exact (e4m3 is a subset of both).
 __device__ __forceinline__ uint32_t f16x2_bf16x2(uint32_t h) {
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));

@@ -1,9 +1,9 @@
 #pragma once
-// Device code the MLA decode kernels share (decode_mla.cu, decode_mla_fp8.cu,
-// decode_mla_wgmma.cu): PTX wrappers (cp.async, mbarriers, bulk copies, named barriers, ldmatrix,
-// mma.sync) and the split bookkeeping every kernel does the same way (a split's token range, the
-// output of an empty split, the o/lse stores), and the launchers' shared-memory opt-in. Private to
-// kernels/src.
+// Device code the MLA decode kernels share (decode_mla.cu, decode_mla_fp8.cu, decode_mla_wgmma.cu,
+// decode_mla_seesaw.cu): PTX wrappers (cp.async, mbarriers, bulk copies, named barriers, ldmatrix,
+// mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the split bookkeeping every kernel does the same
+// way (a split's token range, the output of an empty split, the o/lse stores), and the launchers' shared-memory opt-in.
+// Private to kernels/src.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -109,6 +109,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+/// Four e4m3 bytes (low byte first) -> two fp16x2 (bytes 0, 1 and 2, 3; low half first), exact:
+/// the hardware conversion reads each 16-bit half of the register in place.
+__device__ __forceinline__ void e4m3x4_f16x4(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
 }
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);

@@ -65,9 +65,7 @@ __device__ __forceinline__ void convert16_f16(const uint4 raw, uint32_t s2, uint
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-        : "=r"(out[2 * i]), "=r"(out[2 * i + 1])
-        : "r"(w[i]));
+    e4m3x4_f16x4(w[i], out[2 * i], out[2 * i + 1]);
     if constexpr (SCALED) {
       asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(out[2 * i]) : "r"(s2));
       asm("mul.rn.f16x2 %0, %0, %1;\n" : "+r"(out[2 * i + 1]) : "r"(s2));
