@@ -227,6 +227,12 @@ int run_kernels(const Options& opts) {
     // written to a random place, as a decode step's tokens land in scattered blocks);
     // KVFERRY_BENCH_ORDERED=1 (diagnosis) keeps them in order everywhere.
     static const bool ordered = std::getenv("KVFERRY_BENCH_ORDERED") != nullptr;
+    // KVFERRY_BENCH_ONLY (diagnosis): run only the sections whose name contains it (write_mla,
+    // write_mha, indexer, gather, dequant, convert).
+    static const std::string only = std::getenv("KVFERRY_BENCH_ONLY") ? std::getenv("KVFERRY_BENCH_ONLY") : "";
+    auto want = [&](const char* section) {
+      return only.empty() || std::string(section).find(only) != std::string::npos;
+    };
     // The writers again with their slots in order (a prefill's runs of tokens): what the kernel
     // does when the scatter itself costs nothing. Informational rows, no target.
     auto again_in_order = [&](const std::string& name, Dev& slots, int64_t n, double bytes,
@@ -271,6 +277,7 @@ int run_kernels(const Options& opts) {
 
     // ---- write_mla, three modes ----
     for (MlaWriteMode mode : {MlaWriteMode::kCopy, MlaWriteMode::kFp8, MlaWriteMode::kFp8Ds}) {
+      if (!want("write_mla")) break;
       const EntryFormat f = mode == MlaWriteMode::kCopy  ? EntryFormat::mla_bf16()
                             : mode == MlaWriteMode::kFp8 ? EntryFormat::mla_fp8()
                                                          : EntryFormat::mla_fp8_ds();
@@ -298,6 +305,7 @@ int run_kernels(const Options& opts) {
 
     // ---- write_mha, bf16 NHD and fp8 HND, 8 x 128 ----
     for (DType dt : {DType::kBF16, DType::kFP8E4M3}) {
+      if (!want("write_mha")) break;
       const EntryFormat f = EntryFormat::mha(8, 128, dt, dt == DType::kBF16 ? MhaOrder::kNHD : MhaOrder::kHND);
       const int64_t n = tokens_for(f.bytes_per_token(), 4096 + 8 + f.bytes_per_token());
       const KvCacheSpec s = spec_of(f, layers, n / 64);
@@ -321,7 +329,7 @@ int run_kernels(const Options& opts) {
     }
 
     // ---- indexer ----
-    {
+    if (want("indexer")) {
       const int64_t n = tokens_for(kIndexerBytes, 256 + 8 + kIndexerBytes);
       const KvCacheSpec s = spec_of(EntryFormat::indexer_fp8(), layers, n / 64);
       Dev cache(static_cast<size_t>(s.region_bytes())), k(static_cast<size_t>(n * 256)), slots(perm(n));
@@ -343,6 +351,7 @@ int run_kernels(const Options& opts) {
 
     // ---- gathers: 64 requests over a random block table ----
     for (GatherMode mode : {GatherMode::kCopy, GatherMode::kDequantFp8, GatherMode::kDequantDs}) {
+      if (!want("gather")) break;
       const EntryFormat f = mode == GatherMode::kCopy         ? EntryFormat::mla_bf16()
                             : mode == GatherMode::kDequantFp8 ? EntryFormat::mla_fp8()
                                                               : EntryFormat::mla_fp8_ds();
@@ -372,7 +381,7 @@ int run_kernels(const Options& opts) {
     }
 
     // ---- dequantize_k_cache_paged ----
-    {
+    if (want("dequant")) {
       const int64_t n = tokens_for(kMlaDsBytes, kMlaDsBytes + 4 + 1152);
       const KvCacheSpec s = spec_of(EntryFormat::mla_fp8_ds(), layers, n / 64);
       const auto sl = perm(n);
@@ -401,6 +410,7 @@ int run_kernels(const Options& opts) {
           K{ConvertKind::kDsToFp8, EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp8(), "convert 656->576"},
           K{ConvertKind::kBf16ToDs, EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds(), "convert bf16->656"},
           K{ConvertKind::kDsToBf16, EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16(), "convert 656->bf16"}}) {
+      if (!want("convert")) break;
       const int64_t n = tokens_for(std::max(k.s.bytes_per_token(), k.d.bytes_per_token()),
                                    k.s.bytes_per_token() + k.d.bytes_per_token());
       const KvCacheSpec ss = spec_of(k.s, layers, n / 64), ds = spec_of(k.d, layers, n / 64);
