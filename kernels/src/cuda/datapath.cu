@@ -45,14 +45,15 @@ __device__ __forceinline__ uint2 ld_v8(const uint8_t* p) { return *reinterpret_c
 __device__ __forceinline__ void st_v8(uint8_t* p, uint2 v) { *reinterpret_cast<uint2*>(p) = v; }
 
 // Global memory only: the same accesses with an L2 evict-first policy, for bytes a kernel touches
-// once. The quantising writers read their bf16 input and write their fp8 rows this way: the input
+// once. The quantising writers read their 16-bit input and write their fp8 rows this way: the input
 // and output streams then leave the L2 first, so the lines that random slots fill piecemeal (the
 // indexer's 4-byte scales, entries that share a line with a neighbour written later) stay long
 // enough to be completed there instead of being written back part-filled. On an H100 (kvferry-bench
 // kernels, random slots, contiguous / L61): indexer 0.670 / 0.639 -> 0.835 / 0.828 of the D2D copy,
 // write_mla fp8 0.846 / 0.840 -> 0.874 / 0.864, write_mha fp8 0.860 / 0.849 -> 0.887 / 0.876;
 // write_mla bf16 and write_mha bf16 unchanged, write_mla fp8_ds and bf16 -> 656 slower (not used
-// there). The policy is a hint: the bytes written are the same.
+// there; measured with bf16 input, the fp16 input paths share the code). The policy is a hint:
+// the bytes written are the same.
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
