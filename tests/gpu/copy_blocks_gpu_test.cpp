@@ -302,7 +302,8 @@ TEST_F(CopyBlocksGpu, OffsetsPast4GiB) {
 
 TEST_F(CopyBlocksGpu, StagedMergesConsecutiveHostRangesInRounds) {
   // Like an offload: small blocks scattered over the region, consecutive in the pool. 80 MiB
-  // take two rounds of the 64 MiB stage; a run bigger than the stage goes by DMA as it is.
+  // take six pieces (a 2 MiB lead and 16 MiB ones) of the 64 MiB ring's four parts, so parts are
+  // refilled while the copy goes on; a run bigger than a part goes by DMA as it is.
   const int64_t block = 64 << 10, nblocks = 1280, region_blocks = 3000;
   const size_t big = size_t{65} << 20;
   Buf reg(Mem::kDevice, static_cast<size_t>(region_blocks * block) + big), reg2(Mem::kDevice, reg.n),

@@ -9,8 +9,12 @@
 //   256 KiB   0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.92  0.98 / 0.98 / 0.88  0.98 / 0.98 / 0.85 dma
 //   1 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.80  1.00 / 1.00 / 1.02  1.00 / 1.00 / 1.02 dma
 //   4 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.98  1.00 / 1.00 / 0.99  1.00 / 1.00 / 1.02 dma
-// From 256 KiB batched DMA is the fastest and leaves the SMs to the engine, so kAuto switches to
-// it there (kCopyAutoThreshold). Below, DMA pays a per-copy overhead (h2d worst), so kAuto stages
+// Since the staged engine overlaps its kernels with its DMA (kCopyStagePiece; H200, 2026-11-25,
+// d2h / h2d / both): staged 0.93 / 0.93 / 0.86 at 16 KiB, 0.97 / 0.97 / 0.87 at 64 KiB,
+// 0.99 / 0.98 / 0.96 at 256 KiB, 0.99 / 0.99 / 0.97 at 1 MiB (both ways varies by 0.05 run to
+// run). From 256 KiB batched DMA is within a few hundredths and leaves the SMs to the engine
+// (another process's kernel slows x1.01 under it, x1.2 under staged), so kAuto switches to it
+// there (kCopyAutoThreshold). Below, DMA pays a per-copy overhead (h2d worst), so kAuto stages
 // when the pool side merges into copies of at least the threshold, else uses the SM kernel.
 // The kernel's CTA count (8..64) changed nothing one way; both ways at once the kernel stays
 // near 0.65-0.80 whatever its CTAs (reads and writes of mapped memory share the link badly).
