@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -334,8 +335,26 @@ int run_copy(const Options& opts) {
   BENCH_CUDA(cudaSetDevice(opts.device));
   Report rep("copy");
   rep.note(cuda_summary());
-  const std::vector<int64_t> sizes = opts.quick ? std::vector<int64_t>{64 << 10, 1 << 20}
-                                                : std::vector<int64_t>{16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20};
+  std::vector<int64_t> sizes = opts.quick ? std::vector<int64_t>{64 << 10, 1 << 20}
+                                          : std::vector<int64_t>{16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20};
+  // KVFERRY_BENCH_SIZES (diagnosis): block sizes in KiB, comma-separated (e.g. "16,64"); the
+  // interference figure is then left out too, so one size's A/B runs take seconds.
+  const char* sizes_env = std::getenv("KVFERRY_BENCH_SIZES");
+  const bool only_sizes = sizes_env != nullptr && *sizes_env != '\0';
+  if (only_sizes) {
+    sizes.clear();
+    for (const char* c = sizes_env; *c;) {
+      char* end = nullptr;
+      const long kib = std::strtol(c, &end, 10);
+      if (end == c || kib < 1 || kib > (1 << 20)) {
+        std::fprintf(stderr, "copy: KVFERRY_BENCH_SIZES: expected KiB values like \"16,64\", got \"%s\"\n", sizes_env);
+        return 2;
+      }
+      sizes.push_back(int64_t{kib} << 10);
+      c = *end == ',' ? end + 1 : end;
+    }
+    std::sort(sizes.begin(), sizes.end());
+  }
   const int64_t nblocks = opts.quick ? 1024 : 4096;
   int64_t region_blocks = opts.quick ? 4096 : 16384;
   const int reps = opts.quick ? 3 : 5;
@@ -399,7 +418,9 @@ int run_copy(const Options& opts) {
            std::to_string(kernels::kCopyKernelCtasFromHost) + " from host by default; dma splits a batch over " +
            std::to_string(kernels::kCopyDmaStreams) + " streams by default; auto picks DMA from " +
            human_bytes(kernels::kCopyAutoThreshold) + " per run, below it staged when the pool side merges into " +
-           "copies of that size, else the kernel; staged rounds of " + human_bytes(kernels::kCopyStageBytes));
+           "copies of that size, else the kernel; staged pieces of up to " + human_bytes(kernels::kCopyStagePiece) +
+           " (the unoverlapped one " + human_bytes(kernels::kCopyStageLead) + ") in a ring of " +
+           human_bytes(kernels::kCopyStageBytes));
 
   enum Dir { kD2H, kH2D, kBoth };
   const char* dir_name[] = {"d2h", "h2d", "both"};
@@ -492,7 +513,7 @@ int run_copy(const Options& opts) {
            "-block region; both ways = half the blocks out, half in, on two streams");
 
   // Interference: 256 KiB blocks (1 GiB per offload), default settings.
-  {
+  if (!only_sizes) {
     const int64_t size = 256 << 10;
     std::vector<CopyRun> d2h;
     for (int64_t i = 0; i < nblocks; ++i) d2h.push_back({ids[static_cast<size_t>(i)] * size, i * size, size});
