@@ -11,9 +11,9 @@
 // multiply once; dequantisation converts e4m3 pairs to f16 in hardware (exact), multiplies once
 // and packs pairs to bf16; every warp-wide store covers whole sectors; loop-invariant divisors
 // (block size, row chunks) divide by multiply-high. Inputs outside the fast paths' exact range
-// (NaN, extreme scales) take the scalar path, kept out of line. The direct fp8 writers (write_mla
-// fp8, write_mha fp8, the indexer) read their input and write their rows with an L2 evict-first
-// policy (ld_v16_once, st_v8_once).
+// (NaN, extreme scales) take the scalar path, kept out of line. The direct write_mha fp8 and
+// indexer writers read their input and write their rows with an L2 evict-first policy
+// (ld_v16_once, st_v8_once).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -48,12 +48,15 @@ __device__ __forceinline__ void st_v8(uint8_t* p, uint2 v) { *reinterpret_cast<u
 // once. The quantising writers read their 16-bit input and write their fp8 rows this way: the input
 // and output streams then leave the L2 first, so the lines that random slots fill piecemeal (the
 // indexer's 4-byte scales, entries that share a line with a neighbour written later) stay long
-// enough to be completed there instead of being written back part-filled. On an H100 (kvferry-bench
-// kernels, random slots, contiguous / L61): indexer 0.670 / 0.639 -> 0.835 / 0.828 of the D2D copy,
-// write_mla fp8 0.846 / 0.840 -> 0.874 / 0.864, write_mha fp8 0.860 / 0.849 -> 0.887 / 0.876;
-// write_mla bf16 and write_mha bf16 unchanged, write_mla fp8_ds and bf16 -> 656 slower (not used
-// there; measured with bf16 input, the fp16 input paths share the code). The policy is a hint:
-// the bytes written are the same.
+// enough to be completed there instead of being written back part-filled. kvferry-bench kernels,
+// random slots, contiguous / L61, none -> loads and stores evict-first:
+//   indexer        H100 0.670 / 0.639 -> 0.835 / 0.828, H200 0.634 / 0.623 -> 0.776 / 0.764;
+//   write_mha fp8  H100 0.860 / 0.849 -> 0.887 / 0.876, H200 0.858 / 0.824 -> 0.850 / 0.837;
+//   write_mla fp8  H100 0.846 / 0.840 -> 0.874 / 0.864, H200 0.872 / 0.864 -> 0.809 / 0.803, so
+//                  not used there (H200 is the reference GPU);
+// write_mla bf16 and write_mha bf16 unchanged, write_mla fp8_ds and bf16 -> 656 slower (H200: loads
+// evict-first 0.78 -> 0.66; not used there; measured with bf16 input, the fp16 input paths share
+// the code). The policy is a hint: the bytes written are the same.
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -524,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
             for (int k = 0; k < 3; ++k) {
               const int g = lane + 32 * k;
               const uint8_t* src = g < 64 ? nope + 16 * g : rope + 16 * (g - 64);
-              if (g < 72) in.v[u][k] = kMode == 1 ? ld_v16_once(src) : ld_v16(src);
+              if (g < 72) in.v[u][k] = ld_v16(src);
             }
           }
         }
@@ -553,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
               } else {
                 float x[8];
                 to_floats<kBf16>(in.v[u][k], x);
-                st_v8_once(dst + 8 * g, quant8(x, rc));
+                st_v8(dst + 8 * g, quant8(x, rc));
               }
             }
           }
