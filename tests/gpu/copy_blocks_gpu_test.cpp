@@ -300,7 +300,7 @@ TEST_F(CopyBlocksGpu, OffsetsPast4GiB) {
   (void)cudaFree(reg);
 }
 
-TEST_F(CopyBlocksGpu, StagedMergesConsecutiveHostRangesInRounds) {
+TEST_F(CopyBlocksGpu, StagedMergesConsecutiveHostRangesInPieces) {
   // Like an offload: small blocks scattered over the region, consecutive in the pool. 80 MiB
   // take six pieces (a 2 MiB lead and 16 MiB ones) of the 64 MiB ring's four parts, so parts are
   // refilled while the copy goes on; a run bigger than a part goes by DMA as it is.
