@@ -245,6 +245,7 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
   auto* sizes = reinterpret_cast<size_t*>(srcs + max_runs_);
   auto* src = static_cast<const uint8_t*>(src_base);
   auto* dst = static_cast<uint8_t*>(dst_base);
+  auto part_at = [this](int part) { return static_cast<uint8_t*>(stage_) + part * kCopyStagePiece; };
   // First the plan: pieces of runs laid out back to back in their ring part (the kernel moves
   // their device side, DMA their host side, merged where host ranges follow each other), and runs
   // too big for a piece, which go by DMA as they are.
@@ -279,7 +280,7 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
     pc.part = staged_pieces % kCopyStageParts;
     pc.reuses = staged_pieces >= kCopyStageParts;
     ++staged_pieces;
-    uint8_t* const stage = static_cast<uint8_t*>(stage_) + pc.part * kCopyStagePiece;
+    uint8_t* const stage = part_at(pc.part);
     size_t j = i;
     int64_t bytes = 0;
     while (j < n && runs[j].bytes <= kCopyStagePiece && (j == i || bytes + runs[j].bytes <= cap))
@@ -312,7 +313,6 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
     pc.runs = k;
     pc.chunks = prefix[k];
     pc.meta_at = meta_at;
-    pc.stage = stage;
     meta_at += (k + 1) + k * (sizeof(CopyRun) / sizeof(int64_t));
     pieces_.push_back(pc);
     i = j;
@@ -327,36 +327,34 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
     KVFERRY_CUDA_TRY(cudaMemcpyAsync(dev_meta, meta, meta_at * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
   KVFERRY_CUDA_TRY(cudaEventRecord(kfork_, stream));
   KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, kfork_, 0));
-  const int ctas = 2 * sms_;
-  for (size_t p = 0; p < pieces_.size(); ++p) {
-    const Piece& pc = pieces_[p];
-    if (pc.runs == 0) {
+  for (const Piece& pc : pieces_) {
+    auto host_side = [&]() -> Status {
       KVFERRY_TRY(
           dma(dsts + pc.dma_begin, srcs + pc.dma_begin, sizes + pc.dma_begin, pc.dma_end - pc.dma_begin, stream));
-      continue;
-    }
-    const auto* dev_runs = reinterpret_cast<const CopyRun*>(dev_meta + pc.meta_at + pc.runs + 1);
-    auto kernel = [&]() -> Status {
-      KVFERRY_CUDA_TRY(launch_copy_chunks(to_host ? static_cast<const void*>(src) : pc.stage,
-                                          to_host ? static_cast<void*>(pc.stage) : dst, dev_runs, dev_meta + pc.meta_at,
-                                          static_cast<int64_t>(pc.runs), pc.chunks, ctas, false, kstream_));
+      if (pc.runs > 0) KVFERRY_CUDA_TRY(cudaEventRecord(piece_d_[pc.part], stream));
+      return Status::Ok();
+    };
+    auto device_side = [&]() -> Status {
+      uint8_t* const stage = part_at(pc.part);
+      KVFERRY_CUDA_TRY(launch_copy_chunks(
+          to_host ? static_cast<const void*>(src) : stage, to_host ? static_cast<void*>(stage) : dst,
+          reinterpret_cast<const CopyRun*>(dev_meta + pc.meta_at + pc.runs + 1), dev_meta + pc.meta_at,
+          static_cast<int64_t>(pc.runs), pc.chunks, 2 * sms_, false, kstream_));
       KVFERRY_CUDA_TRY(cudaEventRecord(piece_k_[pc.part], kstream_));
       return Status::Ok();
     };
-    if (to_host) {
+    if (pc.runs == 0) {
+      KVFERRY_TRY(host_side());
+    } else if (to_host) {
       if (pc.reuses) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, piece_d_[pc.part], 0));
-      KVFERRY_TRY(kernel());
+      KVFERRY_TRY(device_side());
       KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, piece_k_[pc.part], 0));
-      KVFERRY_TRY(
-          dma(dsts + pc.dma_begin, srcs + pc.dma_begin, sizes + pc.dma_begin, pc.dma_end - pc.dma_begin, stream));
-      KVFERRY_CUDA_TRY(cudaEventRecord(piece_d_[pc.part], stream));
+      KVFERRY_TRY(host_side());
     } else {
       if (pc.reuses) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, piece_k_[pc.part], 0));
-      KVFERRY_TRY(
-          dma(dsts + pc.dma_begin, srcs + pc.dma_begin, sizes + pc.dma_begin, pc.dma_end - pc.dma_begin, stream));
-      KVFERRY_CUDA_TRY(cudaEventRecord(piece_d_[pc.part], stream));
+      KVFERRY_TRY(host_side());
       KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, piece_d_[pc.part], 0));
-      KVFERRY_TRY(kernel());
+      KVFERRY_TRY(device_side());
     }
   }
   KVFERRY_CUDA_TRY(cudaEventRecord(kjoin_, kstream_));

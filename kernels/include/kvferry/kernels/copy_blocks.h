@@ -10,8 +10,8 @@
 //            from) a device staging buffer by a short device-to-device kernel, and the host side
 //            moves by DMA in as few copies as its adjacency allows (runs whose host ranges follow
 //            each other become one copy), piece by piece, the kernel of one piece overlapping the
-//            DMA of another (see kCopyStagePiece). For small blocks scattered in the region but consecutive in the
-//            pool: copy engines at large-copy speed, SMs busy for ~2 % of it;
+//            DMA of another (see kCopyStagePiece). For small blocks scattered in the region but
+//            consecutive in the pool: copy engines at large-copy speed, SMs busy for ~2 % of it;
 //   kAuto    kDma when the mean run is at least `auto_threshold`; below it, kStaged when the host
 //            side merges into copies of that mean size, else kKernel.
 // The CPU backend copies with memcpy.
@@ -141,7 +141,7 @@ class BlockCopier {
   cudaStream_t aux_[kCopyMaxDmaStreams - 1] = {};
   cudaEvent_t fork_ = nullptr;
   void* stage_ = nullptr;           // device, kCopyStageBytes, allocated on first kStaged copy
-  cudaStream_t kstream_ = nullptr;  // kStaged's kernels (and their run lists), beside the DMA stream
+  cudaStream_t kstream_ = nullptr;  // kStaged's kernels, beside the stream of its DMAs
   cudaEvent_t kfork_ = nullptr, kjoin_ = nullptr;
   cudaEvent_t piece_k_[kCopyStageParts] = {};  // a ring part's last kernel done
   cudaEvent_t piece_d_[kCopyStageParts] = {};  // a ring part's last DMA done
@@ -151,8 +151,7 @@ class BlockCopier {
     size_t meta_at = 0;                        // its run list (prefix, runs) in the slot
     int64_t chunks = 0;
     int part = 0;
-    bool reuses = false;       // its ring part held an earlier piece of this copy
-    uint8_t* stage = nullptr;  // its ring part
+    bool reuses = false;  // its ring part held an earlier piece of this copy
   };
   std::vector<Piece> pieces_;
   cudaEvent_t join_[kCopyMaxDmaStreams - 1] = {};
