@@ -526,8 +526,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
 #pragma unroll
             for (int k = 0; k < 3; ++k) {
               const int g = lane + 32 * k;
-              const uint8_t* src = g < 64 ? nope + 16 * g : rope + 16 * (g - 64);
-              if (g < 72) in.v[u][k] = ld_v16(src);
+              if (g < 72) in.v[u][k] = g < 64 ? ld_v16(nope + 16 * g) : ld_v16(rope + 16 * (g - 64));
             }
           }
         }
