@@ -2,8 +2,10 @@
 // pinned host pool (D2H, H2D, both at once), 16 KiB ... 4 MiB blocks, with the SM copy kernel
 // (automatic and fixed CTA counts), the staged engine (device gather/scatter + DMA of the merged
 // pool side), cudaMemcpyBatchAsync over 1, 2 and 4 (default) streams, the automatic choice, and
-// per-block cudaMemcpyAsync (the peer). Each figure is a ratio to one 1 GiB
-// pinned copy (or to the both-ways copy) measured in the same run: one warm-up, then the median.
+// per-block cudaMemcpyAsync (the peer), and the same bytes as one contiguous copy (the ceiling at
+// that transfer size). Each figure is a ratio to one 1 GiB pinned copy (or to the both-ways copy)
+// measured in the same run: one warm-up, then the median (KVFERRY_BENCH_REPS samples, default 5;
+// KVFERRY_BENCH_GATE_US queues each behind a GPU-side wait so the host's enqueue is not timed).
 //
 // Then the interference figure: the suite starts itself again as a child process (posix_spawn of
 // /proc/self/exe with a hidden argument) that times engine-like kernels (memory-bound and
@@ -32,6 +34,7 @@
 
 #if defined(KVFERRY_WITH_CUDA)
 #include "copy_victim.h"
+#include "launch_gate.h"
 #endif
 
 extern char** environ;
@@ -69,7 +72,12 @@ double median(std::vector<double> v) {
 template <class Fn>
 double time_it(Streams& s, int reps, Fn&& fn) {
   cudaDeviceSynchronize();  // fills ran on the legacy stream, which s.a and s.b do not wait for
+  static const long gate_us = [] {
+    const char* g = std::getenv("KVFERRY_BENCH_GATE_US");
+    return g ? std::strtol(g, nullptr, 10) : 0L;
+  }();
   auto once = [&] {
+    if (gate_us > 0) launch_gate(static_cast<uint64_t>(gate_us) * 1000, s.a);
     cudaEventRecord(s.t0, s.a);
     cudaStreamWaitEvent(s.b, s.t0, 0);
     fn();
@@ -335,6 +343,9 @@ int run_copy(const Options& opts) {
   BENCH_CUDA(cudaSetDevice(opts.device));
   Report rep("copy");
   rep.note(cuda_summary());
+  if (const char* g = std::getenv("KVFERRY_BENCH_GATE_US"); g && std::atol(g) > 0)
+    rep.note(std::string("KVFERRY_BENCH_GATE_US=") + g +
+             ": each sample queued behind a GPU-side wait, host enqueue not timed");
   std::vector<int64_t> sizes = opts.quick ? std::vector<int64_t>{64 << 10, 1 << 20}
                                           : std::vector<int64_t>{16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20};
   // KVFERRY_BENCH_SIZES (diagnosis): block sizes in KiB, comma-separated (e.g. "16,64"); the
@@ -357,7 +368,8 @@ int run_copy(const Options& opts) {
   }
   const int64_t nblocks = opts.quick ? 1024 : 4096;
   int64_t region_blocks = opts.quick ? 4096 : 16384;
-  const int reps = opts.quick ? 3 : 5;
+  int reps = opts.quick ? 3 : 5;
+  if (const char* r = std::getenv("KVFERRY_BENCH_REPS")) reps = std::max(1, std::atoi(r));
   const int64_t max_size = sizes.back();
 
   Streams s;
@@ -440,7 +452,8 @@ int run_copy(const Options& opts) {
                          {"dma 1 stream", int(CopyEngine::kDma), 0, 1, false},
                          {"dma 2 streams", int(CopyEngine::kDma), 0, 2, false},
                          {"auto", int(CopyEngine::kAuto), 0, dflt, true},
-                         {"per-block memcpy", -1, 0, dflt, false}};
+                         {"per-block memcpy", -1, 0, dflt, false},
+                         {"one contiguous copy", -2, 0, dflt, false}};
   for (int64_t size : sizes) {
     // Runs: region block ids[i] <-> pool slot i; for both ways the first half goes out, the second in.
     std::vector<CopyRun> d2h, h2d;
@@ -461,7 +474,15 @@ int run_copy(const Options& opts) {
         auto enqueue = [&](const std::vector<CopyRun>& runs, bool to_host, cudaStream_t st, kernels::BlockCopier& c) {
           const void* src = to_host ? static_cast<const void*>(region) : pool;
           void* dst = to_host ? static_cast<void*>(pool) : region;
-          if (e.engine < 0) {
+          if (e.engine == -2) {
+            // The same bytes as one contiguous copy: the ceiling of a transfer this size.
+            // The device side at the pool side's offset (the region is larger than the pool).
+            int64_t bytes = 0;
+            for (const CopyRun& r : runs) bytes += r.bytes;
+            const int64_t at = to_host ? runs[0].dst : runs[0].src;
+            cudaMemcpyAsync(static_cast<uint8_t*>(dst) + at, static_cast<const uint8_t*>(src) + at,
+                            static_cast<size_t>(bytes), cudaMemcpyDefault, st);
+          } else if (e.engine < 0) {
             for (const CopyRun& r : runs)
               cudaMemcpyAsync(static_cast<uint8_t*>(dst) + r.dst, static_cast<const uint8_t*>(src) + r.src,
                               static_cast<size_t>(r.bytes), cudaMemcpyDefault, st);
