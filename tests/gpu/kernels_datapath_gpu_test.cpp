@@ -139,36 +139,47 @@ class KernelsGpu : public ::testing::TestWithParam<Case> {
 
 TEST_P(KernelsGpu, WriteMla) {
   const Case c = GetParam();
-  for (MlaWriteMode mode : {MlaWriteMode::kCopy, MlaWriteMode::kFp8, MlaWriteMode::kFp8Ds}) {
-    const EntryFormat f = mode == MlaWriteMode::kCopy  ? EntryFormat::mla_bf16()
-                          : mode == MlaWriteMode::kFp8 ? EntryFormat::mla_fp8()
-                                                       : EntryFormat::mla_fp8_ds();
-    const KvCacheSpec s = spec(f);
-    Mirror m(s, lo_block(s), 100 + static_cast<uint32_t>(mode), false);
-    ASSERT_TRUE(m.ok());
-    const int64_t tokens = 3 * s.block_size + 5;
-    const auto kv = test::random_bf16(static_cast<size_t>(tokens * 512), 7, 3.0f);
-    const auto pe = test::random_bf16(static_cast<size_t>(tokens * 64), 8, 3.0f);
-    const auto sl = slots(s, tokens, 9);
-    DevVec<uint16_t> dkv(kv), dpe(pe);
-    DevVec<int64_t> dsl(sl);
-    WriteMlaParams p;
-    p.tokens = tokens;
-    p.mode = mode;
-    p.scale = 0.037f;
-    p.kv_c = kv.data();
-    p.k_pe = pe.data();
-    p.slots = sl.data();
-    p.cache = m.host(c.layer);
-    ASSERT_TRUE(write_mla_cpu(p).ok());
-    p.kv_c = dkv.p;
-    p.k_pe = dpe.p;
-    p.slots = dsl.p;
-    p.cache = m.dev(c.layer);
-    ASSERT_TRUE(validate_write_mla(p).ok());
-    CUDA_OK(launch_write_mla(p, stream_));
-    sync();
-    expect_same(m, "write_mla");
+  // Input layouts: kv_c [tokens, 512] and k_pe [tokens, 64] packed; both column ranges of one
+  // [tokens, 576] tensor; rows padded (strides 520 and 72 elements). The engines read each
+  // differently (the bulk engine copies packed and fused rows a unit at a time, padded ones per row).
+  enum { kPacked, kFused, kPadded };
+  for (int layout : {kPacked, kFused, kPadded}) {
+    for (MlaWriteMode mode : {MlaWriteMode::kCopy, MlaWriteMode::kFp8, MlaWriteMode::kFp8Ds}) {
+      SCOPED_TRACE(::testing::Message() << "input layout " << layout << ", mode " << static_cast<int>(mode));
+      const EntryFormat f = mode == MlaWriteMode::kCopy  ? EntryFormat::mla_bf16()
+                            : mode == MlaWriteMode::kFp8 ? EntryFormat::mla_fp8()
+                                                         : EntryFormat::mla_fp8_ds();
+      const KvCacheSpec s = spec(f);
+      Mirror m(s, lo_block(s), 100 + static_cast<uint32_t>(mode), false);
+      ASSERT_TRUE(m.ok());
+      const int64_t tokens = 3 * s.block_size + 5;
+      const int64_t kv_stride = layout == kFused ? 576 : layout == kPadded ? 520 : 512;
+      const int64_t pe_stride = layout == kFused ? 576 : layout == kPadded ? 72 : 64;
+      const auto kv = test::random_bf16(static_cast<size_t>(tokens * kv_stride), 7, 3.0f);
+      const auto pe = test::random_bf16(static_cast<size_t>(tokens * pe_stride), 8, 3.0f);
+      const auto sl = slots(s, tokens, 9);
+      DevVec<uint16_t> dkv(kv), dpe(pe);
+      DevVec<int64_t> dsl(sl);
+      WriteMlaParams p;
+      p.tokens = tokens;
+      p.mode = mode;
+      p.scale = 0.037f;
+      p.kv_c_stride = kv_stride;
+      p.k_pe_stride = pe_stride;
+      p.kv_c = kv.data();
+      p.k_pe = layout == kFused ? kv.data() + 512 : pe.data();
+      p.slots = sl.data();
+      p.cache = m.host(c.layer);
+      ASSERT_TRUE(write_mla_cpu(p).ok());
+      p.kv_c = dkv.p;
+      p.k_pe = layout == kFused ? dkv.p + 512 : dpe.p;
+      p.slots = dsl.p;
+      p.cache = m.dev(c.layer);
+      ASSERT_TRUE(validate_write_mla(p).ok());
+      CUDA_OK(launch_write_mla(p, stream_));
+      sync();
+      expect_same(m, "write_mla");
+    }
   }
 }
 
@@ -324,78 +335,84 @@ TEST_P(KernelsGpu, Conversions) {
     ConvertKind kind;
     EntryFormat s, d;
   };
-  for (const K& k : {K{ConvertKind::kFp8ToDs, EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds()},
-                     K{ConvertKind::kDsToFp8, EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp8()},
-                     K{ConvertKind::kBf16ToDs, EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds()},
-                     K{ConvertKind::kDsToBf16, EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16()}}) {
-    KvCacheSpec ss = spec(k.s), ds = spec(k.d);
-    ds.blocks = ss.blocks = std::max(ss.blocks, ds.blocks);
-    Mirror src(ss, lo_block(ss), 600, true), dst(ds, lo_block(ds), 601, false);
-    ASSERT_TRUE(src.ok() && dst.ok());
-    if (k.kind == ConvertKind::kDsToFp8) {  // half the entries lossless: scales 1.0, rope e4m3 values
-      for (int64_t b = lo_block(ss); b < ss.blocks; b += 2)
-        for (int64_t l = 0; l < ss.layers; ++l)
-          for (int64_t t = 0; t < ss.block_size; ++t) {
-            uint8_t* e = src.h + ss.page_offset(l, b) + t * 656;
-            for (int q = 0; q < 4; ++q) std::memcpy(e + 512 + 4 * q, &detail_one, 4);
-            for (int i = 0; i < 64; ++i) {
-              const uint16_t h = float_to_bf16(e4m3_to_float(static_cast<uint8_t>(e[i] & 0x7e)));
-              std::memcpy(e + 528 + 2 * i, &h, 2);
+  // Blocks of 16 and (small cases) 64 entries: the launcher picks its engine and unit by block size.
+  for (const int64_t block_size : {int64_t{16}, int64_t{64}})
+    for (const K& k : {K{ConvertKind::kFp8ToDs, EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds()},
+                       K{ConvertKind::kDsToFp8, EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp8()},
+                       K{ConvertKind::kBf16ToDs, EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds()},
+                       K{ConvertKind::kDsToBf16, EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16()}}) {
+      if (c.big && block_size != 64) continue;  // the big case has 64-entry blocks
+      SCOPED_TRACE(::testing::Message() << "block size " << block_size << ", kind " << static_cast<int>(k.kind));
+      KvCacheSpec ss = spec(k.s), ds = spec(k.d);
+      ss.block_size = ds.block_size = block_size;
+      ds.blocks = ss.blocks = std::max(ss.blocks, ds.blocks);
+      Mirror src(ss, lo_block(ss), 600, true), dst(ds, lo_block(ds), 601, false);
+      ASSERT_TRUE(src.ok() && dst.ok());
+      if (k.kind == ConvertKind::kDsToFp8) {  // half the entries lossless: scales 1.0, rope e4m3 values
+        for (int64_t b = lo_block(ss); b < ss.blocks; b += 2)
+          for (int64_t l = 0; l < ss.layers; ++l)
+            for (int64_t t = 0; t < ss.block_size; ++t) {
+              uint8_t* e = src.h + ss.page_offset(l, b) + t * 656;
+              for (int q = 0; q < 4; ++q) std::memcpy(e + 512 + 4 * q, &detail_one, 4);
+              for (int i = 0; i < 64; ++i) {
+                const uint16_t h = float_to_bf16(e4m3_to_float(static_cast<uint8_t>(e[i] & 0x7e)));
+                std::memcpy(e + 528 + 2 * i, &h, 2);
+              }
             }
-          }
-      CUDA_OK(cudaMemcpy(src.d + src.lo, src.h + src.lo, src.n - static_cast<size_t>(src.lo), cudaMemcpyHostToDevice));
-      CUDA_OK(cudaDeviceSynchronize());
-    }
-    const int64_t b0 = lo_block(ss), span = ss.blocks - b0;
-    std::vector<int64_t> sb, db;
-    for (int64_t i = 0; i < span; ++i) {
-      sb.push_back(b0 + i);
-      db.push_back(b0 + (i * 5 + 1) % span);
-    }
-    DevVec<int64_t> dsb(sb), ddb(db);
-    std::vector<int32_t> flags(sb.size(), 0);
-    DevVec<int32_t> dflags(flags.size());
-    ConvertParams p;
-    p.kind = k.kind;
-    p.count = static_cast<int64_t>(sb.size());
-    p.src = src.host(c.layer);
-    p.dst = dst.host(c.layer);
-    p.src_blocks = sb.data();
-    p.dst_blocks = db.data();
-    p.not_lossless = flags.data();
-    ASSERT_TRUE(convert_cpu(p).ok());
-    p.src = src.dev(c.layer);
-    p.dst = dst.dev(c.layer);
-    p.src_blocks = dsb.p;
-    p.dst_blocks = ddb.p;
-    p.not_lossless = dflags.p;
-    ASSERT_TRUE(validate_convert(p).ok());
-    CUDA_OK(launch_convert(p, stream_));
-    sync();
-    expect_same(dst, "convert");
-    EXPECT_EQ(dflags.get(), flags);
-    if (k.kind == ConvertKind::kDsToFp8) {
-      int bad = 0;
-      for (int32_t f : flags) bad += f;
-      EXPECT_GT(bad, 0);
-      EXPECT_LT(bad, static_cast<int>(flags.size()));
-    }
-    // All layers in one launch (small cases only; the big one checks one layer).
-    if (!c.big) {
-      auto all = make_convert_params(src.d, ss, dst.d, ds);
-      ASSERT_TRUE(all.ok());
-      auto hall = make_convert_params(src.h, ss, dst.h, ds);
-      all->count = hall->count = p.count;
-      all->src_blocks = dsb.p;
-      all->dst_blocks = ddb.p;
-      hall->src_blocks = sb.data();
-      hall->dst_blocks = db.data();
-      ASSERT_TRUE(convert_cpu(*hall).ok());
-      CUDA_OK(launch_convert(*all, stream_));
+        CUDA_OK(
+            cudaMemcpy(src.d + src.lo, src.h + src.lo, src.n - static_cast<size_t>(src.lo), cudaMemcpyHostToDevice));
+        CUDA_OK(cudaDeviceSynchronize());
+      }
+      const int64_t b0 = lo_block(ss), span = ss.blocks - b0;
+      std::vector<int64_t> sb, db;
+      for (int64_t i = 0; i < span; ++i) {
+        sb.push_back(b0 + i);
+        db.push_back(b0 + (i * 5 + 1) % span);
+      }
+      DevVec<int64_t> dsb(sb), ddb(db);
+      std::vector<int32_t> flags(sb.size(), 0);
+      DevVec<int32_t> dflags(flags.size());
+      ConvertParams p;
+      p.kind = k.kind;
+      p.count = static_cast<int64_t>(sb.size());
+      p.src = src.host(c.layer);
+      p.dst = dst.host(c.layer);
+      p.src_blocks = sb.data();
+      p.dst_blocks = db.data();
+      p.not_lossless = flags.data();
+      ASSERT_TRUE(convert_cpu(p).ok());
+      p.src = src.dev(c.layer);
+      p.dst = dst.dev(c.layer);
+      p.src_blocks = dsb.p;
+      p.dst_blocks = ddb.p;
+      p.not_lossless = dflags.p;
+      ASSERT_TRUE(validate_convert(p).ok());
+      CUDA_OK(launch_convert(p, stream_));
       sync();
-      expect_same(dst, "convert all layers");
+      expect_same(dst, "convert");
+      EXPECT_EQ(dflags.get(), flags);
+      if (k.kind == ConvertKind::kDsToFp8) {
+        int bad = 0;
+        for (int32_t f : flags) bad += f;
+        EXPECT_GT(bad, 0);
+        EXPECT_LT(bad, static_cast<int>(flags.size()));
+      }
+      // All layers in one launch (small cases only; the big one checks one layer).
+      if (!c.big) {
+        auto all = make_convert_params(src.d, ss, dst.d, ds);
+        ASSERT_TRUE(all.ok());
+        auto hall = make_convert_params(src.h, ss, dst.h, ds);
+        all->count = hall->count = p.count;
+        all->src_blocks = dsb.p;
+        all->dst_blocks = ddb.p;
+        hall->src_blocks = sb.data();
+        hall->dst_blocks = db.data();
+        ASSERT_TRUE(convert_cpu(*hall).ok());
+        CUDA_OK(launch_convert(*all, stream_));
+        sync();
+        expect_same(dst, "convert all layers");
+      }
     }
-  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Views, KernelsGpu,
