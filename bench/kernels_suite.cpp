@@ -29,11 +29,11 @@ namespace {
 
 using namespace kernels;
 
-KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks) {
+KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks, int64_t block_size = 64) {
   KvCacheSpec s;
   s.layers = layers;
   s.blocks = blocks;
-  s.block_size = 64;
+  s.block_size = block_size;
   s.format = f;
   return s;
 }
@@ -411,17 +411,23 @@ int run_kernels(const Options& opts) {
           K{ConvertKind::kBf16ToDs, EntryFormat::mla_bf16(), EntryFormat::mla_fp8_ds(), "convert bf16->656"},
           K{ConvertKind::kDsToBf16, EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16(), "convert 656->bf16"}}) {
       if (!want("convert")) break;
+      // KVFERRY_BENCH_PAGE (diagnosis): the conversions' block size (default 64).
+      static const int64_t page = [] {
+        const char* v = std::getenv("KVFERRY_BENCH_PAGE");
+        const long b = v ? std::strtol(v, nullptr, 10) : 64;
+        return b >= 1 && b <= 1024 ? static_cast<int64_t>(b) : int64_t{64};
+      }();
       const int64_t n = tokens_for(std::max(k.s.bytes_per_token(), k.d.bytes_per_token()),
                                    k.s.bytes_per_token() + k.d.bytes_per_token());
-      const KvCacheSpec ss = spec_of(k.s, layers, n / 64), ds = spec_of(k.d, layers, n / 64);
+      const KvCacheSpec ss = spec_of(k.s, layers, n / page, page), ds = spec_of(k.d, layers, n / page, page);
       Dev src(static_cast<size_t>(ss.region_bytes())), dst(static_cast<size_t>(ds.region_bytes()));
-      Dev flags(static_cast<size_t>(n / 64 * 4));
+      Dev flags(static_cast<size_t>(n / page * 4));
       if (!src.p || !dst.p || !flags.p) return 1;
       ConvertParams p;
       p.kind = k.kind;
       p.src = {src.p, ss.region_bytes(), ss.layer_view(layer)};
       p.dst = {dst.p, ds.region_bytes(), ds.layer_view(layer)};
-      p.count = n / 64;
+      p.count = n / page;
       p.not_lossless = flags.as<int32_t>();
       bool ok = validate_convert(p).ok();
       const double t = time_launch(
