@@ -1308,7 +1308,7 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
 #pragma unroll
     for (int s = 0; s < kSt; ++s) {
       bulk_bar_init(full0 + 8 * s, 1);
-      bulk_bar_init(empty0 + 8 * s, kWarps);
+      bulk_bar_init(empty0 + 8 * s, blockDim.x >> 5);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -1658,15 +1658,15 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
 
 // Conversions on the bulk engine: a unit is kConvUnit consecutive entries of one (layer, block),
 // whose source bytes are one contiguous range and come in one bulk copy. The warps convert its
-// entries (kStrided: warp w entries w, w + 8, ...; else a run of consecutive ones each) and store
+// entries (kStrided: warp w entries w, w + kW, ...; else a run of consecutive ones each) and store
 // them: kStore: into the warp's shared-memory buffer (two, alternating) and then with one bulk
 // copy (the destination's entries are contiguous too), else directly.
 constexpr int conv_src_bytes(int kind) { return kind == 0 ? kMlaFp8Bytes : kind == 2 ? kMlaDim * 2 : kMlaDsBytes; }
 constexpr int conv_dst_bytes(int kind) { return kind == 1 ? kMlaFp8Bytes : kind == 3 ? kMlaDim * 2 : kMlaDsBytes; }
 /// Dynamic shared memory of convert_bulk_kernel: the input ring, the output stages, the barriers.
-constexpr int conv_bulk_smem(int kind, bool store, int unit, int stages) {
+constexpr int conv_bulk_smem(int kind, bool store, int unit, int stages, int warps) {
   return stages * unit * conv_src_bytes(kind) +
-         (store ? 2 * kWarps * ((unit + kWarps - 1) / kWarps) * conv_dst_bytes(kind) : 0) + 8 * 2 * stages;
+         (store ? 2 * warps * ((unit + warps - 1) / warps) * conv_dst_bytes(kind) : 0) + 8 * 2 * stages;
 }
 
 __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
@@ -1679,17 +1679,17 @@ __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t byt
 #endif
 }
 
-template <int kKind, bool kStore, int kConvUnit, int kSt, bool kStrided = false>
-__global__ void __launch_bounds__(kThreads, 2) convert_bulk_kernel(const ConvertParams p) {
+template <int kKind, bool kStore, int kConvUnit, int kSt, bool kStrided = false, int kW = kWarps>
+__global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertParams p) {
   static_assert(!(kStore && kStrided), "a warp's bulk store needs its entries consecutive");
   constexpr int kSrc = conv_src_bytes(kKind), kDst = conv_dst_bytes(kKind);
   constexpr int kStage = kConvUnit * kSrc;
-  constexpr int kPer = (kConvUnit + kWarps - 1) / kWarps;  // entries per warp and unit
-  constexpr int kOut = kPer * kDst;                        // a warp's output buffer
+  constexpr int kPer = (kConvUnit + kW - 1) / kW;  // entries per warp and unit
+  constexpr int kOut = kPer * kDst;                // a warp's output buffer
   extern __shared__ __align__(128) uint8_t smem[];
   auto* ring = reinterpret_cast<uint8_t(*)[kStage]>(smem);
   uint8_t* const out = smem + kSt * kStage;  // kStore: 2 buffers of kOut per warp
-  auto* bars = reinterpret_cast<uint64_t*>(out + (kStore ? 2 * kWarps * kOut : 0));
+  auto* bars = reinterpret_cast<uint64_t*>(out + (kStore ? 2 * kW * kOut : 0));
   const int64_t bs = p.src.view.sizes[1];
   const int64_t chunks = (bs + kConvUnit - 1) / kConvUnit;  // units per (layer, block)
   const Div dchunks = make_div(chunks), dcount = make_div(p.count);
@@ -1735,7 +1735,7 @@ __global__ void __launch_bounds__(kThreads, 2) convert_bulk_kernel(const Convert
           __syncwarp();
         }
         bool lossless = true;
-        for (int e = e0; e < e1; e += kStrided ? kWarps : 1) {
+        for (int e = e0; e < e1; e += kStrided ? kW : 1) {
           const uint8_t* src = st + e * kSrc;
           uint8_t* dst = kStore ? ob + (e - e0) * kDst : dst0 + (e - e0) * dstep;  // dst0: entry e0
           if constexpr (kKind == 0) {
@@ -1902,19 +1902,19 @@ cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t strea
 /// Launches bulk-engine kernel kK over `units` units (one per CTA and trip) with `smem` bytes of
 /// dynamic shared memory: at most one wave of the CTAs that fit.
 template <auto kK, class P>
-cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream) {
-  static const int per_sm = [smem] {
+cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, int threads = kThreads) {
+  static const int per_sm = [smem, threads] {
     (void)cudaFuncSetAttribute(kK, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     (void)cudaFuncSetAttribute(kK, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kK, kThreads, smem) != cudaSuccess || b < 1) b = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kK, threads, smem) != cudaSuccess || b < 1) b = 1;
     return b;
   }();
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t cap = static_cast<int64_t>(sms) * per_sm;
   const unsigned grid = static_cast<unsigned>(units < 1 ? 1 : (units < cap ? units : cap));
-  kK<<<grid, kThreads, smem, stream>>>(p);
+  kK<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -1938,10 +1938,10 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   // The bulk engine where both sides' entries are contiguous within a block (16-byte aligned
   // ranges) and the block size is a multiple of the unit; unit and ring per kind as measured
   // fastest on an H200 (kernels/NOTES.md, data path round 8): whole blocks of 64 entries in two
-  // stages, stored by bulk copies for 576 <-> 656 and by the warps for 656 -> bf16; 32 bf16
-  // entries in three stages (16 in six for smaller blocks), warps taking every eighth entry, for
-  // bf16 -> 656. For blocks of 16 or 32 entries the others stay staged: with units of 16 entries
-  // the bulk engine measured as fast or slower there.
+  // stages, stored by bulk copies for 576 <-> 656 and by the warps for 656 -> bf16; for bf16 ->
+  // 656 (issue-bound) 32 entries in three stages (16 in six for smaller blocks) and 16 warps per
+  // CTA, each taking every sixteenth entry. For blocks of 16 or 32 entries the others stay
+  // staged: with units of 16 entries the bulk engine measured as fast or slower there.
   auto contiguous = [](const CacheRef& c, int64_t entry_bytes, int64_t layer_stride) {
     const int64_t eb = dtype_size(c.view.dtype);
     return c.view.strides[1] * eb == entry_bytes && aligned(c.entry(0, 0), 16) && (c.view.strides[0] * eb) % 16 == 0 &&
@@ -1954,14 +1954,17 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
       contiguous(p.dst, conv_dst_bytes(kind), p.dst_layer_stride)) {
     auto units = [&](int unit) { return p.layers * p.count * (bs / unit); };
 #define KVF_CONV(K, S, U, ST, SD) \
-  go_bulk<convert_bulk_kernel<K, S, U, ST, SD>>(p, units(U), conv_bulk_smem(K, S, U, ST), stream)
+  go_bulk<convert_bulk_kernel<K, S, U, ST, SD>>(p, units(U), conv_bulk_smem(K, S, U, ST, kWarps), stream)
+#define KVF_CONV16(K, S, U, ST, SD) \
+  go_bulk<convert_bulk_kernel<K, S, U, ST, SD, 16>>(p, units(U), conv_bulk_smem(K, S, U, ST, 16), stream, 512)
     switch (kind) {
       case 0: return KVF_CONV(0, true, 64, 2, false);
       case 1: return KVF_CONV(1, true, 64, 2, false);
-      case 2: return bs % 32 == 0 ? KVF_CONV(2, false, 32, 3, true) : KVF_CONV(2, false, 16, 6, true);
+      case 2: return bs % 32 == 0 ? KVF_CONV16(2, false, 32, 3, true) : KVF_CONV16(2, false, 16, 6, true);
       default: return KVF_CONV(3, false, 64, 2, false);
     }
 #undef KVF_CONV
+#undef KVF_CONV16
   }
   switch (p.kind) {
     case ConvertKind::kFp8ToDs:
