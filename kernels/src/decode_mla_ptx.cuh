@@ -1,9 +1,9 @@
 #pragma once
 // Device code the MLA decode kernels share (decode_mla.cu, decode_mla_fp8.cu, decode_mla_wgmma.cu,
-// decode_mla_seesaw.cu): PTX wrappers (cp.async, mbarriers, bulk copies, named barriers, ldmatrix,
-// mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the split bookkeeping every kernel does the same
-// way (a split's token range, the output of an empty split, the o/lse stores), and the launchers' shared-memory opt-in.
-// Private to kernels/src.
+// decode_mla_seesaw.cu): PTX wrappers (cp.async, mbarriers and bulk copies from common/mbarrier.cuh, named barriers,
+// ldmatrix, mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the split bookkeeping every kernel does
+// the same way (a split's token range, the output of an empty split, the o/lse stores), and the launchers'
+// shared-memory opt-in. Private to kernels/src.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/mbarrier.cuh"
 #include "decode_mla_internal.h"
 #include "kvferry/layouts/entry_format.h"
 
@@ -31,36 +32,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-/// One bulk copy (the TMA engine) of `bytes` completing on mbarrier `bar`: one instruction moves a
-/// whole entry, and the bytes in flight are not bounded by per-thread miss tracking as cp.async's are.
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
+using kernels::ptx::bulk_g2s;
+using kernels::ptx::mbar_arrive;
+using kernels::ptx::mbar_expect_tx;
+using kernels::ptx::mbar_fence_init;
+using kernels::ptx::mbar_init;
+using kernels::ptx::mbar_wait;
 
 /// Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before later
 /// async-proxy accesses (bulk copies, the tensor cores' wgmma operand reads).

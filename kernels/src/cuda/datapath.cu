@@ -27,6 +27,7 @@
 #include <type_traits>
 
 #include "common/datapath_math.h"
+#include "common/mbarrier.cuh"
 #include "kvferry/kernels/convert.h"
 #include "kvferry/kernels/gather.h"
 #include "kvferry/kernels/write.h"
@@ -1265,38 +1266,14 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
 // barrier). Measured and not kept for write_mla (its input is contiguous too): that kernel is
 // issue-bound, and the barriers' waits add instructions (kernels/NOTES.md, data path round 8). ----
 
-__device__ __forceinline__ void bulk_bar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bulk_bar_arm(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bulk_bar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void bulk_bar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-/// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, completing on `bar`.
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-#else
-  __trap();
-#endif
-}
+using ptx::mbar_arrive;
+using ptx::mbar_expect_tx;
+using ptx::mbar_fence_init;
+using ptx::mbar_init;
+using ptx::mbar_wait;
 
 /// CTA c takes units c, c + grid, c + 2 grid, ... issue(unit, stage, full_bar, lane): called by
-/// all of warp 0; it arms full_bar with the unit's bytes (bulk_bar_arm) before its copies can
+/// all of warp 0; it arms full_bar with the unit's bytes (mbar_expect_tx) before its copies can
 /// land. process(unit, k, stage, warp, lane) converts and stores the warp's share of the unit (k:
 /// the CTA's unit count so far). bars: 2 kSt mbarriers.
 template <int kStageBytes, int kSt, class Issue, class Process>
@@ -1307,10 +1284,10 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kSt; ++s) {
-      bulk_bar_init(full0 + 8 * s, 1);
-      bulk_bar_init(empty0 + 8 * s, blockDim.x >> 5);
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, blockDim.x >> 5);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_fence_init();
   }
   __syncthreads();
   const int64_t step = gridDim.x;
@@ -1326,14 +1303,14 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
       const int ps = s == 0 ? kSt - 1 : s - 1;  // the stage of unit k - 1
       const int64_t v = u + (kSt - 1) * step;
       if (v < units) {
-        bulk_bar_wait(empty0 + 8 * ps, static_cast<uint32_t>(((k - 1) / kSt) & 1));
+        mbar_wait(empty0 + 8 * ps, static_cast<uint32_t>(((k - 1) / kSt) & 1));
         issue(v, smem_addr(ring[ps]), full0 + 8 * ps, lane);
       }
     }
-    bulk_bar_wait(full0 + 8 * s, static_cast<uint32_t>((k / kSt) & 1));
+    mbar_wait(full0 + 8 * s, static_cast<uint32_t>((k / kSt) & 1));
     process(u, k, ring[s], warp, lane);
     __syncwarp();
-    if (lane == 0) bulk_bar_arrive(empty0 + 8 * s);
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
   }
 }
 
@@ -1716,8 +1693,8 @@ __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertP
         const Unit w = locate(u);
         const int64_t sb = p.src_blocks ? p.src_blocks[w.b] : w.b;
         const uint32_t bytes = static_cast<uint32_t>(w.count * kSrc);
-        bulk_bar_arm(bar, bytes);
-        bulk_copy(st, p.src.entry(sb, w.t0) + w.l * p.src_layer_stride, bytes, bar);
+        mbar_expect_tx(bar, bytes);
+        ptx::bulk_g2s(st, p.src.entry(sb, w.t0) + w.l * p.src_layer_stride, bytes, bar);
       },
       [&](int64_t u, int64_t k, const uint8_t* st, int warp, int lane) {
         const Unit w = locate(u);
