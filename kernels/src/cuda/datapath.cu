@@ -21,6 +21,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -1702,6 +1703,9 @@ __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertP
         // e0, e0 + 8, ... instead.
         const int e0 = kStrided ? warp : warp * kPer;
         const int e1 = kStrided ? w.count : (e0 + kPer < w.count ? e0 + kPer : w.count);
+        // kStore: every unit is whole (the launcher takes the bulk engine only for block sizes
+        // that are multiples of the unit), so each warp stores at every unit and its buffers
+        // alternate with its bulk groups; a warp skipping a unit would break wait_group.read 1.
         if (e0 >= e1) return;
         const int64_t db = p.dst_blocks ? p.dst_blocks[w.b] : w.b;
         uint8_t* const dst0 = p.dst.entry(db, w.t0 + e0) + w.l * p.dst_layer_stride;
@@ -1874,27 +1878,46 @@ cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t strea
                            : go<dequant_paged_kernel>(p, p.count, 2, stream);
 }
 
-/// go() for the direct conversion kernels, which also take their EntryWalk stride: the grid's
-/// warps times `per_warp` entries, in the radix (block size, count).
 /// Launches bulk-engine kernel kK over `units` units (one per CTA and trip) with `smem` bytes of
-/// dynamic shared memory: at most one wave of the CTAs that fit.
+/// dynamic shared memory: at most one wave of the CTAs that fit. The shared-memory opt-in and the
+/// occupancy belong to a device, so they are kept per device (0: not yet known; devices past 15
+/// ask every time). The launcher has checked that `smem` fits the device (bulk_smem_fits).
 template <auto kK, class P>
 cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, int threads = kThreads) {
-  static const int per_sm = [smem, threads] {
-    (void)cudaFuncSetAttribute(kK, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    (void)cudaFuncSetAttribute(kK, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    int b = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kK, threads, smem) != cudaSuccess || b < 1) b = 1;
-    return b;
-  }();
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  static std::atomic<int> per_sm_of[16];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  int per_sm = dev >= 0 && dev < 16 ? per_sm_of[dev].load(std::memory_order_relaxed) : 0;
+  if (per_sm == 0) {
+    e = cudaFuncSetAttribute(kK, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(kK, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+    if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kK, threads, smem);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      return e;
+    }
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    if (dev >= 0 && dev < 16) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
+  }
+  int sms = 132;
+  (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t cap = static_cast<int64_t>(sms) * per_sm;
   const unsigned grid = static_cast<unsigned>(units < 1 ? 1 : (units < cap ? units : cap));
   kK<<<grid, threads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
+/// Whether a CTA may have `bytes` of dynamic shared memory on the current device.
+bool bulk_smem_fits(int bytes) {
+  int dev = 0, optin = 0;
+  return cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && bytes <= optin;
+}
+
+/// go() for the direct conversion kernels, which also take their EntryWalk stride: the grid's
+/// warps times `per_warp` entries, in the radix (block size, count).
 template <auto kK>
 cudaError_t go_walk(const ConvertParams& p, int64_t items, int64_t per_warp, cudaStream_t stream) {
   const unsigned grid = grid_for<kK>(items, per_warp);
@@ -1926,7 +1949,9 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   };
   const int kind = static_cast<int>(p.kind);
   const int64_t bs = p.src.view.sizes[1];
+  // (bulk_smem_fits: the largest ring of the four, 576 -> 656's with its store buffers, 158 KB.)
   if (kind >= 0 && kind <= 3 && bs % (kind == 2 ? 16 : 64) == 0 && use_bulk(true) &&
+      bulk_smem_fits(conv_bulk_smem(0, true, 64, 2, kWarps)) &&
       contiguous(p.src, conv_src_bytes(kind), p.src_layer_stride) &&
       contiguous(p.dst, conv_dst_bytes(kind), p.dst_layer_stride)) {
     auto units = [&](int unit) { return p.layers * p.count * (bs / unit); };
