@@ -129,6 +129,14 @@ __device__ __forceinline__ int64_t global_warp() {
 }
 __device__ __forceinline__ int64_t total_warps() { return (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5; }
 
+/// min(want, the device's SMs x per_sm), at least 1: the blocks of one resident wave.
+inline unsigned one_wave(int64_t want, int per_sm) {
+  int dev = 0, sms = 132;
+  if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t cap = static_cast<int64_t>(sms) * per_sm;
+  return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
+}
+
 /// Blocks for `items` work items handled `per_warp` at a time: at most one full wave of the
 /// kernel's resident blocks (occupancy query, cached per kernel), which then loop grid-stride, so
 /// no partial last wave leaves SMs idle while the others drain.
@@ -144,12 +152,8 @@ unsigned grid_for(int64_t items, int64_t per_warp) {
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kKernel, kThreads, 0) != cudaSuccess || b < 1) b = 1;
     return b;
   }();
-  int dev = 0, sms = 132;
-  if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const int64_t warps = (items + per_warp - 1) / per_warp;
-  const int64_t want = (warps + kWarps - 1) / kWarps;
-  const int64_t cap = static_cast<int64_t>(sms) * per_sm;
-  return static_cast<unsigned>(want < 1 ? 1 : (want < cap ? want : cap));
+  return one_wave((warps + kWarps - 1) / kWarps, per_sm);
 }
 
 // ---- vector conversions: fast paths bit-identical to the scalar math, scalar fallback ----
@@ -1766,16 +1770,17 @@ bool use_staged(bool by_default) {
   const int forced = forced_engine();
   return forced < 0 || forced == 2 ? by_default : forced == 1;
 }
-/// The bulk engine where the kernel has one and the device runs it: bulk copies need sm_90, and
-/// the build must have compiled the kernels for it (code built for an older architecture and
-/// JIT-compiled would trap).
-bool use_bulk(bool by_default) {
+/// The bulk engine where the kernel has one and the device runs it: bulk copies need sm_90, a CTA
+/// needs `smem` bytes of shared memory, and the build must have compiled the kernels for sm_90
+/// (code built for an older architecture and JIT-compiled would trap).
+bool use_bulk(bool by_default, int smem) {
   const int forced = forced_engine();
   if (forced >= 0 && forced != 2) return false;
   if (forced < 0 && !by_default) return false;
-  int dev = 0, major = 0;
+  int dev = 0, major = 0, optin = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9)
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess || major < 9 ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || smem > optin)
     return false;
   static const bool built = [] {
     cudaFuncAttributes fa{};
@@ -1881,7 +1886,7 @@ cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t strea
 /// Launches bulk-engine kernel kK over `units` units (one per CTA and trip) with `smem` bytes of
 /// dynamic shared memory: at most one wave of the CTAs that fit. The shared-memory opt-in and the
 /// occupancy belong to a device, so they are kept per device (0: not yet known; devices past 15
-/// ask every time). The launcher has checked that `smem` fits the device (bulk_smem_fits).
+/// ask every time). use_bulk has checked that `smem` fits the device.
 template <auto kK, class P>
 cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, int threads = kThreads) {
   static std::atomic<int> per_sm_of[16];
@@ -1901,19 +1906,8 @@ cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, in
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
     if (dev >= 0 && dev < 16) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
   }
-  int sms = 132;
-  (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int64_t cap = static_cast<int64_t>(sms) * per_sm;
-  const unsigned grid = static_cast<unsigned>(units < 1 ? 1 : (units < cap ? units : cap));
-  kK<<<grid, threads, smem, stream>>>(p);
+  kK<<<one_wave(units, per_sm), threads, smem, stream>>>(p);
   return cudaGetLastError();
-}
-
-/// Whether a CTA may have `bytes` of dynamic shared memory on the current device.
-bool bulk_smem_fits(int bytes) {
-  int dev = 0, optin = 0;
-  return cudaGetDevice(&dev) == cudaSuccess &&
-         cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess && bytes <= optin;
 }
 
 /// go() for the direct conversion kernels, which also take their EntryWalk stride: the grid's
@@ -1949,9 +1943,9 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   };
   const int kind = static_cast<int>(p.kind);
   const int64_t bs = p.src.view.sizes[1];
-  // (bulk_smem_fits: the largest ring of the four, 576 -> 656's with its store buffers, 158 KB.)
-  if (kind >= 0 && kind <= 3 && bs % (kind == 2 ? 16 : 64) == 0 && use_bulk(true) &&
-      bulk_smem_fits(conv_bulk_smem(0, true, 64, 2, kWarps)) &&
+  // (use_bulk's shared memory: the largest ring of the four, 576 -> 656's with its store buffers.)
+  if (kind >= 0 && kind <= 3 && bs % (kind == 2 ? 16 : 64) == 0 &&
+      use_bulk(true, conv_bulk_smem(0, true, 64, 2, kWarps)) &&
       contiguous(p.src, conv_src_bytes(kind), p.src_layer_stride) &&
       contiguous(p.dst, conv_dst_bytes(kind), p.dst_layer_stride)) {
     auto units = [&](int unit) { return p.layers * p.count * (bs / unit); };
