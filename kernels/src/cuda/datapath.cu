@@ -1616,10 +1616,7 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
           if constexpr (kKind == 0) {
             store_fp8_as_ds(load_fp8(e, lane), dst, lane, one);
           } else if constexpr (kKind == 1) {
-            Ds8In in;
-            in.q = lds16(e + 16 * lane);
-            in.rope = *reinterpret_cast<const uint32_t*>(e + kMlaDsRopeOffset + 4 * lane);
-            if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(e + kMlaDsScaleOffset + 4 * lane);
+            const Ds8In in = load_ds8(e, lane);
             // One not_lossless store per item and block, not per entry: the flags of the blocks in
             // flight share a few L2 lines, which every warp's stores met (0.756 -> 0.814 of the
             // D2D copy with 2 entries per item, before the 4-entry items).
@@ -1726,11 +1723,7 @@ __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertP
           if constexpr (kKind == 0) {
             store_fp8_as_ds(load_fp8(src, lane), dst, lane, one);
           } else if constexpr (kKind == 1) {
-            Ds8In in;
-            in.q = lds16(src + 16 * lane);
-            in.rope = *reinterpret_cast<const uint32_t*>(src + kMlaDsRopeOffset + 4 * lane);
-            if (lane < 4) in.scale = *reinterpret_cast<const uint32_t*>(src + kMlaDsScaleOffset + 4 * lane);
-            lossless &= store_ds_as_fp8(in, dst, lane);
+            lossless &= store_ds_as_fp8(load_ds8(src, lane), dst, lane);
           } else if constexpr (kKind == 2) {
             store_bf16_as_ds<true>(load_bf16(src, src + kMlaRank * 2, lane), dst, lane);
           } else {
