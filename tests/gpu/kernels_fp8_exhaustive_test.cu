@@ -2,10 +2,10 @@
 // against layouts' float_to_e4m3 (what the CPU twins use) for all 2^32 float bit patterns; the
 // kernels' fast paths likewise: the packed bf16 cvt against float_to_bf16, the one-multiply
 // quantisation (quant2_fast) against e4m3 of __fdiv_rn for every float dividend and a set of
-// divisors, and the hardware e4m3x2 -> f16x2 conversion against e4m3_to_float for every byte pair;
-// and the MLA decode's e4m3 -> bf16 and e4m3 -> fp16 tile conversions (convert16_words and
-// convert16_f16, decode_mla_wgmma.cuh) against the host's rounding of e4m3_to_float for every byte
-// pair.
+// divisors, the mla_fp8_ds tile quotient (quot_ds) for every bf16 tile maximum and value, and the hardware e4m3x2 ->
+// f16x2 conversion against e4m3_to_float for every byte pair; and the MLA decode's e4m3 -> bf16 and e4m3 -> fp16 tile
+// conversions (convert16_words and convert16_f16, decode_mla_wgmma.cuh) against the host's rounding of e4m3_to_float
+// for every byte pair.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -70,9 +70,6 @@ __global__ void compare_fast_paths(float s, unsigned long long* mismatches, unsi
     if (d.fast && kernels::detail::quant2_fast(x, -x, d, &q)) {
       bad |= q != (kernels::detail::to_e4m3(__fdiv_rn(x, s)) |
                    (static_cast<uint32_t>(kernels::detail::to_e4m3(__fdiv_rn(-x, s))) << 8));
-      // quot_fast_pos (the bf16 -> 656 conversion's quotient, s > 0 only) has quot_fast's bits.
-      bad |= float_bits(kernels::detail::quot_fast_pos(x, d)) != float_bits(kernels::detail::quot_fast(x, d)) ||
-             float_bits(kernels::detail::quot_fast_pos(-x, d)) != float_bits(kernels::detail::quot_fast(-x, d));
     }
     if (i < 65536u) {
       const uint8_t b0 = static_cast<uint8_t>(i), b1 = static_cast<uint8_t>(i >> 8);
@@ -104,6 +101,48 @@ TEST(KernelsGpuFp8, FastPathsMatchScalarMathForAllFloats) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     EXPECT_EQ(*count, 0ull) << "divisor " << s << ": first mismatch at float bits 0x" << std::hex << *first;
   }
+  cudaFree(count);
+  cudaFree(first);
+}
+
+// quot_ds on the device, for every pair the unit test KernelsFastMath.DsTileQuotientIsExact checks on
+// the host: a positive finite bf16 tile maximum with a fast scale, a bf16 value of either sign up to
+// it; e4m3 of the quotient against e4m3 of __fdiv_rn (the CPU twins' quant_e4m3). Thread i takes
+// amax bits i / 32768 and x bits i % 32768.
+__global__ void compare_ds_quotients(unsigned long long* mismatches, unsigned* first) {
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  unsigned long long local = 0;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (uint64_t{0x7f80} << 15);
+       i += stride) {
+    const uint32_t ha = static_cast<uint32_t>(i >> 15), hx = static_cast<uint32_t>(i & 0x7fffu);
+    if (hx > ha) continue;
+    const float s = kernels::detail::ds_tile_scale(bf16_to_float(static_cast<uint16_t>(ha)));
+    const kernels::detail::QDiv d = kernels::detail::make_qdiv(s);
+    if (!d.fast) continue;
+    const float x = bf16_to_float(static_cast<uint16_t>(hx));
+    bool bad = false;
+    for (float v : {x, -x})
+      bad |= kernels::detail::to_e4m3(kernels::detail::quot_ds(v, d)) != kernels::detail::to_e4m3(__fdiv_rn(v, s));
+    if (bad) {
+      ++local;
+      atomicMin(first, static_cast<unsigned>(i));
+    }
+  }
+  if (local) atomicAdd(mismatches, local);
+}
+
+TEST(KernelsGpuFp8, DsTileQuotientMatchesDivisionForAllBf16Pairs) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+  unsigned long long* count = nullptr;
+  unsigned* first = nullptr;
+  ASSERT_EQ(cudaMallocManaged(&count, sizeof *count), cudaSuccess);
+  ASSERT_EQ(cudaMallocManaged(&first, sizeof *first), cudaSuccess);
+  *count = 0;
+  *first = 0xffffffffu;
+  compare_ds_quotients<<<1024, 256>>>(count, first);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(*count, 0ull) << "first mismatch: amax bf16 0x" << std::hex << (*first >> 15) << ", x bf16 0x"
+                          << (*first & 0x7fffu);
   cudaFree(count);
   cudaFree(first);
 }

@@ -87,32 +87,36 @@ TEST(KernelsFastMath, FastQuantisationIsExact) {
   EXPECT_FALSE(make_qdiv(INFINITY).fast);
 }
 
-// quot_fast_pos (no zero select, for positive divisors) gives quot_fast's bits, signed zeros and
-// NaN payloads included, for every bit-pattern class of dividend and positive divisors across the
-// fast range (the GPU test checks every float for a set of divisors).
-TEST(KernelsFastMath, PositiveDivisorQuotientMatchesQuotFast) {
-  std::mt19937 g(13);
-  std::vector<float> xs(100000);
-  for (float& x : xs) x = bits_float(static_cast<uint32_t>(g()));
-  xs.insert(xs.end(), {0.0f, -0.0f, INFINITY, -INFINITY, 1e-45f, -1e-45f, 448.0f, -448.0f});
-  int64_t checked = 0;
-  for (int k = 0; k < 200; ++k) {
-    const float s = k == 0   ? 0x1p-80f
-                    : k == 1 ? 0x1.fffffep79f
-                             : bits_float(((47u + g() % 160u) << 23) | (g() & 0x7fffffu));
+// quot_ds (one Markstein correction) is exact for what mla_fp8_ds quantises: every positive finite
+// bf16 tile maximum whose scale the fast path takes, and every bf16 value of either sign up to it.
+// The quotient's bits equal the IEEE division's wherever it is at least 2^-11 (the normal range of
+// every step), and its e4m3 byte equals quant_e4m3's everywhere. Exhaustive (about 7 * 10^8 pairs).
+TEST(KernelsFastMath, DsTileQuotientIsExact) {
+  int64_t pairs = 0, amaxes = 0;
+  for (uint32_t ha = 1; ha < 0x7f80u; ++ha) {
+    const float amax = bf16_to_float(static_cast<uint16_t>(ha));
+    const float s = ds_tile_scale(amax);
     const QDiv d = make_qdiv(s);
-    ASSERT_TRUE(d.fast);
-    for (float x : xs) {
-      const float a = quot_fast_pos(x, d), b = quot_fast(x, d);
-      if (a != a && b != b) continue;  // both NaN: the cvt gives 0x7f either way
-      EXPECT_TRUE(same_bits(a, b)) << "x bits 0x" << std::hex << float_bits(x) << " s bits 0x" << float_bits(s);
-      ++checked;
-    }
+    if (!d.fast) continue;
+    ++amaxes;
+    int64_t bad = 0;
+    uint32_t first = 0;
+    for (uint32_t hx = 0; hx <= ha; ++hx)
+      for (uint32_t sign : {0u, 0x8000u}) {
+        const float x = bf16_to_float(static_cast<uint16_t>(hx | sign));
+        const float q = quot_ds(x, d), want = x / s;
+        const bool ok = to_e4m3(q) == quant_e4m3(x, s) && (std::fabs(want) < 0x1p-11f || same_bits(q, want));
+        if (!ok && bad++ == 0) first = hx | sign;
+        ++pairs;
+      }
+    ASSERT_EQ(bad, 0) << "amax bf16 0x" << std::hex << ha << ": first wrong x bf16 0x" << first;
   }
-  EXPECT_GT(checked, 15000000);  // NaN dividends and quotients are most of the rest
-  // Signed zeros keep their sign (the case the select of quot_fast exists for).
-  EXPECT_EQ(float_bits(quot_fast_pos(-0.0f, make_qdiv(0.3f))), 0x80000000u);
-  EXPECT_EQ(float_bits(quot_fast_pos(0.0f, make_qdiv(0.3f))), 0u);
+  EXPECT_EQ(amaxes, 0x6bdf - 0x1be0 + 1);  // every amax whose scale lies in [2^-80, 2^80)
+  EXPECT_GT(pairs, 700000000);
+  // Signed zeros keep their sign, NaN stays NaN.
+  EXPECT_EQ(float_bits(quot_ds(-0.0f, make_qdiv(0.3f))), 0x80000000u);
+  EXPECT_EQ(float_bits(quot_ds(0.0f, make_qdiv(0.3f))), 0u);
+  EXPECT_TRUE(std::isnan(quot_ds(bits_float(0x7fc00000u), make_qdiv(0.3f))));
 }
 
 TEST(KernelsFastMath, DequantScaleAndNanBytes) {
@@ -159,7 +163,7 @@ TEST(KernelsFastMath, PowerOfTwoQuantisationIsExact) {
     const QDiv d = make_qdiv(s);
     for (size_t i = 0; i + 1 < xs.size(); i += 2) {
       uint32_t got = 0;
-      if (!quant2_fast<true>(xs[i], xs[i + 1], d, &got)) continue;
+      if (!quant2_fast<Quot::kPow2>(xs[i], xs[i + 1], d, &got)) continue;
       ASSERT_EQ(got, quant_e4m3(xs[i], s) | (static_cast<uint32_t>(quant_e4m3(xs[i + 1], s)) << 8))
           << "x bits 0x" << std::hex << float_bits(xs[i]) << " 0x" << float_bits(xs[i + 1]) << " s " << s;
     }

@@ -159,17 +159,30 @@ KVFERRY_HOST_DEVICE float quot_fast(float x, const QDiv& d) {
   return x == 0.0f ? q0 : q2;
 }
 
-/// quot_fast for s > 0 without the zero select: the residuals are negated (s * q - x, subtracted),
-/// so a zero x keeps its sign through both corrections (a zero residual is +0, its correction
-/// -0 * y = -0, and q0 + -0 is q0 for either zero q0, where x - s * q adds +0 and turns q0 = -0
-/// into +0). For x != 0 it is quot_fast (RN is symmetric). The tile scales of mla_fp8_ds are
-/// positive; for s < 0 a zero x would come out as +0 where -0 is due.
-KVFERRY_HOST_DEVICE float quot_fast_pos(float x, const QDiv& d) {
+/// RN(x / s) where s = ds_tile_scale(amax) is an mla_fp8_ds tile scale (d = make_qdiv(s), d.fast)
+/// and x one of its tile's own values: x and amax bf16, |x| <= amax. One Markstein correction of
+/// q0 = RN(x * y) is enough there, where quot_fast needs two for a general divisor (q0 can be 1.5
+/// ulp off): every such pair (every positive finite bf16 amax with a fast scale, every bf16 x of
+/// either sign with |x| <= amax: 7.1 * 10^8 pairs) gives RN(x / s) bit for bit, and the same e4m3
+/// byte for the quotients below 2^-11 that leave the normal range; the unit test
+/// KernelsFastMath.DsTileQuotientIsExact checks all of them (KernelsGpuFp8 on the device). Zero keeps
+/// its sign (the residual is negated, s * q - x, so a zero x adds -0 to q0 = +-0); NaN stays NaN.
+KVFERRY_HOST_DEVICE float quot_ds(float x, const QDiv& d) {
   const float q0 = mul_rn(x, d.y);
   const float r0 = fma_rn(d.s, q0, -x);
-  const float q1 = fma_rn(-r0, d.y, q0);
-  const float r1 = fma_rn(d.s, q1, -x);
-  return fma_rn(-r1, d.y, q1);
+  return fma_rn(-r0, d.y, q0);
+}
+
+/// The divisors a quantising path may assume: any (quot_fast), a power of two with an exact
+/// reciprocal (one multiply: x * y is x / s), or an mla_fp8_ds tile scale over the tile's own bf16
+/// values (quot_ds).
+enum class Quot { kAny, kPow2, kDsTile };
+
+template <Quot kQ>
+KVFERRY_HOST_DEVICE float quot(float x, const QDiv& d) {
+  if constexpr (kQ == Quot::kPow2) return mul_rn(x, d.y);
+  if constexpr (kQ == Quot::kDsTile) return quot_ds(x, d);
+  return quot_fast(x, d);
 }
 
 /// RN(a / 448) by quot_fast: exact for a in [2^-90, 2^100], where no step leaves the normal range.
@@ -199,11 +212,11 @@ KVFERRY_HOST_DEVICE float indexer_scale_fast(float amax, bool ue8m0) {
 
 /// e4m3(x / s) for two values (a in the low byte) when d.fast; false (and the caller divides
 /// exactly) where a byte came out as the cvt's NaN code 0x7f: a NaN input or an overflow.
-/// kPow2: s is a power of two whose reciprocal y is exact, so x * y is x / s and RN(x * y) is
-/// RN(x / s) for every x (overflow saturates in the cvt exactly as the division would).
-template <bool kPow2 = false>
+/// kQ: what the divisor is known to be (Quot::kPow2: RN(x * y) is RN(x / s) for every x, overflow
+/// saturating in the cvt exactly as the division would; Quot::kDsTile: quot_ds's conditions hold).
+template <Quot kQ = Quot::kAny>
 KVFERRY_HOST_DEVICE bool quant2_fast(float a, float b, const QDiv& d, uint32_t* out) {
-  const uint32_t c = kPow2 ? cvt_e4m3x2(mul_rn(a, d.y), mul_rn(b, d.y)) : cvt_e4m3x2(quot_fast(a, d), quot_fast(b, d));
+  const uint32_t c = cvt_e4m3x2(quot<kQ>(a, d), quot<kQ>(b, d));
   *out = c;
   return (((c & 0x7f7fu) + 0x0101u) & 0x8080u) == 0;
 }

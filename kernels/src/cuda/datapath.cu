@@ -138,10 +138,11 @@ inline unsigned one_wave(int64_t want, int per_sm) {
 }
 
 /// Blocks for `items` work items handled `per_warp` at a time: at most one full wave of the
-/// kernel's resident blocks (occupancy query, cached per kernel), which then loop grid-stride, so
-/// no partial last wave leaves SMs idle while the others drain.
+/// kernel's resident blocks (occupancy query, cached per kernel; at most `max_per_sm` per SM where
+/// that is set), which then loop grid-stride, so no partial last wave leaves SMs idle while the
+/// others drain.
 template <auto kKernel>
-unsigned grid_for(int64_t items, int64_t per_warp) {
+unsigned grid_for(int64_t items, int64_t per_warp, int max_per_sm = 0) {
   static const int per_sm = [] {
     // Kernels that stage through shared memory want all of it (the L1 share shrinks).
     cudaFuncAttributes fa{};
@@ -153,7 +154,7 @@ unsigned grid_for(int64_t items, int64_t per_warp) {
     return b;
   }();
   const int64_t warps = (items + per_warp - 1) / per_warp;
-  return one_wave((warps + kWarps - 1) / kWarps, per_sm);
+  return one_wave((warps + kWarps - 1) / kWarps, max_per_sm > 0 && max_per_sm < per_sm ? max_per_sm : per_sm);
 }
 
 // ---- vector conversions: fast paths bit-identical to the scalar math, scalar fallback ----
@@ -173,15 +174,15 @@ __device__ __noinline__ uint32_t quant4_slow(float a, float b, float c, float d,
          (static_cast<uint32_t>(quant_e4m3(c, s)) << 16) | (static_cast<uint32_t>(quant_e4m3(d, s)) << 24);
 }
 
-/// Values x(0..3) -> 4 e4m3 bytes, byte j = quant_e4m3(x(j), d.s) for a positive divisor: the
-/// select-free quot_fast_pos and the packed cvt for all four, then one test for the cvt's NaN code
-/// (a NaN input or an overflow), and the exact division where that, the divisor's range (d.fast)
-/// or its sign rules the fast path out. x(j) unpacks the value again where the slow path needs it,
-/// so no floats stay alive across the fast path.
+/// Values x(0..3) of an mla_fp8_ds tile -> 4 e4m3 bytes, byte j = quant_e4m3(x(j), d.s) for the
+/// tile's scale (quot_ds's conditions): quot_ds and the packed cvt for all four, then one test for
+/// the cvt's NaN code (a NaN input), and the exact division where that, the divisor's range
+/// (d.fast) or its sign rules the fast path out. x(j) unpacks the value again where the slow path
+/// needs it, so no floats stay alive across the fast path.
 template <class X>
-__device__ __forceinline__ uint32_t quant4_pos(X x, const QDiv& d) {
-  const uint32_t lo = cvt_e4m3x2(quot_fast_pos(x(0), d), quot_fast_pos(x(1), d));
-  const uint32_t hi = cvt_e4m3x2(quot_fast_pos(x(2), d), quot_fast_pos(x(3), d));
+__device__ __forceinline__ uint32_t quant4_ds(X x, const QDiv& d) {
+  const uint32_t lo = cvt_e4m3x2(quot_ds(x(0), d), quot_ds(x(1), d));
+  const uint32_t hi = cvt_e4m3x2(quot_ds(x(2), d), quot_ds(x(3), d));
   const uint32_t w = __byte_perm(lo, hi, 0x5410);
   const bool nan = (((w & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) != 0;  // a byte is 0x7f / 0xff
   if (d.fast && d.s > 0.0f && !nan) return w;
@@ -190,23 +191,24 @@ __device__ __forceinline__ uint32_t quant4_pos(X x, const QDiv& d) {
 
 /// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], d.s): quot_fast and the packed cvt, the exact
 /// division where quant2_fast declines. (The writers measured as fast or faster with these
-/// per-pair tests than with quant4_pos, see quant16_bf16.)
-template <bool kPow2 = false>
+/// per-pair tests than with one test per four values as quant4_ds has, see quant16_bf16.)
+template <Quot kQ = Quot::kAny>
 __device__ __forceinline__ uint32_t quant4(const float* x, const QDiv& d) {
   uint32_t lo, hi;
-  const bool a = quant2_fast<kPow2>(x[0], x[1], d, &lo);
-  const bool b = quant2_fast<kPow2>(x[2], x[3], d, &hi);
+  const bool a = quant2_fast<kQ>(x[0], x[1], d, &lo);
+  const bool b = quant2_fast<kQ>(x[2], x[3], d, &hi);
   if (d.fast & a & b) return lo | (hi << 16);
   return quant4_slow(x[0], x[1], x[2], x[3], d.s);
 }
 
-template <bool kPow2 = false>
+template <Quot kQ = Quot::kAny>
 __device__ __forceinline__ uint2 quant8(const float* x, const QDiv& d) {
-  return make_uint2(quant4<kPow2>(x, d), quant4<kPow2>(x + 4, d));
+  return make_uint2(quant4<kQ>(x, d), quant4<kQ>(x + 4, d));
 }
 
-/// 16 bf16 values (two uint4, value j in half j % 2 of word j / 2) -> 16 e4m3 bytes by quant4_pos:
-/// on an H200 the bf16 -> 656 conversion ran 0.757 -> 0.80 of the D2D copy with this and the
+/// 16 bf16 values of an mla_fp8_ds tile (two uint4, value j in half j % 2 of word j / 2) -> 16 e4m3
+/// bytes by quant4_ds: on an H200 the bf16 -> 656 conversion ran 0.757 -> 0.80 of the D2D copy
+/// with this loop (then over the two-correction quotient, select-free) and the
 /// EntryWalk (its per-pair tests, branches and zero selects had been a fifth of its instructions).
 /// The writers keep quant8: they measured no faster, or slower, with it (write_mla fp8 0.87 -> 0.80,
 /// write_mha fp8 0.856 -> 0.828 in one build or the other).
@@ -215,7 +217,7 @@ __device__ __forceinline__ uint4 quant16_bf16(uint4 a, uint4 b, const QDiv& d) {
   uint32_t w[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k)
-    w[k] = quant4_pos(
+    w[k] = quant4_ds(
         [&v, k](int j) {
           const uint32_t u = v[2 * k + (j >> 1)];
           return __uint_as_float((j & 1) ? (u & 0xffff0000u) : (u << 16));
@@ -362,7 +364,7 @@ __device__ __forceinline__ void store_bf16_as_ds(const Bf16In& in, uint8_t* dst,
   if constexpr (kPairMax) {
     st_v16(dst + 16 * lane, quant16_bf16(in.a, in.b, r));
   } else {
-    const uint2 lo = quant8(x, r), hi = quant8(x + 8, r);
+    const uint2 lo = quant8<Quot::kDsTile>(x, r), hi = quant8<Quot::kDsTile>(x + 8, r);
     st_v16(dst + 16 * lane, make_uint4(lo.x, lo.y, hi.x, hi.y));
   }
   if ((lane & 7) == 0) *reinterpret_cast<float*>(dst + kMlaDsScaleOffset + 4 * (lane >> 3)) = sc;
@@ -715,7 +717,7 @@ __global__ void __launch_bounds__(kThreads, 3) indexer_write_narrow_kernel(const
             divmod(sl.s[u], dbs, blk, off);
             uint8_t* block = p.cache.entry(blk, 0);
             uint8_t* vals = block + off * kIndexerHeadDim + kE * hl;
-            *reinterpret_cast<uint32_t*>(vals) = pow2 ? quant4<true>(x, r) : quant4(x, r);
+            *reinterpret_cast<uint32_t*>(vals) = pow2 ? quant4<Quot::kPow2>(x, r) : quant4(x, r);
             if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
           }
         }
@@ -784,8 +786,8 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
           divmod(sl.s[u], dbs, blk, off);
           uint8_t* block = p.cache.entry(blk, 0);
           uint8_t* vals = block + off * kIndexerHeadDim + 8 * hl;
-          st_v8_once(vals, pow2 ? quant8<true>(x, r) : quant8(x, r));
-          st_v8_once(vals + 64, pow2 ? quant8<true>(x + 8, r) : quant8(x + 8, r));
+          st_v8_once(vals, pow2 ? quant8<Quot::kPow2>(x, r) : quant8(x, r));
+          st_v8_once(vals + 64, pow2 ? quant8<Quot::kPow2>(x + 8, r) : quant8(x + 8, r));
           // The scale keeps the normal policy: its line is shared by the block's other rows.
           if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
         }
@@ -1431,7 +1433,7 @@ __global__ void __launch_bounds__(kThreads) indexer_write_staged_kernel(const In
             divmod(s, dbs, blk, off);
             uint8_t* block = p.cache.entry(blk, 0);
             st_v8(block + off * kIndexerHeadDim + 8 * hl,
-                  p.ue8m0 && is_pow2_scale(sc) ? quant8<true>(x, r) : quant8(x, r));
+                  p.ue8m0 && is_pow2_scale(sc) ? quant8<Quot::kPow2>(x, r) : quant8(x, r));
             if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
           }
         }
@@ -1787,8 +1789,8 @@ bool aligned(const void* p, int64_t a) { return reinterpret_cast<uintptr_t>(p) %
 
 /// Launches kernel kK over `items` work items, `per_warp` per warp and trip.
 template <auto kK, class P>
-cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream) {
-  kK<<<grid_for<kK>(items, per_warp), kThreads, 0, stream>>>(p);
+cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream, int max_per_sm = 0) {
+  kK<<<grid_for<kK>(items, per_warp, max_per_sm), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -1809,8 +1811,13 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
       return sg ? go<write_mla_staged_kernel<1>>(p, p.tokens, 1, stream)
                 : go<write_mla_kernel<1>>(p, p.tokens, 1, stream);
     case MlaWriteMode::kFp8Ds:
+      // Three CTAs per SM where four fit. With random slots each 656 B entry shares a sector with a
+      // neighbour written at another time; since the quotient takes one correction (quot_ds), a
+      // fourth CTA's stores in flight cost more than its warps gain (H200, contiguous / L61, random
+      // slots 0.76 / 0.72 at four CTAs, 0.79 / 0.77 at three; slots in order 0.93 / 0.86 and
+      // 0.92 / 0.87; two CTAs 0.71 / 0.71).
       return sg ? go<write_mla_staged_kernel<2>>(p, p.tokens, 1, stream)
-                : go<write_mla_kernel<2>>(p, p.tokens, 1, stream);
+                : go<write_mla_kernel<2>>(p, p.tokens, 1, stream, 3);
     default: return cudaErrorInvalidValue;
   }
 }
