@@ -189,8 +189,8 @@ __device__ __forceinline__ uint32_t quant4_ds(X x, const QDiv& d) {
   return quant4_slow(x(0), x(1), x(2), x(3), d.s);
 }
 
-/// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], d.s): quot_fast and the packed cvt, the exact
-/// division where quant2_fast declines. (The writers measured as fast or faster with these
+/// 4 floats -> 4 bytes, byte k = quant_e4m3(x[k], d.s): the quotient kQ allows (quot<kQ>) and the
+/// packed cvt, the exact division where quant2_fast declines. (The writers measured as fast or faster with these
 /// per-pair tests than with one test per four values as quant4_ds has, see quant16_bf16.)
 template <Quot kQ = Quot::kAny>
 __device__ __forceinline__ uint32_t quant4(const float* x, const QDiv& d) {
