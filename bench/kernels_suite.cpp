@@ -248,25 +248,28 @@ int run_kernels(const Options& opts) {
       rep.add({name + view + ", slots in order", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
     };
     // The same bytes to the same random slots without the conversion (launch_scatter_ceiling):
-    // what the slot order allows a writer. Informational rows, no target.
+    // what the slot order allows a writer, with plain loads and with evict-first loads (the policy
+    // the quantising writers read with). Informational rows, no target.
     auto raw_scatter = [&](const std::string& name, const Dev& in, int64_t in_bytes, const Dev& cache,
                            const KvCacheSpec& s, int64_t out_bytes, int64_t scale_bytes, const Dev& slots, int64_t n,
                            double bytes) {
-      bool ok = true;
-      uint8_t* const base = cache.as<uint8_t>() + s.page_offset(layer, 0);
-      const double t = time_launch(
-          st, reps,
-          [&] {
-            return launch_scatter_ceiling(in.p, in_bytes, base, s.block_stride_bytes(), s.block_size, out_bytes,
-                                          scale_bytes, slots.as<int64_t>(), n, st);
-          },
-          &ok);
-      if (!ok) {
-        rep.note(name + view + " (raw scatter): launch failed");
-        return;
+      for (const bool once : {false, true}) {
+        bool ok = true;
+        uint8_t* const base = cache.as<uint8_t>() + s.page_offset(layer, 0);
+        const double t = time_launch(
+            st, reps,
+            [&] {
+              return launch_scatter_ceiling(in.p, in_bytes, base, s.block_stride_bytes(), s.block_size, out_bytes,
+                                            scale_bytes, slots.as<int64_t>(), n, once, st);
+            },
+            &ok);
+        const std::string row = name + view + (once ? ", raw scatter, loads evict-first" : ", raw scatter");
+        if (!ok) {
+          rep.note(row + ": launch failed");
+          continue;
+        }
+        rep.add({row, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, "its bytes to its slots, unconverted"});
       }
-      rep.add({name + view + ", raw scatter", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0,
-               "its bytes to its slots, unconverted"});
     };
     auto perm = [&](int64_t n) {
       std::vector<int64_t> v(static_cast<size_t>(n));

@@ -19,10 +19,12 @@ cudaError_t launch_shape_stream(const void* in, void* out, int64_t units, int re
 /// `out_bytes` of them written to the entry of slots[n] (block slot / bs at out + block *
 /// block_stride, entry slot % bs of `out_bytes`); with scale_bytes > 0 also `scale_bytes` more to the
 /// block's scale region after its bs entries, as the indexer's values-then-scales block. Negative
-/// slots write nothing. in_bytes, out_bytes, block_stride and both pointers 16-byte aligned,
-/// out_bytes <= in_bytes, scale_bytes in {0, 4}, tokens * in_bytes / 16 and slots below 2^32.
+/// slots write nothing. Every input byte is read, stored or not (as the writer reads it), with an
+/// L2 evict-first policy where `evict_first` (as the quantising writers read). in_bytes,
+/// out_bytes, block_stride and both pointers 16-byte aligned, out_bytes <= in_bytes, scale_bytes
+/// in {0, 4}, tokens * in_bytes / 16 and slots below 2^32.
 cudaError_t launch_scatter_ceiling(const void* in, int64_t in_bytes, void* out, int64_t block_stride, int64_t bs,
                                    int64_t out_bytes, int64_t scale_bytes, const int64_t* slots, int64_t tokens,
-                                   cudaStream_t stream);
+                                   bool evict_first, cudaStream_t stream);
 
 }  // namespace kvferry::bench
