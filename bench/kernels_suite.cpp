@@ -233,19 +233,30 @@ int run_kernels(const Options& opts) {
     auto want = [&](const char* section) {
       return only.empty() || std::string(section).find(only) != std::string::npos;
     };
-    // The writers again with their slots in order (a prefill's runs of tokens): what the kernel
-    // does when the scatter itself costs nothing. Informational rows, no target.
+    // The writers again with two other slot orders, informational rows without a target: "slots
+    // by block" (the blocks in random order, each block's 64 tokens in order: an engine's prefill,
+    // whose block table scatters the blocks of a sequence) and "slots in order" (what the kernel
+    // does when the scatter itself costs nothing).
     auto again_in_order = [&](const std::string& name, Dev& slots, int64_t n, double bytes,
                               const std::function<cudaError_t()>& fn) {
-      std::vector<int64_t> id(static_cast<size_t>(n));
-      std::iota(id.begin(), id.end(), 0);
-      bool ok = cudaMemcpy(slots.p, id.data(), id.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess;
-      const double t = time_launch(st, reps, fn, &ok);
-      if (!ok) {
-        rep.note(name + view + " (slots in order): launch failed");
-        return;
+      constexpr int64_t kBs = 64;  // spec_of's block size
+      std::vector<int64_t> blocks(static_cast<size_t>(n / kBs));
+      std::iota(blocks.begin(), blocks.end(), 0);
+      std::mt19937 gb(11);  // its own generator: the other rows keep their slots and tables
+      std::shuffle(blocks.begin(), blocks.end(), gb);
+      for (const bool by_block : {true, false}) {
+        std::vector<int64_t> sl(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i)
+          sl[static_cast<size_t>(i)] = by_block ? blocks[static_cast<size_t>(i / kBs)] * kBs + i % kBs : i;
+        const std::string row = name + view + (by_block ? ", slots by block" : ", slots in order");
+        bool ok = cudaMemcpy(slots.p, sl.data(), sl.size() * sizeof(int64_t), cudaMemcpyHostToDevice) == cudaSuccess;
+        const double t = time_launch(st, reps, fn, &ok);
+        if (!ok) {
+          rep.note(row + ": launch failed");
+          continue;
+        }
+        rep.add({row, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
       }
-      rep.add({name + view + ", slots in order", bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
     };
     // The same bytes to the same random slots without the conversion (launch_scatter_ceiling):
     // what the slot order allows a writer, with plain loads and with evict-first loads (the policy

@@ -93,8 +93,8 @@ __global__ void __launch_bounds__(256)
 /// sent to its token's slot.
 __global__ void __launch_bounds__(256)
     scatter_units(const uint4* __restrict__ in, uint32_t ci, uint8_t* out, int64_t block_stride, uint32_t bs,
-                  uint32_t co, int64_t out_bytes, int64_t scale_bytes, const int64_t* __restrict__ slots,
-                  int64_t units, bool once) {
+                  uint32_t co, int64_t out_bytes, int64_t scale_bytes, const int64_t* __restrict__ slots, int64_t units,
+                  bool once) {
   constexpr int kU = 4;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t u0 = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; u0 < units; u0 += kU * step) {
