@@ -230,6 +230,10 @@ TEST_P(KernelsGpu, IndexerWrite) {
     const int64_t tokens = 2 * s.block_size + 7;
     auto k = test::random_bf16(static_cast<size_t>(tokens * k_stride), 21, 2.0f);
     for (int i = 0; i < 128; ++i) k[static_cast<size_t>(i)] = 0;  // amax below the 1e-4 floor
+    // NaN (both signs, a payload) and an infinity in rows of their own: the fast paths hand them
+    // to the exact ones (the ue8m0 path tests a row's raw bits for NaN once).
+    const std::pair<int, uint16_t> specials[] = {{1, 0x7fc0}, {2, 0xffc0}, {3, 0x7f81}, {4, 0x7f80}, {5, 0xff80}};
+    for (const auto& [row, bits] : specials) k[static_cast<size_t>(row * k_stride + 3 + 8 * row)] = bits;
     const auto sl = slots(s, tokens, 22);
     DevVec<uint16_t> dk(k);
     DevVec<int64_t> dsl(sl);

@@ -34,6 +34,19 @@ double check_quant(float s, const std::vector<float>& xs) {
   return static_cast<double>(claimed) / static_cast<double>(xs.size() / 2);
 }
 
+TEST(KernelsFastMath, QuantisedNaNIsTheSameOnHostAndDevice) {
+  // A NaN input keeps its sign; a NaN that the division makes is 0x7f (the device's division
+  // gives no sign where the host's does).
+  EXPECT_EQ(quant_e4m3(bits_float(0x7fc00000u), 0.5f), 0x7f);
+  EXPECT_EQ(quant_e4m3(bits_float(0xffc00000u), 0.5f), 0xff);
+  EXPECT_EQ(quant_e4m3(bits_float(0xff800001u), INFINITY), 0xff);
+  EXPECT_EQ(quant_e4m3(INFINITY, INFINITY), 0x7f);
+  EXPECT_EQ(quant_e4m3(-INFINITY, INFINITY), 0x7f);
+  EXPECT_EQ(quant_e4m3(0.0f, 0.0f), 0x7f);
+  EXPECT_EQ(quant_e4m3(-1.0f, INFINITY), 0x80);  // -0
+  EXPECT_EQ(quant_e4m3(1e6f, 1.0f), 0x7e);       // saturates
+}
+
 TEST(KernelsFastMath, FastQuantisationIsExact) {
   std::mt19937 g(11);
   std::normal_distribution<float> normal(0.0f, 1.0f);

@@ -67,8 +67,14 @@ KVFERRY_HOST_DEVICE uint8_t to_e4m3(float x) {
 #endif
 }
 
-/// e4m3(x / s), saturating RNE.
-KVFERRY_HOST_DEVICE uint8_t quant_e4m3(float x, float s) { return to_e4m3(div_rn(x, s)); }
+/// e4m3(x / s), saturating RNE. A NaN x keeps its sign (as to_e4m3 does); a quotient that only
+/// the division makes NaN (inf / inf, 0 / 0) is the NaN code 0x7f, since the host's division gives
+/// such a NaN the sign bit and the device's does not (and a device division of a NaN x drops its sign).
+KVFERRY_HOST_DEVICE uint8_t quant_e4m3(float x, float s) {
+  if (x != x) return float_to_e4m3(x);
+  const float q = div_rn(x, s);
+  return q != q ? static_cast<uint8_t>(0x7f) : to_e4m3(q);
+}
 
 /// bf16 bits of float(e4m3) * s.
 KVFERRY_HOST_DEVICE uint16_t dequant_bf16(uint8_t q, float s) { return float_to_bf16(e4m3_to_float(q) * s); }
