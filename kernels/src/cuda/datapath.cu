@@ -226,6 +226,29 @@ __device__ __forceinline__ uint4 quant16_bf16(uint4 a, uint4 b, const QDiv& d) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+/// Whether any of 16 bf16 (kBf16) or fp16 values (two uint4) is a NaN, from the bits: a half is
+/// NaN when its magnitude bits exceed the infinity's, i.e. when adding (infinity's mantissa mask)
+/// carries into bit 15 (no carry crosses into the other half).
+template <bool kBf16>
+__device__ __forceinline__ bool has_nan16(uint4 a, uint4 b) {
+  constexpr uint32_t kAdd = kBf16 ? 0x007f007fu : 0x03ff03ffu;
+  const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+  uint32_t acc = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc |= (w[k] & 0x7fff7fffu) + kAdd;
+  return (acc & 0x80008000u) != 0;
+}
+
+/// 8 floats -> 8 e4m3 bytes for a power-of-two scale whose reciprocal is y, where no value is NaN
+/// and none can overflow (|x| <= 448 s, as the ue8m0 indexer scale guarantees): quant8<Quot::kPow2>'s
+/// bits without its per-pair test for the cvt's NaN code, which only a NaN input or an overflow gives.
+__device__ __forceinline__ uint2 quant8_pow2(const float* x, float y) {
+  uint32_t c[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) c[i] = cvt_e4m3x2(mul_rn(x[2 * i], y), mul_rn(x[2 * i + 1], y));
+  return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+}
+
 template <bool kBf16>
 __device__ __forceinline__ float half_bits_to_float(uint16_t h) {
   if constexpr (kBf16) return __uint_as_float(static_cast<uint32_t>(h) << 16);
@@ -786,8 +809,13 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
           divmod(sl.s[u], dbs, blk, off);
           uint8_t* block = p.cache.entry(blk, 0);
           uint8_t* vals = block + off * kIndexerHeadDim + 8 * hl;
-          st_v8_once(vals, pow2 ? quant8<Quot::kPow2>(x, r) : quant8(x, r));
-          st_v8_once(vals + 64, pow2 ? quant8<Quot::kPow2>(x + 8, r) : quant8(x + 8, r));
+          if (pow2 && !has_nan16<kBf16>(in.a[u], in.b[u])) {
+            st_v8_once(vals, quant8_pow2(x, r.y));
+            st_v8_once(vals + 64, quant8_pow2(x + 8, r.y));
+          } else {
+            st_v8_once(vals, pow2 ? quant8<Quot::kPow2>(x, r) : quant8(x, r));
+            st_v8_once(vals + 64, pow2 ? quant8<Quot::kPow2>(x + 8, r) : quant8(x + 8, r));
+          }
           // The scale keeps the normal policy: its line is shared by the block's other rows.
           if (hl == 0) *reinterpret_cast<float*>(block + bs * kIndexerHeadDim + off * 4) = sc;
         }
