@@ -239,6 +239,25 @@ __device__ __forceinline__ bool has_nan16(uint4 a, uint4 b) {
   return (acc & 0x80008000u) != 0;
 }
 
+/// The largest magnitude bits (x & 0x7fff) of 16 bf16 values (two uint4) by integer maxima of the
+/// packed pairs: for non-NaN values the bits of max |x|; above 0x7f80 where a value is NaN.
+__device__ __forceinline__ uint32_t bf16_mag16_bits(uint4 a, uint4 b) {
+  uint32_t m[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int k = 0; k < 8; ++k) m[k] &= 0x7fff7fffu;
+#pragma unroll
+  for (int s = 4; s >= 1; s >>= 1)
+#pragma unroll
+    for (int k = 0; k < s; ++k) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      asm("max.u16x2 %0, %0, %1;\n" : "+r"(m[k]) : "r"(m[k + s]));  // one instruction on sm_90
+#else
+      m[k] = __vmaxu2(m[k], m[k + s]);
+#endif
+    }
+  return max(m[0] & 0xffffu, m[0] >> 16);
+}
+
 /// 8 floats -> 8 e4m3 bytes for a power-of-two scale whose reciprocal is y, where no value is NaN
 /// and none can overflow (|x| <= 448 s, as the ue8m0 indexer scale guarantees): quant8<Quot::kPow2>'s
 /// bits without its per-pair test for the cvt's NaN code, which only a NaN input or an overflow gives.
@@ -786,11 +805,17 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
           to_floats<kBf16>(in.a[u], x);
           to_floats<kBf16>(in.b[u], x + 8);
           float amax = 0.0f;
+          bool nan = false;  // a NaN among this lane's 16 values
           if constexpr (kBf16) {
-            amax = bf16_amax16(in.a[u], in.b[u]);
+            // The magnitudes' largest bits by integer maxima of the bf16 pairs: a NaN sorts above
+            // the infinity, so one comparison finds it (and only then the NaN-ignoring maximum).
+            const uint32_t mb = bf16_mag16_bits(in.a[u], in.b[u]);
+            nan = mb > 0x7f80u;
+            amax = nan ? bf16_amax16(in.a[u], in.b[u]) : __uint_as_float(mb << 16);
           } else {
 #pragma unroll
             for (int e = 0; e < 16; ++e) amax = fmax_f(amax, abs_f(x[e]));
+            nan = has_nan16<false>(in.a[u], in.b[u]);
           }
 #pragma unroll
           for (int m = 4; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
@@ -809,7 +834,7 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
           divmod(sl.s[u], dbs, blk, off);
           uint8_t* block = p.cache.entry(blk, 0);
           uint8_t* vals = block + off * kIndexerHeadDim + 8 * hl;
-          if (pow2 && !has_nan16<kBf16>(in.a[u], in.b[u])) {
+          if (pow2 && !nan) {
             st_v8_once(vals, quant8_pow2(x, r.y));
             st_v8_once(vals + 64, quant8_pow2(x + 8, r.y));
           } else {
