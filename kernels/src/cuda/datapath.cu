@@ -226,16 +226,14 @@ __device__ __forceinline__ uint4 quant16_bf16(uint4 a, uint4 b, const QDiv& d) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-/// Whether any of 16 bf16 (kBf16) or fp16 values (two uint4) is a NaN, from the bits: a half is
-/// NaN when its magnitude bits exceed the infinity's, i.e. when adding (infinity's mantissa mask)
-/// carries into bit 15 (no carry crosses into the other half).
-template <bool kBf16>
-__device__ __forceinline__ bool has_nan16(uint4 a, uint4 b) {
-  constexpr uint32_t kAdd = kBf16 ? 0x007f007fu : 0x03ff03ffu;
+/// Whether any of 16 fp16 values (two uint4) is a NaN, from the bits: a half is NaN when its
+/// magnitude bits exceed the infinity's, i.e. when adding the infinity's mantissa mask carries into
+/// bit 15 (no carry crosses into the other half). (bf16 gets its NaN test from bf16_mag16_bits.)
+__device__ __forceinline__ bool f16_has_nan16(uint4 a, uint4 b) {
   const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
   uint32_t acc = 0;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) acc |= (w[k] & 0x7fff7fffu) + kAdd;
+  for (int k = 0; k < 8; ++k) acc |= (w[k] & 0x7fff7fffu) + 0x03ff03ffu;
   return (acc & 0x80008000u) != 0;
 }
 
@@ -815,7 +813,7 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
           } else {
 #pragma unroll
             for (int e = 0; e < 16; ++e) amax = fmax_f(amax, abs_f(x[e]));
-            nan = has_nan16<false>(in.a[u], in.b[u]);
+            nan = f16_has_nan16(in.a[u], in.b[u]);
           }
 #pragma unroll
           for (int m = 4; m >= 1; m >>= 1) amax = fmax_f(amax, __shfl_xor_sync(kFull, amax, m));
