@@ -768,6 +768,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // V_R(a), the part S(a + 2) waits for last (H200, 128 heads: bf16 154.3 -> 152.4 us, mla_fp8
   // 199.9 -> 197.1). (Warpgroup 0 queueing S(a + 2) behind P.V_L(b) made ptxas spill 530-1040
   // bytes: bf16 199 us.)
+  // mla_fp8_ds orders the products of a pair P.V_R(b), P.V_L(a), ... (warpgroup 1 issues P.V_R(b)
+  // before it signals P(b); warpgroup 0 issues P.V_L(a) only after that signal), so the part S(b + 2)
+  // visits first is freed first (H200, 128 heads: 214.3-214.7 -> 209.3-210.6 us). bf16 and mla_fp8 lose
+  // with it (bf16 151.5 -> 166 us: V_L(a), which S(a + 2) visits first, is then freed late).
+  constexpr bool kDsOrder = FMT == kFmtDs;
   const int npairs = (ntiles + 1) / 2;
   if (wg == 0) {
     for (int j = 0; j < npairs; ++j) {
@@ -796,11 +801,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       rescale(f0, f1);
       pack_pa(x);
       zero_tail(a);
-      issue_pv_rs(a);
-      wgmma_wait<0>();  // P.V_L(a) read V_L(a), the rope block and pa
-      fence_regs(acc);
-      fence_pa();
-      release(a, 0);
+      // mla_fp8_ds: P.V_L(a) goes behind warpgroup 1's P.V_R(b) (kDsOrder, see there).
+      if constexpr (!kDsOrder) {
+        issue_pv_rs(a);
+        wgmma_wait<0>();  // P.V_L(a) read V_L(a), the rope block and pa
+        fence_regs(acc);
+        fence_pa();
+        release(a, 0);
+      }
       float g0 = 1.0f, g1 = 1.0f;  // e^(m0 - m1)
       if (has_b) {
         bar_sync(3);  // m1 and P(b) ready
@@ -810,9 +818,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         m0 = q0;
         m1 = q1;
       }
+      if constexpr (kDsOrder) issue_pv_rs(a);
       if (j > 0) bar_sync(5);  // warpgroup 1's P.V_R of the previous pair read P
       store_p(x, g0, g1, p_u32);
       bar_arrive(4);  // P(a) ready for warpgroup 1
+      if constexpr (kDsOrder) {
+        wgmma_wait<0>();  // P.V_L(a)
+        fence_regs(acc);
+        fence_pa();
+        release(a, 0);
+      }
       if (has_b) {
         l0 *= g0;
         l1 *= g1;
@@ -857,11 +872,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         exponentiate(x, n0, n1, rs0, rs1);
         l0 += rs0;
         l1 += rs1;
+        if constexpr (kDsOrder) {
+          pack_pa(x);
+          zero_tail(bt);
+          issue_pv_rs(bt);
+        }
         store_p(x, 1.0f, 1.0f, k_u32 + (bt & 1) * kTileBytes + kRope * kCbBytes);  // over the rope block S read
         bar_arrive(3);                                                             // m1 and P(b) ready for warpgroup 0
-        pack_pa(x);
-        zero_tail(bt);
-        issue_pv_rs(bt);
+        if constexpr (!kDsOrder) {
+          pack_pa(x);
+          zero_tail(bt);
+          issue_pv_rs(bt);
+        }
       }
       bar_sync(4);  // P(a) scaled to m1
       zero_tail(a);
