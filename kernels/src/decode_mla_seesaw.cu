@@ -801,13 +801,16 @@ __global__ void __launch_bounds__(kThreads, 1)
       rescale(f0, f1);
       pack_pa(x);
       zero_tail(a);
-      // mla_fp8_ds: P.V_L(a) goes behind warpgroup 1's P.V_R(b) (kDsOrder, see there).
-      if constexpr (!kDsOrder) {
-        issue_pv_rs(a);
+      auto finish_pv_la = [&]() {
         wgmma_wait<0>();  // P.V_L(a) read V_L(a), the rope block and pa
         fence_regs(acc);
         fence_pa();
         release(a, 0);
+      };
+      // mla_fp8_ds: P.V_L(a) goes behind warpgroup 1's P.V_R(b) (kDsOrder, see there).
+      if constexpr (!kDsOrder) {
+        issue_pv_rs(a);
+        finish_pv_la();
       }
       float g0 = 1.0f, g1 = 1.0f;  // e^(m0 - m1)
       if (has_b) {
@@ -822,12 +825,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (j > 0) bar_sync(5);  // warpgroup 1's P.V_R of the previous pair read P
       store_p(x, g0, g1, p_u32);
       bar_arrive(4);  // P(a) ready for warpgroup 1
-      if constexpr (kDsOrder) {
-        wgmma_wait<0>();  // P.V_L(a)
-        fence_regs(acc);
-        fence_pa();
-        release(a, 0);
-      }
+      if constexpr (kDsOrder) finish_pv_la();
       if (has_b) {
         l0 *= g0;
         l1 *= g1;
@@ -872,18 +870,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         exponentiate(x, n0, n1, rs0, rs1);
         l0 += rs0;
         l1 += rs1;
-        if constexpr (kDsOrder) {
+        auto start_pv_rb = [&]() {
           pack_pa(x);
           zero_tail(bt);
           issue_pv_rs(bt);
-        }
+        };
+        if constexpr (kDsOrder) start_pv_rb();
         store_p(x, 1.0f, 1.0f, k_u32 + (bt & 1) * kTileBytes + kRope * kCbBytes);  // over the rope block S read
         bar_arrive(3);                                                             // m1 and P(b) ready for warpgroup 0
-        if constexpr (!kDsOrder) {
-          pack_pa(x);
-          zero_tail(bt);
-          issue_pv_rs(bt);
-        }
+        if constexpr (!kDsOrder) start_pv_rb();
       }
       bar_sync(4);  // P(a) scaled to m1
       zero_tail(a);
