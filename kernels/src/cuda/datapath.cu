@@ -14,8 +14,8 @@
 // and packs pairs to bf16; every warp-wide store covers whole sectors; loop-invariant divisors
 // (block size, row chunks) divide by multiply-high. Inputs outside the fast paths' exact range
 // (NaN, extreme scales) take the scalar path, kept out of line. The direct write_mha fp8 and
-// indexer writers read their input and write their rows with an L2 evict-first policy
-// (ld_v16_once, st_v8_once).
+// indexer writers write their rows with an L2 evict-first policy (st_v8_once); the indexer also
+// reads with it where an item's slots are scattered (ld_v16_once).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -49,18 +49,25 @@ __device__ __forceinline__ uint2 ld_v8(const uint8_t* p) { return *reinterpret_c
 __device__ __forceinline__ void st_v8(uint8_t* p, uint2 v) { *reinterpret_cast<uint2*>(p) = v; }
 
 // Global memory only: the same accesses with an L2 evict-first policy, for bytes a kernel touches
-// once. The quantising writers read their 16-bit input and write their fp8 rows this way: the input
-// and output streams then leave the L2 first, so the lines that random slots fill piecemeal (the
-// indexer's 4-byte scales, entries that share a line with a neighbour written later) stay long
-// enough to be completed there instead of being written back part-filled. kvferry-bench kernels,
-// random slots, contiguous / L61, none -> loads and stores evict-first:
+// once. write_mha fp8 and the indexer write their fp8 rows this way, and the indexer reads its 16-bit
+// input this way where its slots are scattered: the input and output streams then leave the L2 first, so the lines that
+// random slots fill piecemeal (the indexer's 4-byte scales, entries that share a line with a neighbour written later)
+// stay long enough to be completed there instead of being written back part-filled. kvferry-bench kernels, random
+// slots, contiguous / L61, none -> loads and stores evict-first (before the rows with slots by block were measured; see
+// below for what the loads' policy costs there):
 //   indexer        H100 0.670 / 0.639 -> 0.835 / 0.828, H200 0.634 / 0.623 -> 0.776 / 0.764;
 //   write_mha fp8  H100 0.860 / 0.849 -> 0.887 / 0.876, H200 0.858 / 0.824 -> 0.850 / 0.837;
 //   write_mla fp8  H100 0.846 / 0.840 -> 0.874 / 0.864, H200 0.872 / 0.864 -> 0.809 / 0.803, so
 //                  not used there (H200 is the reference GPU);
 // write_mla bf16 and write_mha bf16 unchanged, write_mla fp8_ds and bf16 -> 656 slower (H200: loads
 // evict-first 0.78 -> 0.66; not used there; measured with bf16 input, the fp16 input paths share
-// the code). The policy is a hint: the bytes written are the same.
+// the code). The policy is a hint: the bytes written are the same. Evict-first loads cost the
+// slot orders of a prefill (H200, slots by block, contiguous / L61): write_mha fp8 0.861 / 0.861
+// with them, 0.880 / 0.884 with plain loads (random slots 0.841-0.848 / 0.833-0.837 against
+// 0.854 / 0.830-0.835), so it reads plainly; the indexer 0.842-0.850 / 0.836-0.841 with them,
+// 0.890-0.900 / 0.869-0.873 with plain loads, but random slots 0.789 -> 0.668, so it reads plainly
+// exactly where an item's rows go to consecutive slots (0.897-0.905 / 0.875-0.884 by block, random
+// unchanged).
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -653,8 +660,8 @@ __global__ void __launch_bounds__(kThreads, 2) write_mha_kernel(const WriteMhaPa
         for (int k = 0; k < kG; ++k) {
           const int64_t g = c * 32 * kG + lane + 32 * k;
           if (g < groups) {
-            in.a[k] = kFp8 ? ld_v16_once(sk + 16 * g) : ld_v16(sk + 16 * g);
-            in.b[k] = kFp8 ? ld_v16_once(sv + 16 * g) : ld_v16(sv + 16 * g);
+            in.a[k] = ld_v16(sk + 16 * g);
+            in.b[k] = ld_v16(sv + 16 * g);
           }
         }
         return in;
@@ -783,15 +790,27 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
   };
   pipeline(
       items, [&](int64_t i) { return indexer_slots<kOps, 4>(p, i, sub); },
-      [&](int64_t i, const Slots<kOps, int64_t>&) {
+      [&](int64_t i, const Slots<kOps, int64_t>& sl) {
         In in;
+        // A run: the item's rows go to consecutive slots (a prefill's); those read plainly, the
+        // others evict-first (see ld_v16_once).
+        const int64_t s0 = __shfl_sync(kFull, sl.s[0], 0);
+        bool run = s0 >= 0;
+#pragma unroll
+        for (int u = 0; u < kOps; ++u) run &= sl.s[u] == s0 + 4 * u + sub;
+        run = __all_sync(kFull, run);
 #pragma unroll
         for (int u = 0; u < kOps; ++u) {
           const int64_t n = i * kRows + 4 * u + sub;
           in.a[u] = in.b[u] = uint4{};
-          if (n < p.tokens) {
-            in.a[u] = ld_v16_once(k + n * row_bytes + 16 * hl);
-            in.b[u] = ld_v16_once(k + n * row_bytes + 128 + 16 * hl);
+          if (n >= p.tokens) continue;
+          const uint8_t* const row = k + n * row_bytes + 16 * hl;
+          if (run) {
+            in.a[u] = ld_v16(row);
+            in.b[u] = ld_v16(row + 128);
+          } else {
+            in.a[u] = ld_v16_once(row);
+            in.b[u] = ld_v16_once(row + 128);
           }
         }
         return in;
