@@ -33,7 +33,13 @@ namespace {
 #if defined(KVFERRY_WITH_CUDA)
 
 constexpr int kBatch = 64;
-constexpr int kTokens = 4096;
+// Tokens per request; KVFERRY_BENCH_TOKENS (diagnosis: a multiple of the page, 64-65536) sets
+// another length, e.g. to separate a kernel's per-tile time from its fixed cost.
+const int kTokens = [] {
+  const char* v = std::getenv("KVFERRY_BENCH_TOKENS");
+  const long t = v ? std::strtol(v, nullptr, 10) : 0;
+  return t >= 64 && t <= 65536 && t % 64 == 0 ? static_cast<int>(t) : 4096;
+}();
 constexpr int kPage = 64;
 constexpr int kLayers = 8;
 constexpr int kLayer = 3;
