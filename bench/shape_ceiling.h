@@ -28,10 +28,10 @@ cudaError_t launch_scatter_ceiling(const void* in, int64_t in_bytes, void* out, 
                                    bool evict_first, cudaStream_t stream);
 
 /// What a conversion's traffic allows on its layout: `blocks` blocks, block i read as `src_bytes`
-/// from src + i * src_stride and `dst_bytes` written to dst + i * dst_stride (16-byte units; the
-/// destination carries the source's units, each read once and written once), without the
-/// conversion. A CTA per block, blocks taken grid-stride in order (as the conversions take them),
-/// four units in flight per thread. Sizes, strides and pointers 16-byte aligned.
+/// from src + i * src_stride and `dst_bytes` written to dst + i * dst_stride (16-byte units, each
+/// source unit read once and each destination unit written once), without the conversion. A CTA per block, blocks taken
+/// grid-stride in order (as the conversions take them), four units in flight per thread. Sizes, strides and pointers
+/// 16-byte aligned.
 cudaError_t launch_block_ceiling(const void* src, int64_t src_bytes, int64_t src_stride, void* dst, int64_t dst_bytes,
                                  int64_t dst_stride, int64_t blocks, cudaStream_t stream);
 
