@@ -42,6 +42,7 @@ using mla_detail::mbar_wait;
 using mla_detail::mma_bf16;
 using mla_detail::named_barrier;
 using mla_detail::out_row;
+using mla_detail::row_lse;
 using mla_detail::pack_bf16;
 using mla_detail::smem_u32;
 using mla_detail::split_tokens;
@@ -324,8 +325,7 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) decode_
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
   const int h0 = head0 + hgl * 16 + g;
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  const float lse0 = row_lse(m0, l0), lse1 = row_lse(m1, l1);
   const int64_t r0 = out_row<SPLIT>(p, b, split, h0), r1 = r0 + 8;
   const int col0 = ch * kWarpCols + tq * 2;
 #pragma unroll

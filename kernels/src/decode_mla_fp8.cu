@@ -503,8 +503,7 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   const float vs = FMT == kFmtDs ? vref : p.vscale;
   const float inv0 = vs / l0, inv1 = vs / l1;
   const int h0 = head0 + hgl * 16 + g;
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  const float lse0 = row_lse(m0, l0), lse1 = row_lse(m1, l1);
   const int64_t r0 = out_row<SPLIT>(p, b, split, h0);
   const int64_t r1 = r0 + 8;
 #pragma unroll

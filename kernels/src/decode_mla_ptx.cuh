@@ -153,6 +153,11 @@ __device__ __forceinline__ void store_o2(const KParams& p, int64_t row, int col,
   else
     *reinterpret_cast<uint32_t*>(p.o + row * kMlaRank + col) = pack_bf16(x, y);
 }
+/// A row's natural-log lse from its log2-domain maximum m and its sum l.
+__device__ __forceinline__ float row_lse(float m, float l) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  return (m + log2f(l)) * kLn2;
+}
 template <bool SPLIT>
 __device__ __forceinline__ void store_lse(const KParams& p, int64_t row, float v) {
   (SPLIT ? p.part_lse : p.lse)[row] = v;

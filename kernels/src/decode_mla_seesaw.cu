@@ -339,9 +339,8 @@ __device__ __forceinline__ void store_out_staged(const KParams& p, int b, int sp
   }
   const int64_t base = out_row<SPLIT>(p, b, split, head0);
   if (wg == 0 && tq == 0) {
-    constexpr float kLn2 = 0.6931471805599453f;
-    if (r0 < hb) store_lse<SPLIT>(p, base + r0, (m0 + log2f(l0)) * kLn2);
-    if (r1 < hb) store_lse<SPLIT>(p, base + r1, (m1 + log2f(l1)) * kLn2);
+    if (r0 < hb) store_lse<SPLIT>(p, base + r0, row_lse(m0, l0));
+    if (r1 < hb) store_lse<SPLIT>(p, base + r1, row_lse(m1, l1));
   }
   bar_sync(1);
   constexpr int kChunks = kRowBytes / 16;

@@ -91,8 +91,7 @@ __device__ __forceinline__ void store_out(const KParams& p, int b, int split, in
                                           const float (&acc)[128], float m0, float m1, float l0, float l1) {
   const int r1 = r0 + 8;
   const float inv0 = p.vscale / l0, inv1 = p.vscale / l1;
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float lse0 = (m0 + log2f(l0)) * kLn2, lse1 = (m1 + log2f(l1)) * kLn2;
+  const float lse0 = row_lse(m0, l0), lse1 = row_lse(m1, l1);
   const int col0 = wg * 256 + tq * 2;
   const int64_t base = out_row<SPLIT>(p, b, split, head0);
   if (r0 < hb) {
