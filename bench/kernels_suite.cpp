@@ -50,7 +50,8 @@ KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks, int64_t block
 struct Arena {
   uint8_t* base = nullptr;
   size_t size = 0, used = 0;
-  int misses = 0;  // allocations it had no room for (cudaMalloc'd instead)
+  size_t align = 256;  // where each buffer starts (KVFERRY_BENCH_ALIGN)
+  int misses = 0;      // allocations it had no room for (cudaMalloc'd instead)
 };
 Arena g_arena;
 
@@ -61,10 +62,11 @@ struct Dev {
   size_t n = 0, mark = SIZE_MAX;  // mark: g_arena.used before this allocation, if taken from it
   explicit Dev(size_t bytes) : n(bytes) {
     const size_t want = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
-    if (g_arena.base && g_arena.size - g_arena.used >= want) {
+    const size_t at = (g_arena.used + g_arena.align - 1) / g_arena.align * g_arena.align;
+    if (g_arena.base && at <= g_arena.size && g_arena.size - at >= want) {
       mark = g_arena.used;
-      p = g_arena.base + g_arena.used;
-      g_arena.used += want;
+      p = g_arena.base + at;
+      g_arena.used = at + want;
     } else {
       if (g_arena.base) ++g_arena.misses;
       if (cudaMalloc(&p, std::max<size_t>(bytes, 1)) != cudaSuccess) {
@@ -190,6 +192,15 @@ int run_kernels(const Options& opts) {
     void* a = nullptr;
     if (cudaMalloc(&a, want) == cudaSuccess) {
       g_arena = {static_cast<uint8_t*>(a), want, 0};
+      // KVFERRY_BENCH_ALIGN (diagnosis): where in the arena each buffer starts (a power of two
+      // from 256 bytes; default 256).
+      if (const char* v = std::getenv("KVFERRY_BENCH_ALIGN")) {
+        const long al = std::strtol(v, nullptr, 10);
+        if (al >= 256 && (al & (al - 1)) == 0) {
+          g_arena.align = static_cast<size_t>(al);
+          rep.note("arena buffers start at multiples of " + std::to_string(al) + " bytes (KVFERRY_BENCH_ALIGN)");
+        }
+      }
       rep.note("one arena of " + std::to_string(want >> 20) +
                " MiB, allocated before the first row, holds every row's buffers");
     } else {
@@ -482,6 +493,17 @@ int run_kernels(const Options& opts) {
       p.dst = {dst.p, ds.region_bytes(), ds.layer_view(layer)};
       p.count = n / page;
       p.not_lossless = flags.as<int32_t>();
+      // KVFERRY_BENCH_CONVERT_ORDER=random (diagnosis): the blocks through a shuffled list (the
+      // kernel then visits them in that order) instead of the whole view in order.
+      static const bool shuffled = [] {
+        const char* v = std::getenv("KVFERRY_BENCH_CONVERT_ORDER");
+        return v != nullptr && std::string(v) == "random";
+      }();
+      std::vector<int64_t> order(static_cast<size_t>(shuffled ? p.count : 0));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), g);
+      Dev order_d(order);
+      if (shuffled) p.src_blocks = p.dst_blocks = order_d.as<int64_t>();
       bool ok = validate_convert(p).ok();
       const double t = time_launch(
           st, reps, [&] { return launch_convert(p, st); }, &ok);
