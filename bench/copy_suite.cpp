@@ -3,9 +3,10 @@
 // (automatic and fixed CTA counts), the staged engine (device gather/scatter + DMA of the merged
 // pool side), cudaMemcpyBatchAsync over 1, 2 and 4 (default) streams, the automatic choice, and
 // per-block cudaMemcpyAsync (the peer), and the same bytes as one contiguous copy (the ceiling at
-// that transfer size). Each figure is a ratio to one 1 GiB pinned copy (or to the both-ways copy)
-// measured in the same run: one warm-up, then the median (KVFERRY_BENCH_REPS samples, default 5;
-// KVFERRY_BENCH_GATE_US queues each behind a GPU-side wait so the host's enqueue is not timed).
+// that transfer size). Each figure is a ratio to one 1 GiB copy between the same region and pool
+// (or to both at once), measured in the same run before that block size's rows: one warm-up, then the median
+// (KVFERRY_BENCH_REPS samples, default 5; KVFERRY_BENCH_GATE_US queues each behind a GPU-side wait so the host's
+// enqueue is not timed).
 //
 // Then the interference figure: the suite starts itself again as a child process (posix_spawn of
 // /proc/self/exe with a hidden argument) that times engine-like kernels (memory-bound and
@@ -20,12 +21,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "bench.h"
@@ -67,20 +71,44 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
-/// Times `fn` (which enqueues on s.a and/or s.b): one warm-up, then the median of `reps` runs, in
-/// seconds.
-template <class Fn>
-double time_it(Streams& s, int reps, Fn&& fn) {
+/// Times `fn` (which enqueues on s.a and/or s.b) and, when given, `fn_b` (which enqueues on s.b)
+/// on a second host thread at the same moment: one warm-up, then the median of `reps` runs, in
+/// seconds. The second thread is how the daemon offloads and reloads at once: each op is
+/// enqueued by its own data worker on its own stream, so neither waits for the other's enqueue.
+template <class Fn, class FnB = std::nullptr_t>
+double time_it(Streams& s, int reps, Fn&& fn, FnB&& fn_b = nullptr) {
   cudaDeviceSynchronize();  // fills ran on the legacy stream, which s.a and s.b do not wait for
   static const long gate_us = [] {
     const char* g = std::getenv("KVFERRY_BENCH_GATE_US");
     return g ? std::strtol(g, nullptr, 10) : 0L;
   }();
   auto once = [&] {
-    if (gate_us > 0) launch_gate(static_cast<uint64_t>(gate_us) * 1000, s.a);
-    cudaEventRecord(s.t0, s.a);
-    cudaStreamWaitEvent(s.b, s.t0, 0);
-    fn();
+    auto start = [&] {
+      if (gate_us > 0) launch_gate(static_cast<uint64_t>(gate_us) * 1000, s.a);
+      cudaEventRecord(s.t0, s.a);
+      cudaStreamWaitEvent(s.b, s.t0, 0);
+    };
+    if constexpr (std::is_same_v<std::decay_t<FnB>, std::nullptr_t>) {
+      start();
+      fn();
+    } else {
+      // The helper starts before the clock does, says it runs, then spins (bounded) until
+      // released, so both enqueues begin together and thread start-up (tens of microseconds, a
+      // tenth of a 16 KiB row) is not in the sample.
+      std::atomic<int> ready{0}, go{0};
+      std::thread helper([&] {
+        ready.store(1, std::memory_order_release);
+        for (int i = 0; i < (1 << 26) && go.load(std::memory_order_acquire) == 0; ++i) {
+        }
+        fn_b();
+      });
+      for (int i = 0; i < (1 << 26) && ready.load(std::memory_order_acquire) == 0; ++i) {
+      }
+      start();
+      go.store(1, std::memory_order_release);
+      fn();
+      helper.join();
+    }
     cudaEventRecord(s.jb, s.b);
     cudaStreamWaitEvent(s.a, s.jb, 0);
     cudaEventRecord(s.t1, s.a);
@@ -371,6 +399,9 @@ int run_copy(const Options& opts) {
   int reps = opts.quick ? 3 : 5;
   if (const char* r = std::getenv("KVFERRY_BENCH_REPS")) reps = std::max(1, std::atoi(r));
   const int64_t max_size = sizes.back();
+  const char* threads_env = std::getenv("KVFERRY_BENCH_BOTH_THREADS");
+  const bool one_thread = threads_env != nullptr && std::string(threads_env) == "1";
+  if (one_thread) rep.note("KVFERRY_BENCH_BOTH_THREADS=1: both ways enqueued by one host thread, out then in");
 
   Streams s;
   BENCH_CUDA(cudaStreamCreateWithFlags(&s.a, cudaStreamNonBlocking));
@@ -379,27 +410,9 @@ int run_copy(const Options& opts) {
   BENCH_CUDA(cudaEventCreate(&s.t1));
   BENCH_CUDA(cudaEventCreate(&s.jb));
 
-  // Limits: one 1 GiB pinned copy each way, and both at once.
+  // The region (device) and the pool (pinned host), sized for the largest block, and at least
+  // 2 GiB each: the limits are measured on them.
   const size_t gib = size_t{1} << 30;
-  uint8_t *lim_h = nullptr, *lim_d = nullptr;
-  BENCH_CUDA(cudaMallocHost(reinterpret_cast<void**>(&lim_h), 2 * gib));
-  BENCH_CUDA(cudaMalloc(reinterpret_cast<void**>(&lim_d), 2 * gib));
-  std::memset(lim_h, 1, 2 * gib);
-  BENCH_CUDA(cudaMemset(lim_d, 2, 2 * gib));
-  const double t_d2h = time_it(s, reps, [&] { cudaMemcpyAsync(lim_h, lim_d, gib, cudaMemcpyDeviceToHost, s.a); });
-  const double t_h2d = time_it(s, reps, [&] { cudaMemcpyAsync(lim_d, lim_h, gib, cudaMemcpyHostToDevice, s.a); });
-  const double t_both = time_it(s, reps, [&] {
-    cudaMemcpyAsync(lim_h, lim_d, gib, cudaMemcpyDeviceToHost, s.a);
-    cudaMemcpyAsync(lim_d + gib, lim_h + gib, gib, cudaMemcpyHostToDevice, s.b);
-  });
-  const double lim_d2h = gib / t_d2h / 1e9, lim_h2d = gib / t_h2d / 1e9, lim_both = 2.0 * gib / t_both / 1e9;
-  BENCH_CUDA(cudaFree(lim_d));
-  BENCH_CUDA(cudaFreeHost(lim_h));
-  rep.add({"pinned 1GiB copy d2h", lim_d2h, "GB/s", lim_d2h, "itself", true, 0, ""});
-  rep.add({"pinned 1GiB copy h2d", lim_h2d, "GB/s", lim_h2d, "itself", true, 0, ""});
-  rep.add({"pinned 1GiB copy both ways", lim_both, "GB/s", lim_both, "itself", true, 0, ""});
-
-  // The region (device) and the pool (pinned host), sized for the largest block.
   size_t free_b = 0, total_b = 0;
   BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
   const int64_t fit = static_cast<int64_t>((free_b - (size_t{3} << 30)) / static_cast<size_t>(max_size));
@@ -408,11 +421,35 @@ int run_copy(const Options& opts) {
              " to fit device memory (blocks stay scattered)");
     region_blocks = std::max<int64_t>(fit, nblocks);
   }
+  const size_t region_bytes = std::max(static_cast<size_t>(region_blocks * max_size), 2 * gib);
+  const size_t pool_bytes = std::max(static_cast<size_t>(nblocks * max_size), 2 * gib);
   uint8_t *region = nullptr, *pool = nullptr;
-  BENCH_CUDA(cudaMalloc(reinterpret_cast<void**>(&region), static_cast<size_t>(region_blocks * max_size)));
-  BENCH_CUDA(cudaMallocHost(reinterpret_cast<void**>(&pool), static_cast<size_t>(nblocks * max_size)));
-  BENCH_CUDA(cudaMemset(region, 7, static_cast<size_t>(region_blocks * max_size)));
-  std::memset(pool, 3, static_cast<size_t>(nblocks * max_size));
+  BENCH_CUDA(cudaMalloc(reinterpret_cast<void**>(&region), region_bytes));
+  BENCH_CUDA(cudaMallocHost(reinterpret_cast<void**>(&pool), pool_bytes));
+  BENCH_CUDA(cudaMemset(region, 7, region_bytes));
+  std::memset(pool, 3, pool_bytes);
+
+  // Limits: one 1 GiB copy each way, and both at once (each way on its own host thread), between
+  // the region and the pool: the memory the rows move. A separately allocated pinned buffer measured
+  // 90-101 GB/s both ways from run to run on one H200 while the rows on the pool held 97-100, so the
+  // limit is taken where the rows run and measured again before each block size's rows.
+  struct Limits {
+    double d2h, h2d, both;
+  };
+  auto measure_limits = [&]() -> Limits {
+    const double t_d2h = time_it(s, reps, [&] { cudaMemcpyAsync(pool, region, gib, cudaMemcpyDeviceToHost, s.a); });
+    const double t_h2d = time_it(s, reps, [&] { cudaMemcpyAsync(region, pool, gib, cudaMemcpyHostToDevice, s.a); });
+    const double t_both = time_it(
+        s, reps, [&] { cudaMemcpyAsync(pool, region, gib, cudaMemcpyDeviceToHost, s.a); },
+        [&] { cudaMemcpyAsync(region + gib, pool + gib, gib, cudaMemcpyHostToDevice, s.b); });
+    return {gib / t_d2h / 1e9, gib / t_h2d / 1e9, 2.0 * gib / t_both / 1e9};
+  };
+  const Limits first = measure_limits();
+  BENCH_CUDA(cudaGetLastError());
+  rep.add({"pinned 1GiB copy d2h", first.d2h, "GB/s", first.d2h, "itself", true, 0, "region -> pool"});
+  rep.add({"pinned 1GiB copy h2d", first.h2d, "GB/s", first.h2d, "itself", true, 0, "pool -> region"});
+  rep.add({"pinned 1GiB copy both ways", first.both, "GB/s", first.both, "itself", true, 0, "both at once"});
+  Limits lo = first, hi = first;
 
   std::vector<int64_t> ids(static_cast<size_t>(region_blocks));
   std::iota(ids.begin(), ids.end(), 0);
@@ -455,6 +492,9 @@ int run_copy(const Options& opts) {
                          {"per-block memcpy", -1, 0, dflt, false},
                          {"one contiguous copy", -2, 0, dflt, false}};
   for (int64_t size : sizes) {
+    const Limits lim_now = measure_limits();
+    lo = {std::min(lo.d2h, lim_now.d2h), std::min(lo.h2d, lim_now.h2d), std::min(lo.both, lim_now.both)};
+    hi = {std::max(hi.d2h, lim_now.d2h), std::max(hi.h2d, lim_now.h2d), std::max(hi.both, lim_now.both)};
     // Runs: region block ids[i] <-> pool slot i; for both ways the first half goes out, the second in.
     std::vector<CopyRun> d2h, h2d;
     for (int64_t i = 0; i < nblocks; ++i) {
@@ -466,7 +506,7 @@ int run_copy(const Options& opts) {
     const std::vector<CopyRun> in_half(h2d.begin() + static_cast<std::ptrdiff_t>(half), h2d.end());
     for (int dir : {kD2H, kH2D, kBoth}) {
       for (const Eng& e : engines) {
-        bool failed = false;
+        std::atomic<bool> failed{false};  // set by either enqueuing thread
         for (auto* c : {ca->get(), cb->get()}) {
           c->set_kernel_ctas(e.ctas);
           c->set_dma_streams(e.dma_streams);
@@ -474,36 +514,43 @@ int run_copy(const Options& opts) {
         auto enqueue = [&](const std::vector<CopyRun>& runs, bool to_host, cudaStream_t st, kernels::BlockCopier& c) {
           const void* src = to_host ? static_cast<const void*>(region) : pool;
           void* dst = to_host ? static_cast<void*>(pool) : region;
+          bool ok = true;
           if (e.engine == -2) {
             // The same bytes as one contiguous copy: the ceiling of a transfer this size.
             // The device side at the pool side's offset (the region is larger than the pool).
             int64_t bytes = 0;
             for (const CopyRun& r : runs) bytes += r.bytes;
             const int64_t at = to_host ? runs[0].dst : runs[0].src;
-            cudaMemcpyAsync(static_cast<uint8_t*>(dst) + at, static_cast<const uint8_t*>(src) + at,
-                            static_cast<size_t>(bytes), cudaMemcpyDefault, st);
+            ok = cudaMemcpyAsync(static_cast<uint8_t*>(dst) + at, static_cast<const uint8_t*>(src) + at,
+                                 static_cast<size_t>(bytes), cudaMemcpyDefault, st) == cudaSuccess;
           } else if (e.engine < 0) {
             for (const CopyRun& r : runs)
-              cudaMemcpyAsync(static_cast<uint8_t*>(dst) + r.dst, static_cast<const uint8_t*>(src) + r.src,
-                              static_cast<size_t>(r.bytes), cudaMemcpyDefault, st);
-          } else if (!c.copy(src, dst, runs, static_cast<CopyEngine>(e.engine), st).ok()) {
-            failed = true;
+              ok &= cudaMemcpyAsync(static_cast<uint8_t*>(dst) + r.dst, static_cast<const uint8_t*>(src) + r.src,
+                                    static_cast<size_t>(r.bytes), cudaMemcpyDefault, st) == cudaSuccess;
+          } else {
+            ok = c.copy(src, dst, runs, static_cast<CopyEngine>(e.engine), st).ok();
           }
+          // CUDA's last error is per thread: read it on the thread that enqueued.
+          if (!ok || cudaGetLastError() != cudaSuccess) failed = true;
         };
-        const double t = time_it(s, reps, [&] {
-          if (dir == kD2H) enqueue(d2h, true, s.a, **ca);
-          if (dir == kH2D) enqueue(h2d, false, s.a, **ca);
-          if (dir == kBoth) {
-            enqueue(out_half, true, s.a, **ca);
-            enqueue(in_half, false, s.b, **cb);
-          }
-        });
-        if (failed || cudaGetLastError() != cudaSuccess) {
+        // Both ways: each half enqueued by its own host thread (see time_it), unless
+        // KVFERRY_BENCH_BOTH_THREADS=1 (diagnosis) has one thread enqueue the two in turn.
+        const double t = dir != kBoth
+                             ? time_it(s, reps, [&] { enqueue(dir == kD2H ? d2h : h2d, dir == kD2H, s.a, **ca); })
+                         : one_thread ? time_it(s, reps,
+                                                [&] {
+                                                  enqueue(out_half, true, s.a, **ca);
+                                                  enqueue(in_half, false, s.b, **cb);
+                                                })
+                                      : time_it(
+                                            s, reps, [&] { enqueue(out_half, true, s.a, **ca); },
+                                            [&] { enqueue(in_half, false, s.b, **cb); });
+        if (failed.load()) {
           std::fprintf(stderr, "copy: %s %s failed\n", dir_name[dir], e.name);
           return 1;
         }
         const double gbs = static_cast<double>(nblocks * size) / t / 1e9;
-        const double lim = dir == kD2H ? lim_d2h : dir == kH2D ? lim_h2d : lim_both;
+        const double lim = dir == kD2H ? lim_now.d2h : dir == kH2D ? lim_now.h2d : lim_now.both;
         double target = 0;
         if (e.targeted) {
           // Engine-driven paths (the kernel, or DMA of staged copies): 0.92 at every size; the
@@ -522,7 +569,7 @@ int run_copy(const Options& opts) {
         if (e.engine >= 0) {
           note = std::string("-> ") + kernels::copy_engine_name((*ca)->last_engine());
           if ((*ca)->last_engine() == CopyEngine::kKernel)
-            note += " " + std::to_string((*ca)->kernel_ctas_for((*ca)->last_direction())) + " CTAs";
+            note.append(" ").append(std::to_string((*ca)->kernel_ctas_for((*ca)->last_direction()))).append(" CTAs");
         }
         rep.add({std::string(dir_name[dir]) + " " + human_bytes(size) + " " + e.name, gbs, "GB/s", lim,
                  dir == kBoth ? "pinned copy both ways" : std::string("pinned 1GiB ") + dir_name[dir], true, target,
@@ -530,8 +577,18 @@ int run_copy(const Options& opts) {
       }
     }
   }
+  auto range = [](double a, double b) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.1f-%.1f", a, b);
+    return std::string(buf);
+  };
+  rep.note(
+      "limits between the region and the pool, measured again before each block size's rows (each row's "
+      "limit column): d2h " +
+      range(lo.d2h, hi.d2h) + ", h2d " + range(lo.h2d, hi.h2d) + ", both ways " + range(lo.both, hi.both) + " GB/s");
   rep.note(std::to_string(nblocks) + " blocks scattered over a " + std::to_string(region_blocks) +
-           "-block region; both ways = half the blocks out, half in, on two streams");
+           "-block region; both ways = half the blocks out, half in, on two streams, each half enqueued by its own "
+           "host thread as the daemon's data workers do");
 
   // Interference: 256 KiB blocks (1 GiB per offload), default settings.
   if (!only_sizes) {
