@@ -493,17 +493,18 @@ int run_kernels(const Options& opts) {
       p.dst = {dst.p, ds.region_bytes(), ds.layer_view(layer)};
       p.count = n / page;
       p.not_lossless = flags.as<int32_t>();
-      // KVFERRY_BENCH_CONVERT_ORDER=random (diagnosis): the blocks through a shuffled list (the
-      // kernel then visits them in that order) instead of the whole view in order.
-      static const bool shuffled = [] {
+      // KVFERRY_BENCH_CONVERT_ORDER (diagnosis): "random" hands the conversions their blocks through
+      // a shuffled list (the kernel then visits them in that order), "list" through a list in
+      // order, instead of the whole view.
+      static const int listed = [] {
         const char* v = std::getenv("KVFERRY_BENCH_CONVERT_ORDER");
-        return v != nullptr && std::string(v) == "random";
+        return v == nullptr ? 0 : std::string(v) == "random" ? 2 : std::string(v) == "list" ? 1 : 0;
       }();
-      std::vector<int64_t> order(static_cast<size_t>(shuffled ? p.count : 0));
+      std::vector<int64_t> order(static_cast<size_t>(listed ? p.count : 0));
       std::iota(order.begin(), order.end(), 0);
-      std::shuffle(order.begin(), order.end(), g);
+      if (listed == 2) std::shuffle(order.begin(), order.end(), g);
       Dev order_d(order);
-      if (shuffled) p.src_blocks = p.dst_blocks = order_d.as<int64_t>();
+      if (listed) p.src_blocks = p.dst_blocks = order_d.as<int64_t>();
       bool ok = validate_convert(p).ok();
       const double t = time_launch(
           st, reps, [&] { return launch_convert(p, st); }, &ok);
