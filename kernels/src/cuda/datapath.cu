@@ -1369,6 +1369,13 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
   __syncthreads();
   const int64_t step = gridDim.x;
   int64_t u = blockIdx.x;
+  // Where warp 0 refills: with two stages, before its share of unit k (the refill is unit k + 1,
+  // needed as soon as unit k is done); with three or more, after it, so that warp 0 does not wait
+  // on the empty barrier (the slowest warp of unit k - 1) before its own work at every unit. The
+  // issue-bound bf16 -> 656 (three stages) measured 0.85 -> 0.87 on a 61-layer view and 0.88 ->
+  // 0.90 contiguous with the late refill; the two-stage conversions lost up to 0.2 with it (H200,
+  // kernels/NOTES.md, data path round 12).
+  constexpr bool kLateRefill = kSt >= 3;
   if (warp == 0) {
 #pragma unroll
     for (int s = 0; s < kSt; ++s)
@@ -1376,18 +1383,22 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
   }
   for (int64_t k = 0; u < units; u += step, ++k) {
     const int s = static_cast<int>(k % kSt);
-    if (warp == 0 && k > 0) {
-      const int ps = s == 0 ? kSt - 1 : s - 1;  // the stage of unit k - 1
-      const int64_t v = u + (kSt - 1) * step;
-      if (v < units) {
-        mbar_wait(empty0 + 8 * ps, static_cast<uint32_t>(((k - 1) / kSt) & 1));
-        issue(v, smem_addr(ring[ps]), full0 + 8 * ps, lane);
+    auto refill = [&] {
+      if (warp == 0 && k > 0) {
+        const int ps = s == 0 ? kSt - 1 : s - 1;  // the stage of unit k - 1
+        const int64_t v = u + (kSt - 1) * step;
+        if (v < units) {
+          mbar_wait(empty0 + 8 * ps, static_cast<uint32_t>(((k - 1) / kSt) & 1));
+          issue(v, smem_addr(ring[ps]), full0 + 8 * ps, lane);
+        }
       }
-    }
+    };
+    if constexpr (!kLateRefill) refill();
     mbar_wait(full0 + 8 * s, static_cast<uint32_t>((k / kSt) & 1));
     process(u, k, ring[s], warp, lane);
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    if constexpr (kLateRefill) refill();
   }
 }
 
