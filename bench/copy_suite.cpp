@@ -554,10 +554,14 @@ int run_copy(const Options& opts) {
         double target = 0;
         if (e.targeted) {
           // Engine-driven paths (the kernel, or DMA of staged copies): 0.92 at every size; the
-          // daemon's DMA of the blocks as they are: 0.92 from 256 KiB, 0.97 from 1 MiB.
+          // daemon's DMA of the blocks as they are: 0.92 from 256 KiB, 0.97 from 1 MiB. Both ways
+          // at once (DESIGN.md §8: 0.85, a capability, not an engine's): the automatic choice at every
+          // size, and the daemon's DMA where it is the daemon's engine one way (from 256 KiB).
+          // Forcing the SM copy kernel both ways (0.64-0.83 on an H200, two PCIe directions of
+          // loads and stores from 16-32 CTAs) or DMA of 16-64 KiB entries is informational.
           const CopyEngine used = (*ca)->last_engine();
           if (dir == kBoth)
-            target = 0.85;
+            target = e.engine == int(CopyEngine::kAuto) || (used == CopyEngine::kDma && size >= (256 << 10)) ? 0.85 : 0;
           else if (used == CopyEngine::kKernel || used == CopyEngine::kStaged)
             target = 0.92;
           else if (size >= (1 << 20))
