@@ -1340,9 +1340,9 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
 // one instruction a unit, completion counted in bytes on the stage's full barrier, nothing in the
 // warps' instruction stream); the warps then convert from shared memory. Warp 0 also refills: at
 // unit k it refills the stage of unit k - 1 once every warp has released it (the stage's empty
-// barrier), before its own share of unit k with two stages, after it with more. Measured and not kept for write_mla
-// (its input is contiguous too): that kernel is issue-bound, and the barriers' waits add instructions
-// (kernels/NOTES.md, data path round 8). ----
+// barrier), before its own share of unit k with two stages, after it with more. Measured and not
+// kept for write_mla (its input is contiguous too): that kernel is issue-bound, and the barriers'
+// waits add instructions (kernels/NOTES.md, data path round 8). ----
 
 using ptx::mbar_arrive;
 using ptx::mbar_expect_tx;
