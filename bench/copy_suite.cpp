@@ -4,9 +4,9 @@
 // pool side), cudaMemcpyBatchAsync over 1, 2 and 4 (default) streams, the automatic choice, and
 // per-block cudaMemcpyAsync (the peer), and the same bytes as one contiguous copy (the ceiling at
 // that transfer size). Each figure is a ratio to one 1 GiB copy between the same region and pool
-// (or to both at once), measured in the same run before that block size's rows: one warm-up, then the median
-// (KVFERRY_BENCH_REPS samples, default 5; KVFERRY_BENCH_GATE_US queues each behind a GPU-side wait so the host's
-// enqueue is not timed).
+// (or to both at once), measured in the same run before that block size's rows: one warm-up,
+// then the median (KVFERRY_BENCH_REPS samples, default 5; KVFERRY_BENCH_GATE_US queues each behind
+// a GPU-side wait so the host's enqueue is not timed).
 //
 // Then the interference figure: the suite starts itself again as a child process (posix_spawn of
 // /proc/self/exe with a hidden argument) that times engine-like kernels (memory-bound and
