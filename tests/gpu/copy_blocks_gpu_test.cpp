@@ -160,6 +160,36 @@ TEST_F(CopyBlocksGpu, EveryEngineAndDirectionMatchesMemcpy) {
   }
 }
 
+TEST_F(CopyBlocksGpu, ThousandsOfSmallRunsEachFindTheirChunks) {
+  // Every warp of the copy kernel searches the chunk prefix for its first run, 32 probes a round:
+  // 6000 runs (empty ones among them, so the prefix repeats values) need three rounds.
+  const size_t mib = size_t{1} << 20;
+  Buf dev(Mem::kDevice, 80 * mib), pin(Mem::kPinned, 80 * mib), dev2(Mem::kDevice, 96 * mib);
+  ASSERT_TRUE(dev.ok() && pin.ok() && dev2.ok());
+  pin.fill(31);
+  dev.fill(32);
+  std::mt19937_64 g(33);
+  const int64_t sizes[] = {0, 0, 16, 48, 4096, 16 << 10, 70000};
+  std::vector<CopyRun> runs;
+  int64_t at = 0;
+  for (int i = 0; i < 6000; ++i) {
+    const int64_t bytes = sizes[g() % std::size(sizes)];
+    const int64_t src = static_cast<int64_t>(g() % static_cast<uint64_t>(static_cast<int64_t>(pin.n) - bytes)) & ~15;
+    runs.push_back({src, at, bytes});
+    at += (bytes + 15) & ~int64_t{15};
+  }
+  ASSERT_LT(at, static_cast<int64_t>(dev2.n));
+  std::shuffle(runs.begin(), runs.end(), g);
+  auto copier = BlockCopier::create(8192);
+  ASSERT_TRUE(copier.ok());
+  uint32_t seed = 34;
+  for (int ctas : {0, 1, 7, 64}) {
+    const Setting s{CopyEngine::kKernel, ctas, 4};
+    check(pin, dev2, runs, s, **copier, ++seed, "host to device");
+    check(dev, dev2, runs, s, **copier, ++seed, "device to device");
+  }
+}
+
 TEST_F(CopyBlocksGpu, PlansOfBothLayoutsRoundTrip) {
   for (Layout layout : {Layout::kBlockMajor, Layout::kLayerMajor}) {
     const auto region = test::mk_spec(5, 96, 16, EntryFormat::mla_fp8_ds(), layout);
