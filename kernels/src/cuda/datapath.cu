@@ -5,7 +5,8 @@
 // kernels (sm_90, the conversions) stream units of a block's entries through a per-CTA ring
 // filled by bulk copies (bulk_units()). Each launcher picks the engine that measured faster for
 // its kernel (use_staged, use_bulk). Grids are one resident wave looping grid-stride (the bulk
-// kernels: unit-stride per CTA); 16-byte vector accesses; every entry addressed through the
+// kernels: grid-stride over units, or one range of units per CTA on a whole layer view); 16-byte
+// vector accesses; every entry addressed through the
 // view's strides in 64-bit (CacheRef::entry). The math gives the CPU twins' bits
 // (common/datapath_math.h): quantisation divides through the reciprocal with two Markstein
 // corrections (no per-value range checks: the scale's range is checked once, overflow and NaN
@@ -1350,13 +1351,14 @@ using ptx::mbar_fence_init;
 using ptx::mbar_init;
 using ptx::mbar_wait;
 
-/// CTA c takes units c, c + grid, c + 2 grid, ... issue(unit, stage, full_bar, lane): called by
+/// CTA c takes units c, c + grid, c + 2 grid, ..., or with `ranges` the units
+/// [units * c / grid, units * (c + 1) / grid) in order. issue(unit, stage, full_bar, lane): called by
 /// all of warp 0; it arms full_bar with the unit's bytes (mbar_expect_tx) before its copies can
 /// land. process(unit, k, stage, warp, lane) converts and stores the warp's share of the unit (k:
 /// the CTA's unit count so far). bars: 2 kSt mbarriers.
 template <int kStageBytes, int kSt, class Issue, class Process>
 __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStageBytes], uint64_t* bars, Issue issue,
-                                           Process process) {
+                                           Process process, bool ranges = false) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * kSt;
   if (threadIdx.x == 0) {
@@ -1368,8 +1370,12 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
     mbar_fence_init();
   }
   __syncthreads();
-  const int64_t step = gridDim.x;
-  int64_t u = blockIdx.x;
+  // The CTA's units: every gridDim-th from its own index (the grid sweeps the units in order, so
+  // at any moment the CTAs work on neighbouring ones), or with `ranges` one range of consecutive
+  // units per CTA (kernels/NOTES.md, data path round 13: what each costs on which views).
+  const int64_t step = ranges ? 1 : gridDim.x;
+  int64_t u = ranges ? units * blockIdx.x / gridDim.x : blockIdx.x;
+  if (ranges) units = units * (blockIdx.x + 1) / gridDim.x;
   // Where warp 0 refills: with two stages, before its share of unit k (the refill is unit k + 1,
   // needed as soon as unit k is done); with three or more, after it, so that warp 0 does not wait
   // on the empty barrier (the slowest warp of unit k - 1) before its own work at every unit. The
@@ -1743,7 +1749,7 @@ __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t byt
 }
 
 template <int kKind, bool kStore, int kConvUnit, int kSt, bool kStrided = false, int kW = kWarps>
-__global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertParams p) {
+__global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertParams p, bool ranges) {
   static_assert(!(kStore && kStrided), "a warp's bulk store needs its entries consecutive");
   constexpr int kSrc = conv_src_bytes(kKind), kDst = conv_dst_bytes(kKind);
   constexpr int kStage = kConvUnit * kSrc;
@@ -1823,7 +1829,8 @@ __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertP
           __syncwarp();
           if (lane == 0) bulk_store(dst0, smem_addr(ob), static_cast<uint32_t>((e1 - e0) * kDst));
         }
-      });
+      },
+      ranges);
   if (kStore && (threadIdx.x & 31) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
@@ -1969,8 +1976,8 @@ cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t strea
 /// dynamic shared memory: at most one wave of the CTAs that fit. The shared-memory opt-in and the
 /// occupancy belong to a device, so they are kept per device (0: not yet known; devices past 15
 /// ask every time). use_bulk has checked that `smem` fits the device.
-template <auto kK, class P>
-cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, int threads = kThreads) {
+template <auto kK, class P, class... A>
+cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, int threads, A... args) {
   static std::atomic<int> per_sm_of[16];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
@@ -1988,7 +1995,7 @@ cudaError_t go_bulk(const P& p, int64_t units, int smem, cudaStream_t stream, in
     if (per_sm < 1) return cudaErrorInvalidConfiguration;
     if (dev >= 0 && dev < 16) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
   }
-  kK<<<one_wave(units, per_sm), threads, smem, stream>>>(p);
+  kK<<<one_wave(units, per_sm), threads, smem, stream>>>(p, args...);
   return cudaGetLastError();
 }
 
@@ -2031,10 +2038,28 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
       contiguous(p.src, conv_src_bytes(kind), p.src_layer_stride) &&
       contiguous(p.dst, conv_dst_bytes(kind), p.dst_layer_stride)) {
     auto units = [&](int unit) { return p.layers * p.count * (bs / unit); };
-#define KVF_CONV(K, S, U, ST, SD) \
-  go_bulk<convert_bulk_kernel<K, S, U, ST, SD>>(p, units(U), conv_bulk_smem(K, S, U, ST, kWarps), stream)
+    // Unit order: for a whole view whose blocks lie apart (a layer view of a block-major buffer,
+    // no block list), one range of consecutive units per CTA; otherwise grid-stride, so the grid
+    // sweeps a contiguous cache in order. On an H200, ranges against grid-stride: 61-layer views
+    // in order +0.000-0.008 (656 -> bf16 0.843-0.844 -> 0.849-0.851), contiguous caches -0.03,
+    // 61-layer views through a shuffled list -0.003 to -0.027 (kernels/NOTES.md, data path round 13).
+    // KVFERRY_CONVERT_ORDER=stride|ranges forces one (diagnosis).
+    static const int forced_order = [] {
+      const char* v = std::getenv("KVFERRY_CONVERT_ORDER");
+      return !v ? -1 : std::strcmp(v, "ranges") == 0 ? 1 : std::strcmp(v, "stride") == 0 ? 0 : -1;
+    }();
+    auto apart = [bs](const CacheRef& c, int64_t entry_bytes) {
+      return c.view.strides[0] * dtype_size(c.view.dtype) != bs * entry_bytes;
+    };
+    const bool ranges = forced_order >= 0
+                            ? forced_order == 1
+                            : !p.src_blocks && !p.dst_blocks &&
+                                  (apart(p.src, conv_src_bytes(kind)) || apart(p.dst, conv_dst_bytes(kind)));
+#define KVF_CONV(K, S, U, ST, SD)                                                                                   \
+  go_bulk<convert_bulk_kernel<K, S, U, ST, SD>>(p, units(U), conv_bulk_smem(K, S, U, ST, kWarps), stream, kThreads, \
+                                                ranges)
 #define KVF_CONV16(K, S, U, ST, SD) \
-  go_bulk<convert_bulk_kernel<K, S, U, ST, SD, 16>>(p, units(U), conv_bulk_smem(K, S, U, ST, 16), stream, 512)
+  go_bulk<convert_bulk_kernel<K, S, U, ST, SD, 16>>(p, units(U), conv_bulk_smem(K, S, U, ST, 16), stream, 512, ranges)
     switch (kind) {
       case 0: return KVF_CONV(0, true, 64, 2, false);
       case 1: return KVF_CONV(1, true, 64, 2, false);
