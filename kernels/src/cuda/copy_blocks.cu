@@ -72,13 +72,19 @@ __global__ void __launch_bounds__(kCopyThreads)
   const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t c0 = total * w / nwarps, c1 = total * (w + 1) / nwarps;
   if (c0 >= c1) return;
+  // The run holding c0, searched by the whole warp: each round the lanes probe 32 points of
+  // (lo, hi) at once, so 4096 runs take 3 dependent loads instead of a binary search's 12. The
+  // staged engine's kernels to host read their run lists from mapped pinned memory, where each
+  // dependent load is a PCIe round trip.
   int64_t lo = 0, hi = n;  // prefix[lo] <= c0 < prefix[hi]
   while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) >> 1;
-    if (prefix[mid] <= c0)
-      lo = mid;
-    else
-      hi = mid;
+    const int64_t p = lo + 1 + (hi - lo - 1) * lane / 32;  // in (lo, hi), non-decreasing in lane
+    const unsigned le = __ballot_sync(0xffffffffu, prefix[p] <= c0);
+    const int last = le ? 31 - __clz(le) : -1;  // the last lane whose probe is <= c0
+    const int64_t new_lo = last >= 0 ? __shfl_sync(0xffffffffu, p, last) : lo;
+    const int64_t new_hi = last < 31 ? __shfl_sync(0xffffffffu, p, last + 1) : hi;
+    lo = new_lo;
+    hi = new_hi;
   }
   int64_t r = lo, rbegin = prefix[lo], rend = prefix[lo + 1];
   CopyRun run = runs[r];
@@ -134,6 +140,7 @@ Result<std::unique_ptr<BlockCopier>> BlockCopier::create(int64_t max_runs, int k
   KVFERRY_CUDA_TRY(cudaDeviceGetAttribute(&c->sms_, cudaDevAttrMultiProcessorCount, dev));
   for (Slot& s : c->slots_) {
     KVFERRY_CUDA_TRY(cudaHostAlloc(&s.staging, staging_bytes(max_runs), cudaHostAllocMapped | cudaHostAllocPortable));
+    KVFERRY_CUDA_TRY(cudaHostGetDevicePointer(&s.staging_dev, s.staging, 0));
     KVFERRY_CUDA_TRY(cudaMalloc(&s.dev, device_bytes(max_runs)));
     KVFERRY_CUDA_TRY(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
   }
@@ -246,9 +253,10 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
   auto* src = static_cast<const uint8_t*>(src_base);
   auto* dst = static_cast<uint8_t*>(dst_base);
   auto part_at = [this](int part) { return static_cast<uint8_t*>(stage_) + part * kCopyStagePiece; };
-  // First the plan: pieces of runs laid out back to back in their ring part (the kernel moves
-  // their device side, DMA their host side, merged where host ranges follow each other), and runs
-  // too big for a piece, which go by DMA as they are.
+  // The plan: pieces of runs laid out back to back in their ring part (the kernel moves their
+  // device side, DMA their host side, merged where host ranges follow each other), and runs too
+  // big for a piece, which go by DMA as they are. plan_next() appends the next piece (false when
+  // none is left).
   pieces_.clear();
   size_t meta_at = 0, dma_at = 0;  // used entries of the slot's arrays
   const size_t n = runs.size();
@@ -261,11 +269,10 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
   int64_t cap =
       to_host || total <= kCopyStageLead ? kCopyStageLead : (total - kCopyStageLead - 1) % kCopyStagePiece + 1;
   int staged_pieces = 0;
-  for (size_t i = 0; i < n;) {
-    if (runs[i].bytes == 0) {
-      ++i;
-      continue;
-    }
+  size_t i = 0;
+  auto plan_next = [&]() -> bool {
+    while (i < n && runs[i].bytes == 0) ++i;
+    if (i >= n) return false;
     Piece pc;
     pc.dma_begin = dma_at;
     if (runs[i].bytes > kCopyStagePiece) {
@@ -275,7 +282,7 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
       pc.dma_end = ++dma_at;
       pieces_.push_back(pc);
       ++i;
-      continue;
+      return true;
     }
     pc.part = staged_pieces % kCopyStageParts;
     pc.reuses = staged_pieces >= kCopyStageParts;
@@ -316,47 +323,79 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
     meta_at += (k + 1) + k * (sizeof(CopyRun) / sizeof(int64_t));
     pieces_.push_back(pc);
     i = j;
-  }
-  // Every piece's run list in one copy ahead of the DMAs, on `stream`: small copies issued between
-  // them from another stream cost the host-to-device DMAs about 25 us each (H200, 8 MiB pieces:
-  // host to device 0.92 -> 0.85 of the pinned copy with a run-list copy per piece).
-  // The kernels go on kstream_, which starts behind it (and behind what `stream` held before) and
-  // joins `stream` at the end. A ring part's previous user (the DMA or the kernel that read it)
-  // must be done before the part is written again.
-  if (meta_at > 0)
-    KVFERRY_CUDA_TRY(cudaMemcpyAsync(dev_meta, meta, meta_at * sizeof(int64_t), cudaMemcpyHostToDevice, stream));
-  KVFERRY_CUDA_TRY(cudaEventRecord(kfork_, stream));
-  KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, kfork_, 0));
-  for (const Piece& pc : pieces_) {
-    auto host_side = [&]() -> Status {
-      KVFERRY_TRY(
-          dma(dsts + pc.dma_begin, srcs + pc.dma_begin, sizes + pc.dma_begin, pc.dma_end - pc.dma_begin, stream));
-      if (pc.runs > 0) KVFERRY_CUDA_TRY(cudaEventRecord(piece_d_[pc.part], stream));
-      return Status::Ok();
-    };
-    auto device_side = [&]() -> Status {
-      uint8_t* const stage = part_at(pc.part);
-      KVFERRY_CUDA_TRY(launch_copy_chunks(
-          to_host ? static_cast<const void*>(src) : stage, to_host ? static_cast<void*>(stage) : dst,
-          reinterpret_cast<const CopyRun*>(dev_meta + pc.meta_at + pc.runs + 1), dev_meta + pc.meta_at,
-          static_cast<int64_t>(pc.runs), pc.chunks, 2 * sms_, false, kstream_));
-      KVFERRY_CUDA_TRY(cudaEventRecord(piece_k_[pc.part], kstream_));
-      return Status::Ok();
-    };
-    if (pc.runs == 0) {
-      KVFERRY_TRY(host_side());
-    } else if (to_host) {
+    return true;
+  };
+  // A piece's host side (DMA on `stream`) and device side (the kernel on kstream_, which starts
+  // behind the run lists' copy and behind what `stream` held before, and joins `stream` at the
+  // end). A ring part's previous user (the DMA or the kernel that read it) must be done before the
+  // part is written again.
+  auto host_side = [&](const Piece& pc) -> Status {
+    KVFERRY_TRY(dma(dsts + pc.dma_begin, srcs + pc.dma_begin, sizes + pc.dma_begin, pc.dma_end - pc.dma_begin, stream));
+    if (pc.runs > 0) KVFERRY_CUDA_TRY(cudaEventRecord(piece_d_[pc.part], stream));
+    return Status::Ok();
+  };
+  // To host the kernels read their run lists straight from the slot's mapped pinned memory: no
+  // copy of them waits behind the host-to-device DMAs of a load running at the same time (one
+  // did, on kstream_: both ways at 64 KiB, 0.98 -> 0.53 of the both-ways copy, the save waiting
+  // for the whole load). From host one copy of them follows the first piece's DMA on `stream`.
+  const int64_t* const kmeta = to_host ? static_cast<const int64_t*>(slot.staging_dev) : dev_meta;
+  auto device_side = [&](const Piece& pc) -> Status {
+    uint8_t* const stage = part_at(pc.part);
+    KVFERRY_CUDA_TRY(
+        launch_copy_chunks(to_host ? static_cast<const void*>(src) : stage, to_host ? static_cast<void*>(stage) : dst,
+                           reinterpret_cast<const CopyRun*>(kmeta + pc.meta_at + pc.runs + 1), kmeta + pc.meta_at,
+                           static_cast<int64_t>(pc.runs), pc.chunks, 2 * sms_, false, kstream_));
+    KVFERRY_CUDA_TRY(cudaEventRecord(piece_k_[pc.part], kstream_));
+    return Status::Ok();
+  };
+  auto copy_meta = [&](size_t from, size_t to, cudaStream_t st) -> Status {
+    if (to > from)
+      KVFERRY_CUDA_TRY(
+          cudaMemcpyAsync(dev_meta + from, meta + from, (to - from) * sizeof(int64_t), cudaMemcpyHostToDevice, st));
+    return Status::Ok();
+  };
+  auto fork = [&]() -> Status {
+    KVFERRY_CUDA_TRY(cudaEventRecord(kfork_, stream));
+    KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, kfork_, 0));
+    return Status::Ok();
+  };
+  auto enqueue = [&](const Piece& pc) -> Status {
+    if (pc.runs == 0) return host_side(pc);
+    if (to_host) {
       if (pc.reuses) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, piece_d_[pc.part], 0));
-      KVFERRY_TRY(device_side());
+      KVFERRY_TRY(device_side(pc));
       KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, piece_k_[pc.part], 0));
-      KVFERRY_TRY(host_side());
-    } else {
-      if (pc.reuses) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, piece_k_[pc.part], 0));
-      KVFERRY_TRY(host_side());
-      KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, piece_d_[pc.part], 0));
-      KVFERRY_TRY(device_side());
+      return host_side(pc);
+    }
+    if (pc.reuses) KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, piece_k_[pc.part], 0));
+    KVFERRY_TRY(host_side(pc));
+    KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, piece_d_[pc.part], 0));
+    return device_side(pc);
+  };
+  // The GPU starts on the first piece while the host plans the others (planning every piece first
+  // left the GPU idle for the whole plan, 20-40 us of a 16 KiB row's 0.6-1.2 ms, more on a slower
+  // host: kernels/NOTES.md, data path round 13). From host the first piece's DMA needs no run list
+  // and goes first; the run lists follow it in one copy on `stream` (a copy per piece, or one from
+  // another stream between host-to-device DMAs, cost those DMAs about 25 us each: H200, 8 MiB
+  // pieces, 0.92 -> 0.85 of the pinned copy).
+  if (!plan_next()) return Status::Ok();
+  if (to_host) {
+    KVFERRY_TRY(fork());
+    KVFERRY_TRY(enqueue(pieces_[0]));
+    while (plan_next()) {
+    }
+  } else {
+    KVFERRY_TRY(host_side(pieces_[0]));  // the first piece reuses no ring part
+    while (plan_next()) {
+    }
+    KVFERRY_TRY(copy_meta(0, meta_at, stream));
+    KVFERRY_TRY(fork());
+    if (pieces_[0].runs > 0) {
+      KVFERRY_CUDA_TRY(cudaStreamWaitEvent(kstream_, piece_d_[pieces_[0].part], 0));
+      KVFERRY_TRY(device_side(pieces_[0]));
     }
   }
+  for (size_t p = 1; p < pieces_.size(); ++p) KVFERRY_TRY(enqueue(pieces_[p]));
   KVFERRY_CUDA_TRY(cudaEventRecord(kjoin_, kstream_));
   KVFERRY_CUDA_TRY(cudaStreamWaitEvent(stream, kjoin_, 0));
   return Status::Ok();

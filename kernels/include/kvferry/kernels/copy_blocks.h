@@ -122,8 +122,9 @@ class BlockCopier {
 
  private:
   struct Slot {
-    void* staging = nullptr;  // pinned: prefix[n+1] + runs[n] (room for max), dsts, srcs, sizes [max]
-    void* dev = nullptr;      // device: prefix[n+1] + runs[n], what the kernel reads
+    void* staging = nullptr;      // pinned: prefix[n+1] + runs[n] (room for max), dsts, srcs, sizes [max]
+    void* dev = nullptr;          // device: prefix[n+1] + runs[n], what the kernel reads
+    void* staging_dev = nullptr;  // `staging` as the device addresses it (mapped pinned memory)
     cudaEvent_t done = nullptr;
     bool pending = false;
   };
