@@ -72,14 +72,14 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
 }
 
-/// Times `fn` (which enqueues on s.a and/or s.b) and, when given, `fn_b` (which enqueues on s.b)
-/// on a second host thread at the same moment: one warm-up, then the median of `reps` runs, in
-/// seconds. The second thread is how the daemon offloads and reloads at once: each op is
-/// enqueued by its own data worker on its own stream, so neither waits for the other's enqueue.
 /// The host's time in the last time_it's enqueues (median, seconds; one-thread samples only): what
 /// a caller spends before its copy can start, charged to the row while the GPU waits for it.
 double g_enqueue_s = 0;
 
+/// Times `fn` (which enqueues on s.a and/or s.b) and, when given, `fn_b` (which enqueues on s.b)
+/// on a second host thread at the same moment: one warm-up, then the median of `reps` runs, in
+/// seconds. The second thread is how the daemon offloads and reloads at once: each op is
+/// enqueued by its own data worker on its own stream, so neither waits for the other's enqueue.
 template <class Fn, class FnB = std::nullptr_t>
 double time_it(Streams& s, int reps, Fn&& fn, FnB&& fn_b = nullptr) {
   cudaDeviceSynchronize();  // fills ran on the legacy stream, which s.a and s.b do not wait for
@@ -530,22 +530,19 @@ int run_copy(const Options& opts) {
           const void* src = to_host ? static_cast<const void*>(region) : pool;
           void* dst = to_host ? static_cast<void*>(pool) : region;
           bool ok = true;
-          if (e.engine == -3) {
-            // The same bytes as one run through the SM copy kernel: what its PCIe reads or writes
-            // reach at this transfer size, with one launch's fixed costs, but no block structure.
+          if (e.engine == -2 || e.engine == -3) {
+            // The same bytes as one contiguous range, the device side at the pool side's offset
+            // (the region is larger than the pool): by DMA (-2), the ceiling of a transfer this
+            // size; through the SM copy kernel as one run (-3), what its PCIe reads or writes reach
+            // at this size with one launch's fixed costs but no block structure.
             int64_t bytes = 0;
             for (const CopyRun& r : runs) bytes += r.bytes;
             const int64_t at = to_host ? runs[0].dst : runs[0].src;
             const CopyRun one{at, at, bytes};
-            ok = c.copy(src, dst, std::span<const CopyRun>(&one, 1), CopyEngine::kKernel, st).ok();
-          } else if (e.engine == -2) {
-            // The same bytes as one contiguous copy: the ceiling of a transfer this size.
-            // The device side at the pool side's offset (the region is larger than the pool).
-            int64_t bytes = 0;
-            for (const CopyRun& r : runs) bytes += r.bytes;
-            const int64_t at = to_host ? runs[0].dst : runs[0].src;
-            ok = cudaMemcpyAsync(static_cast<uint8_t*>(dst) + at, static_cast<const uint8_t*>(src) + at,
-                                 static_cast<size_t>(bytes), cudaMemcpyDefault, st) == cudaSuccess;
+            ok = e.engine == -3
+                     ? c.copy(src, dst, std::span<const CopyRun>(&one, 1), CopyEngine::kKernel, st).ok()
+                     : cudaMemcpyAsync(static_cast<uint8_t*>(dst) + at, static_cast<const uint8_t*>(src) + at,
+                                       static_cast<size_t>(bytes), cudaMemcpyDefault, st) == cudaSuccess;
           } else if (e.engine < 0) {
             for (const CopyRun& r : runs)
               ok &= cudaMemcpyAsync(static_cast<uint8_t*>(dst) + r.dst, static_cast<const uint8_t*>(src) + r.src,

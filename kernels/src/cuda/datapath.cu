@@ -6,8 +6,8 @@
 // filled by bulk copies (bulk_units()). Each launcher picks the engine that measured faster for
 // its kernel (use_staged, use_bulk). Grids are one resident wave looping grid-stride (the bulk
 // kernels: grid-stride over units, or one range of units per CTA on a whole layer view); 16-byte
-// vector accesses; every entry addressed through the
-// view's strides in 64-bit (CacheRef::entry). The math gives the CPU twins' bits
+// vector accesses; every entry addressed through the view's strides in 64-bit (CacheRef::entry).
+// The math gives the CPU twins' bits
 // (common/datapath_math.h): quantisation divides through the reciprocal with two Markstein
 // corrections (no per-value range checks: the scale's range is checked once, overflow and NaN
 // show up as the cvt's NaN code) and converts pairs with the packed e4m3 cvt; power-of-two scales
