@@ -804,8 +804,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       // sync (H200, 128 heads: 145.1-145.8 -> 144.2-145.2 us in two calls of alternating runs).
       // The product wait before each call (volatile, as these are) orders the reads they release.
       const uint32_t bar = empty_bar(t & 1, part);
-      asm volatile("{\n .reg .pred p;\n setp.eq.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
-                   "r"(lane));
+      asm volatile(
+          "{\n .reg .pred p;\n setp.eq.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+          "r"(lane));
       if constexpr (CL) {
         uint32_t remote;
         asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cluster_rank() ^ 1));
