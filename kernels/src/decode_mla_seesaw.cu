@@ -188,11 +188,20 @@ __device__ __forceinline__ void tma_load_mc(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(mask), "l"(policy)
       : "memory");
 }
-// Arrives on the mbarrier at shared offset `bar` of CTA `rank` of the cluster.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+// Lane 0 of the warp (`lane` == 0) arrives on the mbarrier at shared offset `bar`, predicated in
+// the instruction rather than behind a branch; no memory clobber (see release in the kernel).
+__device__ __forceinline__ void mbar_arrive_lane0(uint32_t bar, int lane) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.eq.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"(lane));
+}
+// The same on the mbarrier at shared offset `bar` of CTA `rank` of the cluster.
+__device__ __forceinline__ void mbar_arrive_cluster_lane0(uint32_t bar, uint32_t rank, int lane) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+  asm volatile(
+      "{\n .reg .pred p;\n setp.eq.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(remote),
+      "r"(lane));
 }
 // This CTA's rank in its cluster.
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -800,21 +809,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   auto release = [&](int t, int part) {
     if constexpr (FMT == kFmtBf16) {
-      // Lane 0's arrives, predicated in the instruction rather than behind a branch and a warp
-      // sync (H200, 128 heads: 145.1-145.8 -> 144.2-145.2 us in two calls of alternating runs).
-      // The product wait before each call (volatile, as these are) orders the reads they release.
-      const uint32_t bar = empty_bar(t & 1, part);
-      asm volatile(
-          "{\n .reg .pred p;\n setp.eq.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
-          "r"(lane));
-      if constexpr (CL) {
-        uint32_t remote;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cluster_rank() ^ 1));
-        asm volatile(
-            "{\n .reg .pred p;\n setp.eq.u32 p, %1, 0;\n @p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(
-                remote),
-            "r"(lane));
-      }
+      // Lane 0's arrives, predicated rather than behind a branch and a warp sync (H200, 128
+      // heads: 145.1-145.8 -> 144.2-145.2 us in two calls of alternating runs). The product wait
+      // before each call (volatile asm, as the arrives are) orders the reads they release.
+      mbar_arrive_lane0(empty_bar(t & 1, part), lane);
+      if constexpr (CL) mbar_arrive_cluster_lane0(empty_bar(t & 1, part), cluster_rank() ^ 1, lane);
     } else {
       __syncwarp();
       if (lane != 0) return;
