@@ -31,7 +31,8 @@
 // (tensor copies, or cp.async) straight into the swizzled layout, one column block at a time,
 // publishing each on its own mbarrier, so S starts on the first block that landed (bf16 at 128
 // heads: the two head groups' CTAs form a cluster and each copies half of every tile's blocks into
-// both, see CL). fp8 blocks land raw in the upper half of their slots and two producer warps per
+// both, see CL; with pages of 64+ rows one copy brings two adjacent column blocks, kCopyPairs).
+// fp8 blocks land raw in the upper half of their slots and two producer warps per
 // buffer convert each in place before publishing it; their copies are issued by the math warp that
 // releases a part last. A tile's blocks are released in two parts: V_L and the rope block (also
 // P(b)'s place) by warpgroup 0 once its products read them, V_R by warpgroup 1. S visits the blocks
@@ -62,6 +63,12 @@ constexpr int kTileBytes = kCb * kCbBytes;  // 73728, Q alike
 constexpr int kPBytes = kM * kN * 2;        // P (64 x 64 16-bit, one swizzled column block)
 constexpr int kThreads = 3 * 128;
 constexpr int kRope = 8;  // column block of the rope part
+// How the producer fills the tiles (the kernel's `copy` argument): cp.async, tensor copies of one
+// column block each, or (bf16, pages of 64+ rows) tensor copies of two adjacent column blocks
+// (cb, cb + 1 for even cb < kRope, completing on cb's full barrier; the rope block alone) by a 4D
+// map. Each tensor copy costs the copying thread a few hundred cycles whatever its size, so half
+// as many copies shorten every refill (H200, bf16 at 128 heads: 144.0-146.7 -> 136.0-138.4 us).
+constexpr int kCopyAsync = 0, kCopyBlocks = 1, kCopyPairs = 2;
 
 // Shared memory after 1024-byte alignment: Q, two tiles, P(a), row maxima of the two warpgroups,
 // row sums, 40 mbarriers.
@@ -178,6 +185,24 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, i
       "%4}], [%5], %6;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "l"(policy)
       : "memory");
+}
+// Column blocks c2 and c2 + 1 of rows c1.. of cache block c3 by the 4D pair map (dims: 64 values,
+// rows, column blocks, cache blocks), landing at `dst` in this CTA or (`mc`) in both CTAs of the
+// cluster.
+__device__ __forceinline__ void tma_load_pair(uint32_t dst, const CUtensorMap* map, int c1, int c2, int c3,
+                                              uint32_t bar, bool mc, uint64_t policy) {
+  if (mc)
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster.L2::cache_hint "
+        "[%0], [%1, {%2, %3, %4, %5}], [%6], %7, %8;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "h"(uint16_t{3}), "l"(policy)
+        : "memory");
+  else
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+        "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
+        : "memory");
 }
 // The same copy landing at `dst` (and completing on `bar`) in every CTA of the cluster in `mask`.
 __device__ __forceinline__ void tma_load_mc(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, uint32_t bar,
@@ -373,7 +398,7 @@ __device__ __forceinline__ void store_out_staged(const KParams& p, int b, int sp
 template <int FMT, bool SPLIT, bool CL>
 __global__ void __launch_bounds__(kThreads, 1)
     decode_mla_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
-                             const __grid_constant__ CUtensorMap rope, const int use_tma) {
+                             const __grid_constant__ CUtensorMap map2, const int copy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
   // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
@@ -389,6 +414,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   int32_t* const next_ids = reinterpret_cast<int32_t*>(smem + kOffIds);   // fp8: [buf][parity][box]
   float* const sQs = reinterpret_cast<float*>(smem + kOffQs);             // fp8: [row] scale_log2 * 2^-e
   constexpr bool F16 = FMT != kFmtBf16;  // fp16 tensor-core math for the nope part and P V
+  // map2: mla_fp8_ds's bf16 rope; bf16 with kCopyPairs, the column-block pair map.
+  const CUtensorMap& rope = map2;
 
   const int hb = min(p.heads, kM);
   const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
@@ -441,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // full: the TMA thread's expect_tx, each thread of a cp.async producer pair, or (fp8) each lane
     // of the buffer's two converting warps; mla_fp8_ds's rope block comes by a tensor copy unconverted.
     for (int i = 0; i < 2 * kCb; ++i)
-      mbar_init(bars + 8 * i, FMT == kFmtBf16 ? (use_tma ? 1 : 64) : FMT == kFmtDs && i % kCb == kRope ? 1 : 64);
+      mbar_init(bars + 8 * i, FMT == kFmtBf16 ? (copy ? 1 : 64) : FMT == kFmtDs && i % kCb == kRope ? 1 : 64);
     for (int i = 0; i < 2 * kCb; ++i) mbar_init(raw_bar(i / kCb, i % kCb), 1);
     for (int i = 0; i < 4; ++i)  // lane 0 of the releasing warpgroup's warps (in both CTAs of a cluster)
       mbar_init(empty_bar(i >> 1, i & 1), CL ? 8 : 4);
@@ -528,10 +555,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
     const int odd = (warp - 8) >> 1, pt = tid & 63, c = pt & 7, r0 = pt >> 3;
     const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
-    if (use_tma) {
+    if (copy) {
       // One thread per buffer: a box of min(page, 64) rows per column block and page of the tile;
       // boxes wholly past the end are not copied (the math warps zero those rows).
       if ((pt & 31) != 0 || (pt >> 5) != 0) return;
+      // The map into the descriptor cache before the first copy (H200, bf16 at 128 heads: -2 us;
+      // issued by thread 0 at the kernel's start it gained nothing).
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap)) : "memory");
       const int bp = min(p.page, kN);
       const uint64_t policy = evict_first_policy();
       const uint32_t rank = CL ? cluster_rank() : 0;
@@ -545,8 +575,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (t >= 2 && (i == 0 || i == (odd ? 4 : 5)))  // first block of a part: wait for its release
             mbar_wait(empty_bar(odd, part_of(cb)), ((t >> 1) - 1) & 1);
           const uint32_t bar = full_bar(odd, cb);
-          mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
-          if (CL && static_cast<uint32_t>(cb & 1) != rank) continue;  // the other CTA copies it to both
+          if (copy == kCopyPairs) {                 // one box (bp == kN) per copy
+            if (cb != kRope && (cb & 1)) continue;  // came with cb - 1
+            mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128 * (cb == kRope ? 1 : 2)));
+            // Pairs 0-1 and 4-5 from CTA 0, 2-3 and 6-7 from CTA 1, the rope block from CTA `odd`:
+            // five copies each per pair of tiles.
+            if (CL && static_cast<uint32_t>(cb == kRope ? odd : (cb >> 1) & 1) != rank) continue;
+            if (cb != kRope) {
+              tma_load_pair(dst + cb * kCbBytes, &map2, in_page[0], cb, blk[0], bar, CL, policy);
+              continue;
+            }
+          } else {
+            mbar_expect_tx(bar, static_cast<uint32_t>(nbox * bp * 128));
+            if (CL && static_cast<uint32_t>(cb & 1) != rank) continue;  // the other CTA copies it to both
+          }
 #pragma unroll
           for (int k = 0; k < kN / 16; ++k) {
             if (k >= nbox) continue;
@@ -669,12 +711,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = PART ? kSplit : 0; i < (PART ? kCb : kSplit); ++i) {
       const int cb = visit(ODD, i);
-      mbar_wait(full_bar(buf, cb), par);
+      // kCopyPairs: an odd block landed with the block before it, on that block's barrier.
+      if (FMT != kFmtBf16 || copy != kCopyPairs || cb == kRope || !(cb & 1)) mbar_wait(full_bar(buf, cb), par);
       // The cp.async producer's writes (generic proxy) need a proxy fence before the wgmma reads
       // them. Tensor copies land through the async proxy, and the fp8 converters fence their own
       // stores before they arrive, so their blocks need none (128 heads, on an H100: bf16 178.7 ->
       // 176.4 us without the fence there; the fp8 formats moved within their run-to-run spread).
-      if (FMT == kFmtBf16 && !use_tma) fence_proxy_async();
+      if (FMT == kFmtBf16 && !copy) fence_proxy_async();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const uint32_t off = (cb * kCbBytes + kk * 32) >> 4;
@@ -1019,21 +1062,43 @@ bool make_map(const KParams& k, CUtensorMap* map, CUtensorMapDataType type, cons
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// The kernel's tensor maps: bf16, the whole 576 values swizzled; fp8 caches, the raw entries as
-// bytes and (mla_fp8_ds) the bf16 rope swizzled.
+// bf16, pages of 64+ rows: the 4D map of column-block pairs (dims: 64 values, rows, column blocks
+// 128 bytes apart, cache blocks; box: the tile's 64 rows of two column blocks, which land as two
+// consecutive swizzled blocks).
+bool make_pair_map(const KParams& k, CUtensorMap* map) {
+  if (k.page < kN || k.num_blocks < 1) return false;
+  const EncodeTiled enc = encode_tiled();
+  if (enc == nullptr) return false;
+  const cuuint64_t dims[4] = {64, static_cast<cuuint64_t>(k.page), kCb, static_cast<cuuint64_t>(k.num_blocks)};
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(k.token_stride), 128, static_cast<cuuint64_t>(k.block_stride)};
+  const cuuint32_t box[4] = {64, kN, 2, 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<uint8_t*>(k.cache), dims, strides, box, estr,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The kernel's tensor maps and how it copies (kCopy*): bf16, the whole 576 values swizzled (and
+// the pair map when it applies); fp8 caches, the raw entries as bytes and (mla_fp8_ds) the bf16
+// rope swizzled. kCopyAsync when no tensor map can be made.
 template <int FMT>
-bool make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* rope) {
-  if constexpr (FMT == kFmtBf16)
-    return make_map(k, map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, k.cache, kMlaDim, CU_TENSOR_MAP_SWIZZLE_128B);
+int make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* map2) {
+  if constexpr (FMT == kFmtBf16) {
+    if (!make_map(k, map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, k.cache, kMlaDim, CU_TENSOR_MAP_SWIZZLE_128B))
+      return kCopyAsync;
+    return make_pair_map(k, map2) ? kCopyPairs : kCopyBlocks;
+  }
   const uint64_t bytes = FMT == kFmtFp8 ? kMlaFp8Bytes : kMlaDsBytes;
-  if (!make_map(k, map, CU_TENSOR_MAP_DATA_TYPE_UINT8, k.cache, bytes, CU_TENSOR_MAP_SWIZZLE_NONE)) return false;
-  return FMT != kFmtDs || make_map(k, rope, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, k.cache + kMlaDsRopeOffset, kMlaRope,
-                                   CU_TENSOR_MAP_SWIZZLE_128B);
+  if (!make_map(k, map, CU_TENSOR_MAP_DATA_TYPE_UINT8, k.cache, bytes, CU_TENSOR_MAP_SWIZZLE_NONE)) return kCopyAsync;
+  return FMT != kFmtDs || make_map(k, map2, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, k.cache + kMlaDsRopeOffset, kMlaRope,
+                                   CU_TENSOR_MAP_SWIZZLE_128B)
+             ? kCopyBlocks
+             : kCopyAsync;
 }
 
 template <int FMT, bool SPLIT, bool CL>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map,
-                          const CUtensorMap& rope, int use_tma) {
+                          const CUtensorMap& map2, int copy) {
   constexpr auto kernel = decode_mla_seesaw_kernel<FMT, SPLIT, CL>;
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
@@ -1051,7 +1116,7 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
     cfg.attrs = at;
     cfg.numAttrs = 1;
   }
-  return cudaLaunchKernelEx(&cfg, kernel, k, map, rope, use_tma);
+  return cudaLaunchKernelEx(&cfg, kernel, k, map, map2, copy);
 }
 
 template <int FMT, bool SPLIT>
@@ -1061,18 +1126,18 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
     const char* e = std::getenv("KVFERRY_MLA_TMA");
     return e == nullptr || std::strcmp(e, "0") != 0;
   }();
-  CUtensorMap map{}, rope{};
-  const int use_tma = tma_allowed && make_maps<FMT>(k, &map, &rope) ? 1 : 0;
-  if (FMT != kFmtBf16 && use_tma == 0) return cudaErrorNotSupported;
+  CUtensorMap map{}, map2{};
+  const int copy = tma_allowed ? make_maps<FMT>(k, &map, &map2) : kCopyAsync;
+  if (FMT != kFmtBf16 && copy == kCopyAsync) return cudaErrorNotSupported;
   // bf16 by tensor copies at 128 heads: the two head groups as a cluster sharing the tile copies
   // (157 against 160 us on an H200); a device that cannot place the cluster gets the plain launch.
   if constexpr (FMT == kFmtBf16) {
-    if (use_tma && k.heads == 2 * kM) {
-      if (launch_kernel<FMT, SPLIT, true>(k, batch, stream, map, rope, use_tma) == cudaSuccess) return cudaSuccess;
+    if (copy != kCopyAsync && k.heads == 2 * kM) {
+      if (launch_kernel<FMT, SPLIT, true>(k, batch, stream, map, map2, copy) == cudaSuccess) return cudaSuccess;
       (void)cudaGetLastError();
     }
   }
-  return launch_kernel<FMT, SPLIT, false>(k, batch, stream, map, rope, use_tma);
+  return launch_kernel<FMT, SPLIT, false>(k, batch, stream, map, map2, copy);
 }
 
 template <int FMT>
