@@ -23,6 +23,7 @@
 //        b's tile, which only S read); O_R = O_R e^(m - m1) + P(b) V_R(b)
 //   WG0: P(a) e^(m0 - m1) into shared memory; O_L = O_L e^(m0 - m1) + P(b) V_L(b)
 //   WG1: O_R += P(a) e^(m0 - m1) V_R(a)
+// (max here is lazy_max: a row keeps its reference maximum unless a tile exceeds it by 8, log2)
 // so one warpgroup's softmax runs while the other's products keep the tensor cores busy, and a
 // tile's depth is read once per 64 tokens (the S exchange of a depth-split schedule is gone). A
 // 64-token tile halves the Q bytes the tensor cores read per token against 32-token tiles.
@@ -97,6 +98,12 @@ static_assert(visit(1, 0) == 4 && visit(1, 4) == 0 && visit(1, 7) == 3 && visit(
 // Part of column block cb: 0 (V_L and rope, released by warpgroup 0) or 1 (V_R, by warpgroup 1).
 __host__ __device__ constexpr int part_of(int cb) { return cb >= 4 && cb < 8 ? 1 : 0; }
 
+// The reference maximum a row's exponentials are taken against (log2 domain): the old one until a
+// tile's maximum exceeds it by more than 8, so P stays at most 2^8 (in range for bf16 and fp16 alike;
+// sums and O are fp32) and a warp whose rows all kept theirs skips the O rescales. The result is
+// the same softmax against another reference, and the lse is taken against the final one (H200,
+// 128 heads: bf16 136.1-137.3 -> 132.9-134.1 us, mla_fp8 -3 us, mla_fp8_ds -1.5 us).
+__device__ __forceinline__ float lazy_max(float m, float mx) { return mx > m + 8.0f ? mx : m; }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
 
@@ -893,7 +900,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();  // S(a)
       float mx0, mx1;
       load_s(a, x, mx0, mx1);
-      const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);  // finite: every tile has a valid token
+      const float n0 = lazy_max(m0, mx0), n1 = lazy_max(m1, mx1);  // finite: every tile has a valid token
       const float f0 = fast_exp2(m0 - n0), f1 = fast_exp2(m1 - n1);
       m0 = n0;
       m1 = n1;
@@ -962,7 +969,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       bar_sync(2);  // m0 of this pair
       const float q0 = sM[r0], q1 = sM[r1];
-      const float n0 = fmaxf(q0, mx0), n1 = fmaxf(q1, mx1);
+      const float n0 = lazy_max(q0, mx0), n1 = lazy_max(q1, mx1);
       const float f0 = fast_exp2(m0 - n0), f1 = fast_exp2(m1 - n1);
       m0 = n0;
       m1 = n1;
