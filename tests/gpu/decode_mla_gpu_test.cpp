@@ -1,7 +1,8 @@
 // launch_decode_mla on a GPU (both tensor-core paths, mma.sync and wgmma): against the CPU twin (relative L2 error <=
 // 1e-2), a per-layer view of block-major buffers of 3 and 61 layers bit-identical to a contiguous cache, an mla_fp8
 // cache and the same cache requantized to mla_fp8_ds (scales 1.0) bit-identical, outputs poisoned before each run and
-// checked fully written. Inputs are fresh random each run (the seed is printed).
+// checked fully written, and sharp scores (maxima jumping from tile to tile) against the CPU twin. Inputs are fresh
+// random each run (the seed is printed).
 #include <gtest/gtest.h>
 
 #include <cuda_runtime.h>
@@ -110,6 +111,35 @@ void expect_bit_identical(const Out& a, const Out& b, const char* what) {
   EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * 4)) << what << ": lse differs";
 }
 
+// o within the relative L2 bound of the CPU twin's per request (0 for an empty one) and each lse
+// within 2e-3 (relative past 1; -inf for an empty request), plus, when `rounded_ds` (a kernel that
+// rounds mla_fp8_ds values), what that rounding can move it.
+void expect_close_to_cpu(const MlaCase& c, const Out& got, const Out& ref, bool rounded_ds) {
+  for (int b = 0; b < c.batch(); ++b) {
+    double num = 0, den = 0;
+    for (int h = 0; h < c.heads; ++h) {
+      const size_t bh = static_cast<size_t>(b) * c.heads + h;
+      for (int d = 0; d < kMlaRank; ++d) {
+        const double x = bf16_to_float(got.o[bh * kMlaRank + d]), y = bf16_to_float(ref.o[bh * kMlaRank + d]);
+        num += (x - y) * (x - y);
+        den += y * y;
+      }
+      if (c.lens[b] == 0) {
+        EXPECT_TRUE(std::isinf(got.lse[bh]) && got.lse[bh] < 0) << "lse of an empty request " << got.lse[bh];
+      } else {
+        EXPECT_NEAR(got.lse[bh], ref.lse[bh],
+                    2e-3 * std::max(1.0f, std::abs(ref.lse[bh])) + (rounded_ds ? c.ds_round_bound(b, h) : 0.0))
+            << "b " << b << " h " << h;
+      }
+    }
+    if (c.lens[b] == 0) {
+      EXPECT_EQ(num, 0.0) << "o of an empty request must be 0";
+    } else {
+      EXPECT_LE(std::sqrt(num / den), 1e-2) << "request " << b << " (length " << c.lens[b] << ")";
+    }
+  }
+}
+
 class DecodeMlaGpu : public ::testing::TestWithParam<std::tuple<int, int, int>> {};
 
 TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
@@ -157,32 +187,9 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
     run_gpu(c, splits, &got, loader, warps, mma);
     if (depth_split) unsetenv("KVFERRY_MLA_SEESAW");
     if (HasFatalFailure()) return;
-    for (int b = 0; b < c.batch(); ++b) {
-      double num = 0, den = 0;
-      for (int h = 0; h < heads; ++h) {
-        const size_t bh = static_cast<size_t>(b) * heads + h;
-        for (int d = 0; d < kMlaRank; ++d) {
-          const double x = bf16_to_float(got.o[bh * kMlaRank + d]), y = bf16_to_float(ref.o[bh * kMlaRank + d]);
-          num += (x - y) * (x - y);
-          den += y * y;
-        }
-        if (c.lens[b] == 0) {
-          EXPECT_TRUE(std::isinf(got.lse[bh]) && got.lse[bh] < 0) << "lse of an empty request " << got.lse[bh];
-        } else {
-          // The wgmma kernels round mla_fp8_ds values (to bf16, or fp16 with an fp16 scale, both
-          // within 2^-9: decode_mla.h): add what that can move x.
-          const bool wgmma_ds = (mma == 2 || (mma == 0 && heads >= 64)) && fmt == 2;
-          EXPECT_NEAR(got.lse[bh], ref.lse[bh],
-                      2e-3 * std::max(1.0f, std::abs(ref.lse[bh])) + (wgmma_ds ? c.ds_round_bound(b, h) : 0.0))
-              << "b " << b << " h " << h;
-        }
-      }
-      if (c.lens[b] == 0) {
-        EXPECT_EQ(num, 0.0) << "o of an empty request must be 0";
-      } else {
-        EXPECT_LE(std::sqrt(num / den), 1e-2) << "request " << b << " (length " << c.lens[b] << ")";
-      }
-    }
+    // The wgmma kernels round mla_fp8_ds values (to bf16, or fp16 with an fp16 scale, both within
+    // 2^-9: decode_mla.h).
+    expect_close_to_cpu(c, got, ref, (mma == 2 || (mma == 0 && heads >= 64)) && fmt == 2);
   }
   SKIP_IF_WGMMA_SKIPPED(wgmma_skipped);
 }
@@ -195,6 +202,38 @@ INSTANTIATE_TEST_SUITE_P(FormatsHeadsPages, DecodeMlaGpu,
 INSTANTIATE_TEST_SUITE_P(OddPages, DecodeMlaGpu,
                          ::testing::Combine(::testing::Values(0), ::testing::Values(64, 128),
                                             ::testing::Values(8, 48)));
+
+// Sharp scores (a large softmax scale): a row's maximum keeps jumping from tile to tile, by more
+// than the 2^8 the seesaw kernel lets P grow before it rescales (lazy_max) and by less, so both
+// its rescale and its keep-the-reference paths run against the CPU twin, with and without splits.
+TEST(DecodeMlaGpuSoftmax, SharpScoresMatchCpu) {
+  SKIP_WITHOUT_GPU();
+  if (!decode_mla_wgmma_available())
+    GTEST_SKIP() << "wgmma kernel unavailable (needs sm_90a code and a compute 9.0 device)";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (int fmt : {0, 1, 2}) {
+    for (int heads : {64, 128}) {
+      MlaCase c;
+      c.format = format_of(fmt);
+      c.heads = heads;
+      c.page = 64;
+      c.sm_scale = 2.0f;  // log2-domain scores of standard deviation ~20
+      c.lens = {1000, 2500, 64};
+      c.seed = seed + fmt * 7 + heads;
+      c.build();
+      Out ref;
+      run_cpu(c, &ref);
+      for (int splits : {1, 0}) {
+        SCOPED_TRACE(c.format.name() + " heads " + std::to_string(heads) + " splits " + std::to_string(splits));
+        Out got;
+        run_gpu(c, splits, &got, 0, 0, 2);
+        if (HasFatalFailure()) return;
+        expect_close_to_cpu(c, got, ref, fmt == 2);
+      }
+    }
+  }
+}
 
 TEST(DecodeMlaGpuLayers, LayerViewBitIdenticalToContiguous) {
   SKIP_WITHOUT_GPU();
