@@ -315,13 +315,12 @@ __device__ __forceinline__ void convert_rope_half(uint32_t slot, int lane, int c
 // The two nope column blocks of one 128-wide tile (scales sc alike), to fp16, in slots a and b,
 // pipelined: b's raw rows are loaded while a's are converted (a's stores leave b's slot alone),
 // and a second pair barrier orders both warps' loads of b before its stores. One proxy fence after
-// both blocks' stores, then block a is published on full barrier `full_a` (the caller publishes
-// b): a fence per block held S(a)'s first block less long but cost the converters more (H200,
-// 128 heads, three alternating runs: mla_fp8 186.2-187.7 -> 184.6-185.0 us, mla_fp8_ds
-// 202.3-202.7 -> 197.8-199.1).
+// both blocks' stores, then the caller publishes both: a fence per block held S(a)'s first block
+// less long but cost the converters more (H200, 128 heads, three alternating runs: mla_fp8
+// 186.2-187.7 -> 184.6-185.0 us, mla_fp8_ds 202.3-202.7 -> 197.8-199.1).
 template <int FMT>
-__device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float (&sc)[4], int lane, int cw, int bar_id,
-                                            uint32_t full_a) {
+__device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float (&sc)[4], int lane, int cw,
+                                            int bar_id) {
   const int rr = lane >> 2, c = lane & 3;
   uint4 raw[4];
 #pragma unroll
@@ -341,7 +340,6 @@ __device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float 
     }
   }
   fence_proxy_async();  // the tensor cores read these rows: one fence for both blocks
-  mbar_arrive(full_a);
 }
 // The epilogue through shared memory (the tile buffers, free once both warpgroups' last products
 // completed): each math thread writes its rows r0 and r1 of its output half, times inv0 / inv1
@@ -555,7 +553,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             convert_rope_half(tile + cb * kCbBytes, lane, cw, bar_id);
             mbar_arrive(full_bar(buf, cb));
           } else {
-            convert_two<FMT>(tile + cb * kCbBytes, tile + (cb + 1) * kCbBytes, sc, lane, cw, bar_id, full_bar(buf, cb));
+            convert_two<FMT>(tile + cb * kCbBytes, tile + (cb + 1) * kCbBytes, sc, lane, cw, bar_id);
+            mbar_arrive(full_bar(buf, cb));
             mbar_arrive(full_bar(buf, cb + 1));
           }
         }
