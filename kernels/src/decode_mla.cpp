@@ -46,6 +46,18 @@ void load_entry(const DecodeMlaParams& p, const uint8_t* e, double* k) {
   }
 }
 
+// fp8_math: a Q row as the e4m3 products see it (decode_mla.h), times 2^e undone: each value times
+// 2^e rounded to e4m3, e putting the largest magnitude in [128, 256) (as the GPU's exp_above).
+void round_q_e4m3(const uint16_t* q, double* out) {
+  float amax = 0.0f;
+  for (int d = 0; d < kMlaDim; ++d) amax = std::max(amax, std::fabs(bf16_to_float(q[d])));
+  int ex = -125;  // the smallest x with amax < 2^x; zero and subnormals: -125
+  if (std::isnormal(amax)) std::frexp(amax, &ex);
+  const int e = std::clamp(8 - ex, -126, 126);
+  for (int d = 0; d < kMlaDim; ++d)
+    out[d] = std::ldexp(static_cast<double>(e4m3_to_float(float_to_e4m3(std::ldexp(bf16_to_float(q[d]), e)))), -e);
+}
+
 }  // namespace
 
 Status validate_decode_mla(const DecodeMlaParams& p) {
@@ -84,6 +96,9 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
   if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4)
     return bad("group_warps = " + std::to_string(p.group_warps) + " is not 0, 2 or 4");
   if (p.mma < 0 || p.mma > 2) return bad("mma = " + std::to_string(p.mma) + " is not 0, 1 or 2");
+  if (p.fp8_math != 0 && p.fp8_math != 1) return bad("fp8_math = " + std::to_string(p.fp8_math) + " is not 0 or 1");
+  if (p.fp8_math == 1 && f.kind != FormatKind::kMlaFp8)
+    return bad("fp8_math = 1 applies to mla_fp8 caches only, not " + f.name());
   if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
     return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
                std::to_string(kDecodeMlaMaxSplits) + "]");
@@ -124,7 +139,8 @@ Status decode_mla_cpu(const DecodeMlaParams& p) {
   const bool fp8 = p.format.kind == FormatKind::kMlaFp8;
   const double vscale = fp8 ? p.k_scale : 1.0;
   const double xscale = static_cast<double>(p.sm_scale) * vscale;
-  std::vector<double> k, x, acc(kMlaRank);
+  const bool f8 = fp8 && p.fp8_math == 1;  // e4m3 Q and P (decode_mla.h)
+  std::vector<double> k, x, acc(kMlaRank), qd(kMlaDim);
   for (int32_t b = 0; b < p.batch; ++b) {
     const int64_t n = p.seq_lens[b];
     k.assign(static_cast<size_t>(n) * kMlaDim, 0.0f);
@@ -143,15 +159,37 @@ Status decode_mla_cpu(const DecodeMlaParams& p) {
         *lse = -std::numeric_limits<float>::infinity();
         continue;
       }
+      if (f8)
+        round_q_e4m3(q, qd.data());
+      else
+        for (int d = 0; d < kMlaDim; ++d) qd[d] = bf16_to_float(q[d]);
       double m = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < n; ++j) {
         const double* kj = &k[static_cast<size_t>(j) * kMlaDim];
         double s = 0;
-        for (int d = 0; d < kMlaDim; ++d) s += static_cast<double>(bf16_to_float(q[d])) * kj[d];
+        for (int d = 0; d < kMlaDim; ++d) s += qd[d] * kj[d];
         x[j] = s * xscale;
         m = std::max(m, x[j]);
       }
       std::fill(acc.begin(), acc.end(), 0.0);
+      if (f8) {
+        // Log2 units against the integer reference R = ceil(max) - 8 (P at most 2^8); P rounded
+        // to e4m3; o divided by the sum of the rounded P, the lse taken from the sum of the unrounded.
+        constexpr double kLog2e = 1.4426950408889634;
+        const double ref = std::ceil(m * kLog2e) - 8;
+        double l = 0, lr = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          const double w = std::exp2(x[j] * kLog2e - ref);
+          l += w;
+          const double pw = e4m3_to_float(float_to_e4m3(static_cast<float>(w)));
+          lr += pw;
+          const double* kj = &k[static_cast<size_t>(j) * kMlaDim];
+          for (int d = 0; d < kMlaRank; ++d) acc[d] += pw * kj[d];
+        }
+        for (int d = 0; d < kMlaRank; ++d) o[d] = float_to_bf16(static_cast<float>(acc[d] / lr * vscale));
+        *lse = static_cast<float>((ref + std::log2(l)) / kLog2e);
+        continue;
+      }
       double l = 0;
       for (int64_t j = 0; j < n; ++j) {
         const double w = std::exp(x[j] - m);

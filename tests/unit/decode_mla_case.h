@@ -25,6 +25,7 @@ struct MlaCase {
   int spare_blocks = 3;       // blocks nobody reads
   float sm_scale = 0.15f;
   float k_scale = 1.0f;
+  int fp8_math = 0;     // DecodeMlaParams::fp8_math
   bool garbage = true;  // unused bytes (other layers, pages, table entries, tail tokens) are garbage
   uint64_t seed = 1;
 
@@ -147,6 +148,7 @@ struct MlaCase {
     p.heads = heads;
     p.sm_scale = sm_scale;
     p.k_scale = k_scale;
+    p.fp8_math = fp8_math;
     p.o = o;
     p.lse = lse;
     return p;

@@ -184,6 +184,69 @@ TEST(DecodeMlaCpuEdges, LayerViewEqualsContiguousCache) {
   EXPECT_EQ(0, std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)));
 }
 
+// fp8_math = 1 (decode_mla.h): Q and P rounded to e4m3. Against the exact float64 reference the
+// output moves, but boundedly (the rounding happens, and stays a few percent on random data);
+// length 1 still returns the entry; Q rows whose values e4m3 holds exactly (after the row's power
+// of two) give the exact logits, so a length-1 lse equals the reference's.
+double rel_l2(const std::vector<uint16_t>& got, const std::vector<double>& ref, size_t from, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = from; i < from + n; ++i) {
+    const double d = bf16_to_float(got[i]) - ref[i];
+    num += d * d;
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / den);
+}
+
+TEST(DecodeMlaCpuFp8Math, RoundsQAndPBoundedly) {
+  MlaCase c;
+  c.format = EntryFormat::mla_fp8();
+  c.k_scale = 0.75f;
+  c.lens = {0, 1, 37, 300};
+  c.fp8_math = 1;
+  c.seed = 77;
+  c.build();
+  const Out r = run_cpu(c);
+  MlaCase e = c;
+  e.fp8_math = 0;
+  const Out exact = run_cpu(e);
+  std::vector<double> o, lse;
+  reference(c, o, lse);
+  const size_t per = static_cast<size_t>(c.heads) * kMlaRank;
+  for (int b = 0; b < c.batch(); ++b) {
+    if (c.lens[b] == 0) {
+      for (size_t i = b * per; i < (b + 1) * per; ++i) ASSERT_EQ(r.o[i], 0u);
+    } else if (c.lens[b] == 1) {
+      for (size_t i = b * per; i < (b + 1) * per; ++i) ASSERT_EQ(r.o[i], exact.o[i]) << "length 1: the entry";
+    } else {
+      const double err = rel_l2(r.o, o, b * per, per);
+      EXPECT_GT(err, 1e-3) << "request " << b << ": Q and P were not rounded";
+      EXPECT_LT(err, 6e-2) << "request " << b;
+    }
+  }
+}
+
+TEST(DecodeMlaCpuFp8Math, ExactlyRepresentableQKeepsTheLogits) {
+  MlaCase c;
+  c.format = EntryFormat::mla_fp8();
+  c.lens = {1, 1};
+  c.fp8_math = 1;
+  c.seed = 78;
+  c.build();
+  // +-(1 + m / 8) 2^k, k in [-7, 0]: 4 significant bits, which e4m3 holds after any row scale that
+  // keeps the smallest normal.
+  uint64_t st = 12345;
+  for (auto& v : c.q) {
+    st = st * 6364136223846793005ull + 1442695040888963407ull;
+    const int m = static_cast<int>(st >> 60) & 7, k = -static_cast<int>((st >> 50) & 7);
+    v = float_to_bf16(std::ldexp((st >> 40) & 1 ? -(1.0f + m / 8.0f) : 1.0f + m / 8.0f, k));
+  }
+  const Out r = run_cpu(c);
+  std::vector<double> o, lse;
+  reference(c, o, lse);
+  for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(r.lse[i], lse[i], 1e-6 * std::max(1.0, std::abs(lse[i])));
+}
+
 TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   MlaCase c;
   c.lens = {20};
@@ -201,6 +264,16 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
     DecodeMlaParams x = p;
     x.heads = 24;
     expect_error(x, "heads");
+  }
+  {
+    DecodeMlaParams x = p;
+    x.fp8_math = 1;  // a bf16 cache
+    expect_error(x, "fp8_math = 1 applies to mla_fp8");
+  }
+  {
+    DecodeMlaParams x = p;
+    x.fp8_math = 2;
+    expect_error(x, "fp8_math = 2");
   }
   {
     DecodeMlaParams x = p;

@@ -50,6 +50,9 @@
 //      exactly, mla_fp8_ds as the fp16 rounding of each product), and the fp8 formats compute in
 //      fp16: Q's nope part is fp16 scaled per head by a power of two (exact), P is fp16, and the
 //      rope part (Q and tile) stays bf16.
+//    - fp8 math (decode_mla_f8.cu; mla_fp8 with fp8_math = 1): the seesaw schedule with both
+//      products in e4m3 on the raw tile, P V transposed (V^T from registers, gathered from the raw
+//      rows; P^T through shared memory), a producer lane per buffer issuing each part's copies.
 //    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
 //      KVFERRY_MLA_SEESAW=0): 32-token tiles; each warpgroup computes the partial S over half the
 //      depth, the halves are exchanged through shared memory and added (in either order the same
@@ -121,6 +124,21 @@ struct DecodeMlaParams {
   /// measured faster on an H200 (see decode_mla_resolved_mma), falling back to 1 where it is not
   /// available. A call's choice is deterministic; both paths keep the bit-identity promises.
   int32_t mma = 0;
+  /// mla_fp8 only: 1 = fp8 tensor-core math, both products in e4m3 (twice the 16-bit rate, and the
+  /// tiles are multiplied as they land): Q is rounded to e4m3 per head, times the power of two that
+  /// puts its largest magnitude in [128, 256), and P = 2^(x - R) is rounded to e4m3, with x the
+  /// logits in log2 units and R an integer reference (decode_mla_cpu: the ceiling of the row's
+  /// maximum minus 8; the GPU's differs from it by an integer, so it rounds the same values); o is
+  /// divided by the sum of the rounded P (so length 1 still gives k_0), the lse is taken from the
+  /// unrounded sum. A different, looser contract than 0's: the rounding of Q moves each logit by a
+  /// few percent of its terms' size, so on the tests' random data o moves from the exact result by
+  /// about 0.035 (relative L2) and by 0.09-0.13 for sharp scores (the 1e-2 bound of 0 does not
+  /// hold). The GPU stays within 3e-2 of decode_mla_cpu with fp8_math = 1 (measured 0.7-1.5e-2: a
+  /// logit that differs in its last bits, from the fp8 tensor cores' accumulation, can round a P
+  /// to the neighbouring e4m3 value). The GPU runs it at 64 and 128 heads with the wgmma path and
+  /// tensor-copy pages (decode_mla_f8.cu); elsewhere it computes as with 0 (exact 16-bit
+  /// operands). Opt-in, for engines that accept fp8 attention math; 0 = exact operands (default).
+  int32_t fp8_math = 0;
 };
 
 constexpr int kDecodeMlaMaxSplits = 64;
