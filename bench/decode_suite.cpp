@@ -218,11 +218,14 @@ int run_decode(const Options& opts) {
       const double target_us = kind == FormatKind::kMlaBf16 ? (heads == 16 ? 100 : 135) : (heads == 16 ? 70 : 120);
       double t_flat = 0;
       const double flops = 2.0 * kBatch * heads * kTokens * (kMlaDim + kMlaRank);
-      for (int run = 0; run < 3; ++run) {
+      // mla_fp8 also with fp8_math = 1 (e4m3 products, its own error contract: decode_mla.h).
+      const int runs = kind == FormatKind::kMlaFp8 ? 5 : 3;
+      for (int run = 0; run < runs; ++run) {
         // run 0: contiguous, 1: layer view (both with the auto path: tensor-core kernel, loader and
         // warp layout), 2: contiguous with the tensor-core kernel that auto did not pick (for
-        // comparison, with its own auto knobs)
-        const int cross = run == 1;
+        // comparison, with its own auto knobs); 3, 4: as 0, 1 with fp8_math = 1
+        const int cross = run == 1 || run == 4;
+        const bool f8 = run >= 3;
         DecodeMlaParams p;
         p.format = f;
         p.cache_base = cross ? d_multi : d_flat;
@@ -241,6 +244,7 @@ int run_decode(const Options& opts) {
         p.workspace = d_work;
         p.workspace_bytes = work_bytes;
         p.loader = 0;
+        p.fp8_math = f8 ? 1 : 0;
         if (run == 2) p.mma = 3 - decode_mla_resolved_mma(p);
         const int mma = decode_mla_wgmma_available() ? decode_mla_resolved_mma(p) : 1;
         const int loader = decode_mla_resolved_loader(p);
@@ -279,10 +283,10 @@ int run_decode(const Options& opts) {
           report.note(f.name() + " h" + std::to_string(heads) + ": " + std::to_string(late) + " of " +
                       std::to_string(reps) + " samples took the host longer to queue than the gate's " +
                       std::to_string(kGateNs / 1000) + " us (their times include launch latency)");
-        if (run == 0) t_flat = us;
+        if (run == 0 || run == 3) t_flat = us;
         Row r;
         r.name = f.name() + " h" + std::to_string(heads) + (cross ? " layer 3 of 8" : " contiguous") +
-                 (run == 2 ? (mma == 2 ? " wgmma" : " mma.sync") : "");
+                 (run == 2 ? (mma == 2 ? " wgmma" : " mma.sync") : "") + (f8 ? " fp8 math" : "");
         r.value = us;
         r.unit = "us";
         r.limit = floor_us;
@@ -290,7 +294,7 @@ int run_decode(const Options& opts) {
         r.higher_is_better = false;
         r.target = kv_bytes / kH200CopyRate * 1e6 / target_us;
         // The kernel: wgmma, the fp8 mma.sync kernel (its own fixed layout), or bf16 mma.sync.
-        const std::string kernel = mma == 2 ? "wgmma"
+        const std::string kernel = mma == 2 ? (f8 && heads >= 64 ? "wgmma e4m3 products" : "wgmma")
                                    : kind != FormatKind::kMlaBf16
                                        ? "mma.sync fp8 in registers"
                                        : std::string("mma.sync ") + (loader == 1 ? "bulk " : "cp.async ") +
@@ -303,7 +307,7 @@ int run_decode(const Options& opts) {
         report.add(r);
         if (cross) {
           Row x;
-          x.name = f.name() + " h" + std::to_string(heads) + " layer view vs contiguous";
+          x.name = f.name() + " h" + std::to_string(heads) + " layer view vs contiguous" + (f8 ? " fp8 math" : "");
           x.value = us;
           x.unit = "us";
           x.limit = t_flat;

@@ -505,7 +505,9 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
     // selects the depth-split one (for comparison; read at each call, so a test can exercise both).
     const char* env = std::getenv("KVFERRY_MLA_SEESAW");
     const bool seesaw = env == nullptr || std::strcmp(env, "0") != 0;
-    err = seesaw ? mla_detail::launch_seesaw(k, fmt, p.batch, stream) : cudaErrorNotSupported;
+    err = cudaErrorNotSupported;
+    if (fmt == kFmtFp8 && p.fp8_math == 1 && p.heads >= 64) err = mla_detail::launch_f8(k, p.batch, stream);
+    if (err == cudaErrorNotSupported && seesaw) err = mla_detail::launch_seesaw(k, fmt, p.batch, stream);
     if (err == cudaErrorNotSupported) err = mla_detail::launch_wgmma(k, fmt, p.batch, stream);
   } else {
     err = fmt == kFmtBf16 ? launch_bf16(k, p.batch, bulk, nw, stream)

@@ -45,6 +45,12 @@ cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stre
 /// cudaErrorNotSupported having launched nothing, and the caller takes launch_wgmma.
 cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, cudaStream_t stream);
 
+/// Launches the seesaw kernel's fp8 tensor-core variant (decode_mla_f8.cu) for an mla_fp8 cache
+/// (DecodeMlaParams::fp8_math): Q and P rounded to e4m3, the tiles multiplied as they land. Same
+/// grid and outputs as launch_seesaw; cudaErrorNotSupported (nothing launched) where tensor copies
+/// cannot take the view.
+cudaError_t launch_f8(const KParams& k, int batch, cudaStream_t stream);
+
 /// Launches the mma.sync kernel for fp8 caches (fmt kFmtFp8 or kFmtDs) that converts the fp8 tile
 /// in registers (decode_mla_fp8.cu): one CTA per request, split and group of up to 64 heads. Writes
 /// o/lse with one split, the fp32 partials otherwise (the caller merges).
