@@ -23,7 +23,7 @@
 //   WG1: S(b); m1 = ref(m0, rowmax S(b)); P(b) = 2^(S(b) - m1) -> Pb; O_R = O_R 2^(m - m1) + V_R(b)^T Pb
 //   WG0: P(a) 2^(m0 - m1) -> Pa2; O_L = O_L 2^(m0 - m1) + V_L(b)^T Pb
 //   WG1: O_R += V_R(a)^T Pa2
-// (H200, batch 64, 4096 tokens, 128 heads: 135.6 us against the exact kernel's 185; timing-only
+// (H200, batch 64, 4096 tokens, 128 heads: 132.3-133.7 us against the exact kernel's 185; timing-only
 // builds put this design's floor near 104 us, kernels/NOTES.md decode round 11.)
 // A lane of the producer warpgroup per buffer issues the tensor copies of each part of a tile as
 // soon as the warpgroup that reads it last releases it (part 0: V_L and the rope block, by
@@ -587,19 +587,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (has_b) bar_arrive(3);                         // m1 and P(b) ready for warpgroup 0
       fence_acc();
       rescale_heads(f_wg1);
-      if (has_b) {
-        issue_pv(bt, pb_u32);
-        release(bt, 1);  // V_R(b) is in registers (S(b) completed)
+      // V_R(b)^T Pb (when there is a b), then V_R(a)^T Pa2, from one call site.
+#pragma unroll 1
+      for (int u = has_b ? 0 : 1; u < 2; ++u) {
+        if (u == 1) bar_sync(4);  // P(a) 2^(m0 - m1)
+        const int t = u ? a : bt;
+        issue_pv(t, u ? pa2_u32 : pb_u32);
+        release(t, 1);  // V_R(t) is in registers (S(t) completed)
         wgmma_wait<0>();
         fence_acc();
         fence_va();
       }
-      bar_sync(4);  // P(a) e^(m0 - m1)
-      issue_pv(a, pa2_u32);
-      release(a, 1);
-      wgmma_wait<0>();
-      fence_acc();
-      fence_va();
       if (j + 1 < npairs) bar_arrive(5);  // Pa2 read
       if (next_b) issue_s(I1{}, bt + 2);
     }
