@@ -319,40 +319,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // S(t) (completed) -> x = S scaled to the log2 domain, masked past the end; row maxima.
   auto load_s = [&](int t, float(&x)[32], float& mx0, float& mx1) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
-    const bool last = t == ntiles - 1;
-    const int tok0 = start + t * kN;
-    const float sr0 = sQs[r0], sr1 = sQs[r1];
-    mx0 = -INFINITY;
-    mx1 = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        x[4 * n + e] *= e < 2 ? sr0 : sr1;
-        if (last && tok0 + n * 8 + tq * 2 + (e & 1) >= end) x[4 * n + e] = -INFINITY;
-      }
-      mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(x[4 * n + 2], x[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    tile_logits(s, x, sQs[r0], sQs[r1], t == ntiles - 1, start + t * kN, end, tq, mx0, mx1);
   };
   auto exponentiate = [&](float(&x)[32], float nm0, float nm1, float& rs0, float& rs1) {
-    rs0 = 0.0f;
-    rs1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      x[4 * n] = fast_exp2(x[4 * n] - nm0);
-      x[4 * n + 1] = fast_exp2(x[4 * n + 1] - nm0);
-      x[4 * n + 2] = fast_exp2(x[4 * n + 2] - nm1);
-      x[4 * n + 3] = fast_exp2(x[4 * n + 3] - nm1);
-      rs0 += x[4 * n] + x[4 * n + 1];
-      rs1 += x[4 * n + 2] + x[4 * n + 3];
-    }
+    tile_exp2(x, nm0, nm1, rs0, rs1);
   };
   // P as e4m3 pairs pk (x[2i], x[2i + 1] -> pk[i]) into a swizzled [64 heads x 64 tokens] K-major block.
   // Byte offset of this thread's row r0 pair of tokens 8 n + 2 tq in such a block (row r1: + 8 * 128).

@@ -738,42 +738,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // S(t) (completed) -> x = S scaled to the log2 domain, masked past the end; row maxima.
   auto load_s = [&](int t, float(&x)[32], float& mx0, float& mx1) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
-    const bool last = t == ntiles - 1;
-    const int tok0 = start + t * kN;
     // To the log2 domain: fp8 caches also undo their Q rows' 2^e (sQs, read here to spare registers).
-    const float sr0 = F16 ? sQs[r0] : p.scale_log2, sr1 = F16 ? sQs[r1] : p.scale_log2;
-    mx0 = -INFINITY;
-    mx1 = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        x[4 * n + e] *= e < 2 ? sr0 : sr1;
-        if (last && tok0 + n * 8 + tq * 2 + (e & 1) >= end) x[4 * n + e] = -INFINITY;
-      }
-      mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(x[4 * n + 2], x[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    tile_logits(s, x, F16 ? sQs[r0] : p.scale_log2, F16 ? sQs[r1] : p.scale_log2, t == ntiles - 1, start + t * kN, end,
+                tq, mx0, mx1);
   };
   // x <- exp2(x - max) in place; returns the row sums of this thread's values.
   auto exponentiate = [&](float(&x)[32], float nm0, float nm1, float& rs0, float& rs1) {
-    rs0 = 0.0f;
-    rs1 = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      x[4 * n] = fast_exp2(x[4 * n] - nm0);
-      x[4 * n + 1] = fast_exp2(x[4 * n + 1] - nm0);
-      x[4 * n + 2] = fast_exp2(x[4 * n + 2] - nm1);
-      x[4 * n + 3] = fast_exp2(x[4 * n + 3] - nm1);
-      rs0 += x[4 * n] + x[4 * n + 1];
-      rs1 += x[4 * n + 2] + x[4 * n + 3];
-    }
+    tile_exp2(x, nm0, nm1, rs0, rs1);
   };
   auto pack_pa = [&](const float(&x)[32]) {
 #pragma unroll

@@ -1,13 +1,14 @@
 #pragma once
 // What the two Hopper seesaw decode kernels share (decode_mla_seesaw.cu; decode_mla_f8.cu, the fp8
 // tensor-core variant): tensor copies and their maps, mbarrier arrives, named barriers of the two
-// math warpgroups and the lazy softmax reference. Private to kernels/src.
+// math warpgroups, the lazy softmax reference and a tile's softmax steps. Private to kernels/src.
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "decode_mla_internal.h"
+#include "decode_mla_ptx.cuh"
 
 namespace kvferry::mla_detail {
 
@@ -19,6 +20,46 @@ namespace kvferry::mla_detail {
 __device__ __forceinline__ float lazy_max(float m, float mx) { return mx > m + 8.0f ? mx : m; }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory"); }
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory"); }
+
+// A 64-token tile's S in a thread's 32 wgmma accumulators (row r0 for e < 2, r0 + 8 otherwise;
+// token 8 n + 2 tq + (e & 1) of the tile, which starts at token tok0) -> x in the log2 domain
+// (times sr0 / sr1), -inf at the tokens from `end` on when the tile is the `last`; the rows'
+// maxima over the quad. x is a copy, so S's registers are free for the next product.
+__device__ __forceinline__ void tile_logits(const float (&s)[32], float (&x)[32], float sr0, float sr1, bool last,
+                                            int tok0, int end, int tq, float& mx0, float& mx1) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("mov.b32 %0, %1;\n" : "=f"(x[i]) : "f"(s[i]));
+  mx0 = -INFINITY;
+  mx1 = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[4 * n + e] *= e < 2 ? sr0 : sr1;
+      if (last && tok0 + n * 8 + tq * 2 + (e & 1) >= end) x[4 * n + e] = -INFINITY;
+    }
+    mx0 = fmaxf(mx0, fmaxf(x[4 * n], x[4 * n + 1]));
+    mx1 = fmaxf(mx1, fmaxf(x[4 * n + 2], x[4 * n + 3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
+// x <- 2^(x - reference) in place (nm0 for row r0, nm1 for r0 + 8); the row sums of this thread's values.
+__device__ __forceinline__ void tile_exp2(float (&x)[32], float nm0, float nm1, float& rs0, float& rs1) {
+  rs0 = 0.0f;
+  rs1 = 0.0f;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    x[4 * n] = fast_exp2(x[4 * n] - nm0);
+    x[4 * n + 1] = fast_exp2(x[4 * n + 1] - nm0);
+    x[4 * n + 2] = fast_exp2(x[4 * n + 2] - nm1);
+    x[4 * n + 3] = fast_exp2(x[4 * n + 3] - nm1);
+    rs0 += x[4 * n] + x[4 * n + 1];
+    rs1 += x[4 * n + 2] + x[4 * n + 3];
+  }
+}
 
 // One tensor copy (TMA) of a [rows x 64] box of the cache view at (column c0, token-in-page c1,
 // block c2), landing 128-byte swizzled at `dst`, completing on mbarrier `bar`, with L2 policy
