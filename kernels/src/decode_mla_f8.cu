@@ -50,10 +50,9 @@ constexpr int kRopeCb = 4;         // the rope's column block
 constexpr int kBlk = 64 * 128;     // one column block (64 rows x 128 bytes)
 constexpr int kTile = kNb * kBlk;  // 40960, Q alike
 constexpr int kThreads = 3 * 128;
-// Shared memory after 1024-byte alignment: Q, two tiles, P(a), P(a) e^(m0 - m1), P(b), then
-// maxima [pair parity][warpgroup][64], rescale factors (alike), row sums [sum][warpgroup][64] (of P and
-// of P rounded), Q's scales [64]
-// and the barriers: full[buf][cb], empty[buf][part].
+// Shared memory after 1024-byte alignment: Q, two tiles, P(a), P(a) 2^(m0 - m1), P(b), then
+// maxima [pair parity][warpgroup][64], rescale factors (alike), row sums [sum][warpgroup][64] (of
+// P and of P rounded), Q's scales [64] and the barriers: full[buf][cb], empty[buf][part].
 constexpr int kOffT = kTile;
 constexpr int kOffP = 3 * kTile;
 constexpr int kOffM = kOffP + 3 * kBlk;
