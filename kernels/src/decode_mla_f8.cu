@@ -23,7 +23,7 @@
 //   WG1: S(b); m1 = ref(m0, rowmax S(b)); P(b) = 2^(S(b) - m1) -> Pb; O_R = O_R 2^(m - m1) + V_R(b)^T Pb
 //   WG0: P(a) 2^(m0 - m1) -> Pa2; O_L = O_L 2^(m0 - m1) + V_L(b)^T Pb
 //   WG1: O_R += V_R(a)^T Pa2
-// (H200, batch 64, 4096 tokens, 128 heads: 132.3-133.7 us against the exact kernel's 185; timing-only
+// (H200, batch 64, 4096 tokens, 128 heads: 129.1-130.3 us against the exact kernel's 185; timing-only
 // builds put this design's floor near 104 us, kernels/NOTES.md decode round 11.)
 // A lane of the producer warpgroup per buffer issues the tensor copies of each part of a tile as
 // soon as the warpgroup that reads it last releases it (part 0: V_L and the rope block, by
@@ -455,6 +455,26 @@ __global__ void __launch_bounds__(kThreads, 1)
         m0 = q0;
         m1 = q1;
       }
+      if (j > 0) bar_sync(5);  // warpgroup 1 read Pa2 of the previous pair
+      {
+        // P(a) 2^(m0 - m1) into Pa2: this thread's values of Pa read back and scaled (exact: a power of two).
+        uint16_t pk[16];
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            asm volatile("ld.shared.b16 %0, [%1];\n" : "=h"(pk[2 * n + h]) : "r"(pa_u32 + p_off(n) + h * 8 * 128));
+        if (has_b) {
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            const float2 v2 = e4m3x2_float2(pk[i]);
+            const float gi = (i & 1) ? g1 : g0;  // pk[2n] holds row r0, pk[2n + 1] row r1
+            pk[i] = e4m3x2(v2.x * gi, v2.y * gi);
+          }
+        }
+        store_pk(pk, pa2_u32);
+      }
+      bar_arrive(4);    // P(a) 2^(m0 - m1) ready for warpgroup 1
       wgmma_wait<0>();  // V_L(a)^T Pa
       fence_acc();
       fence_va();
@@ -485,26 +505,6 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
       }
-      if (j > 0) bar_sync(5);  // warpgroup 1 read Pa2 of the previous pair
-      {
-        // P(a) 2^(m0 - m1) into Pa2: this thread's values of Pa read back and scaled (exact: a power of two).
-        uint16_t pk[16];
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            asm volatile("ld.shared.b16 %0, [%1];\n" : "=h"(pk[2 * n + h]) : "r"(pa_u32 + p_off(n) + h * 8 * 128));
-        if (has_b) {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) {
-            const float2 v2 = e4m3x2_float2(pk[i]);
-            const float gi = (i & 1) ? g1 : g0;  // pk[2n] holds row r0, pk[2n + 1] row r1
-            pk[i] = e4m3x2(v2.x * gi, v2.y * gi);
-          }
-        }
-        store_pk(pk, pa2_u32);
-      }
-      bar_arrive(4);  // P(a) 2^(m0 - m1) ready for warpgroup 1
       if (has_b) {
         issue_pv(bt, pb_u32);
         release(bt, 0);  // S(b) completed before P(b) was published; V_L(b) is in registers
