@@ -11,19 +11,20 @@
 //
 // P V runs transposed, O^T = V^T P^T (m64n64k32 e4m3): wgmma takes fp8 operands from shared memory
 // only K-major, which the raw V (tokens x columns) is not, so V^T is the A operand in registers,
-// gathered from the raw rows (8-byte loads, a 4 x 4 byte transpose by prmt); P^T is the B operand:
-// P rounded to e4m3 in shared memory (heads x tokens, K-major as stored). A warpgroup owns 256
+// gathered from the raw rows (ldmatrix.trans on byte pairs, one prmt per register); P^T is the B
+// operand: P rounded to e4m3 in shared memory (heads x tokens, K-major). A warpgroup owns 256
 // output columns as four m64 tiles of O^T (64 columns x 64 heads); thread (warp w, lane group g)
-// holds columns 8 (8 w + g) + 2 i + h (tile i, row half h), so its 4 tokens x 8 columns of raw bytes
-// make its A fragments of all four tiles. The softmax rescales of O^T are per head (its N index):
-// the factors go through shared memory.
+// holds columns 16 (4 w + i) + 2 g + h (tile i, row half h). The products' K index runs over each
+// 16 tokens in ldmatrix's order (k = 4 q + e is token 8 (e / 2) + 2 q + e % 2), and P is stored
+// in that order. The softmax rescales of O^T are per head (its N index): the factors go through
+// shared memory.
 //
 // The schedule (per pair of tiles a = 2j, b = 2j + 1; integer references in the log2 domain, ref_of):
 //   WG0: S(a); m0 = ref(m, rowmax S(a)); P(a) = 2^(S(a) - m0) -> Pa; O_L = O_L 2^(m - m0) + V_L(a)^T Pa
 //   WG1: S(b); m1 = ref(m0, rowmax S(b)); P(b) = 2^(S(b) - m1) -> Pb; O_R = O_R 2^(m - m1) + V_R(b)^T Pb
 //   WG0: P(a) 2^(m0 - m1) -> Pa2; O_L = O_L 2^(m0 - m1) + V_L(b)^T Pb
 //   WG1: O_R += V_R(a)^T Pa2
-// (H200, batch 64, 4096 tokens, 128 heads: 129.1-130.3 us against the exact kernel's 185; timing-only
+// (H200, batch 64, 4096 tokens, 128 heads: 123.5-125.0 us against the exact kernel's 185; timing-only
 // builds put this design's floor near 104 us, kernels/NOTES.md decode round 11.)
 // A lane of the producer warpgroup per buffer issues the tensor copies of each part of a tile as
 // soon as the warpgroup that reads it last releases it (part 0: V_L and the rope block, by
@@ -109,17 +110,6 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
-}
-// Four words w[j] (4 bytes of token j each) -> four words o[c] (byte c of each token, token j in
-// byte j).
-__device__ __forceinline__ void transpose4(const uint32_t (&w)[4], uint32_t& o0, uint32_t& o1, uint32_t& o2,
-                                           uint32_t& o3) {
-  const uint32_t a = prmt(w[0], w[1], 0x5140), b = prmt(w[0], w[1], 0x7362);  // bytes 0, 1 / 2, 3 of tokens 0, 1
-  const uint32_t c = prmt(w[2], w[3], 0x5140), d = prmt(w[2], w[3], 0x7362);
-  o0 = prmt(a, c, 0x5410);
-  o1 = prmt(a, c, 0x7632);
-  o2 = prmt(b, d, 0x5410);
-  o3 = prmt(b, d, 0x7632);
 }
 
 // e4m3 pairs (lo in the low byte) -> floats.
@@ -323,10 +313,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto exponentiate = [&](float(&x)[32], float nm0, float nm1, float& rs0, float& rs1) {
     tile_exp2(x, nm0, nm1, rs0, rs1);
   };
-  // P as e4m3 pairs pk (x[2i], x[2i + 1] -> pk[i]) into a swizzled [64 heads x 64 tokens] K-major block.
+  // P as e4m3 pairs pk (x[2i], x[2i + 1] -> pk[i]) into a swizzled [64 heads x 64 k] K-major block,
+  // k in the products' token order (each 16 tokens: k = 4 q + e is token 8 (e / 2) + 2 q + e % 2).
   // Byte offset of this thread's row r0 pair of tokens 8 n + 2 tq in such a block (row r1: + 8 * 128).
   auto p_off = [&](int n) {
-    return static_cast<uint32_t>(r0 * 128 + ((((n >> 1) ^ g) << 4) | (8 * (n & 1) + 2 * tq)));
+    return static_cast<uint32_t>(r0 * 128 + ((((n >> 1) ^ g) << 4) | (4 * tq + 2 * (n & 1))));
   };
   auto store_pk = [&](const uint16_t(&pk)[16], uint32_t dst) {
 #pragma unroll
@@ -361,41 +352,46 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(va[ks][i][e])::"memory");
   };
-  // This thread's rows 4 tq + jj of each 16 (the swizzle depends on row & 7 only) in buffer 0.
-  uint32_t gbase[4];
+  // V^T fragments by ldmatrix.trans on byte pairs: lane l gives the row address of 8 x 8 matrix
+  // l / 8 (tokens 8 (l / 8) + l % 8 of each 32) of the 16 columns of O^T tile i; thread (g, q)
+  // receives columns 2 g, 2 g + 1 of tokens 2 q, 2 q + 1 (+ 8, + 16, + 24 from the other matrices),
+  // which two prmt turn into the A fragments of rows g (column 2 g) and g + 8 (2 g + 1) with the
+  // tokens in the products' order. Warp wl's tile i holds columns 16 (4 wl + i) .. + 15 of the half.
+  uint32_t lbase[4];
 #pragma unroll
-  for (int jj = 0; jj < 4; ++jj) {
-    const int rl = 4 * tq + jj, cq = 4 * (wl & 1) + (g >> 1);  // cq: 16-byte chunk before the swizzle
-    gbase[jj] = t_u32 + (2 * wg + (wl >> 1)) * kBlk + 8 * (g & 1) + rl * 128 + ((cq ^ (rl & 7)) << 4);
+  for (int i = 0; i < 4; ++i) {
+    const int rr = lane & 7, c = 4 * (wl & 1) + i;  // c: 16-byte chunk of the column block before the swizzle
+    lbase[i] = t_u32 + (2 * wg + (wl >> 1)) * kBlk + (8 * (lane >> 3) + rr) * 128 + ((c ^ rr) << 4);
   }
   auto issue_pv = [&](int t, uint32_t pbuf) {
     const uint32_t boff = (t & 1) * kTile;
     const int lim = end - (start + t * kN);  // tokens of the tile before the end
     const bool tail = t == ntiles - 1 && lim < kN;
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks)
+    for (int ks = 0; ks < 2; ++ks) {
+      // Tail: byte e of the first (second) two fragments is token 32 ks (+ 16) + 8 (e / 2) + 2 tq + e % 2.
+      uint32_t keep[2] = {~0u, ~0u};
+      if (tail) {
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        uint32_t lo[4], hi[4];
+        for (int h = 0; h < 2; ++h) {
+          keep[h] = 0u;
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj)
-          asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
-                       : "=r"(lo[jj]), "=r"(hi[jj])
-                       : "r"(gbase[jj] + boff + (32 * ks + 16 * hf) * 128));
-        if (tail) {
-#pragma unroll
-          for (int jj = 0; jj < 4; ++jj)
-            if (32 * ks + 16 * hf + 4 * tq + jj >= lim) lo[jj] = hi[jj] = 0u;
-        }
-        uint32_t c[8];
-        transpose4(lo, c[0], c[1], c[2], c[3]);
-        transpose4(hi, c[4], c[5], c[6], c[7]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          va[ks][i][2 * hf] = c[2 * i];
-          va[ks][i][2 * hf + 1] = c[2 * i + 1];
+          for (int e = 0; e < 4; ++e)
+            if (32 * ks + 16 * h + 8 * (e >> 1) + 2 * tq + (e & 1) < lim) keep[h] |= 0xFFu << (8 * e);
         }
       }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t r[4];
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(lbase[i] + boff + ks * 32 * 128));
+        va[ks][i][0] = prmt(r[0], r[1], 0x6420) & keep[0];
+        va[ks][i][1] = prmt(r[0], r[1], 0x7531) & keep[0];
+        va[ks][i][2] = prmt(r[2], r[3], 0x6420) & keep[1];
+        va[ks][i][3] = prmt(r[2], r[3], 0x7531) & keep[1];
+      }
+    }
     const uint32_t pl = desc_lo(pbuf, 16);
     wgmma_fence();
 #pragma unroll
@@ -587,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   bar_sync(1);
   // The epilogue through shared memory (Q, the tiles and P, free now): O^T value (tile i, row
-  // 16 wl + g + 8 h, head 8 n + 2 tq + c) is column 256 wg + 8 (8 wl + g) + 2 i + h of head row
+  // 16 wl + g + 8 h, head 8 n + 2 tq + c) is column 256 wg + 16 (4 wl + i) + 2 g + h of head row
   // 8 n + 2 tq + c; its two h values are adjacent columns.
   constexpr int kEb = SPLIT ? 4 : 2;
   constexpr int kRowBytes = kMlaRank * kEb;
@@ -607,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (r1 < hb) store_lse<SPLIT>(p, base + r1, row_lse(m1, sL[r1] + sL[kM + r1]));
   }
   const uint32_t stage = q_u32;
-  const int col0 = wg * 256 + 8 * (8 * wl + g);
+  const int col0 = wg * 256 + 16 * 4 * wl + 2 * g;  // tile i adds 16 i
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -616,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int c = 0; c < 2; ++c) {
         const int h = 8 * n + 2 * tq + c;
         const float iv = inv[2 * n + c];
-        const uint32_t a = stage + h * kPitch + (col0 + 2 * i) * kEb;
+        const uint32_t a = stage + h * kPitch + (col0 + 16 * i) * kEb;
         const float v0 = acc[i][4 * n + c] * iv, v1 = acc[i][4 * n + c + 2] * iv;
         if constexpr (SPLIT)
           asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(v0), "f"(v1) : "memory");
