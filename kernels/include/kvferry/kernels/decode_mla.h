@@ -51,8 +51,9 @@
 //      fp16: Q's nope part is fp16 scaled per head by a power of two (exact), P is fp16, and the
 //      rope part (Q and tile) stays bf16.
 //    - fp8 math (decode_mla_f8.cu; mla_fp8 with fp8_math = 1): the seesaw schedule with both
-//      products in e4m3 on the raw tile, P V transposed (V^T from registers, by ldmatrix.trans from the raw
-//      rows; P^T through shared memory), a producer lane per buffer issuing each part's copies.
+//      products in e4m3 on the raw tile, P V transposed (V^T from registers, by ldmatrix.trans
+//      from the raw rows; P^T through shared memory), a producer lane per buffer issuing each
+//      part's copies.
 //    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
 //      KVFERRY_MLA_SEESAW=0): 32-token tiles; each warpgroup computes the partial S over half the
 //      depth, the halves are exchanged through shared memory and added (in either order the same
