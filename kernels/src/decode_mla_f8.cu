@@ -24,7 +24,7 @@
 //   WG1: S(b); m1 = ref(m0, rowmax S(b)); P(b) = 2^(S(b) - m1) -> Pb; O_R = O_R 2^(m - m1) + V_R(b)^T Pb
 //   WG0: P(a) 2^(m0 - m1) -> Pa2; O_L = O_L 2^(m0 - m1) + V_L(b)^T Pb
 //   WG1: O_R += V_R(a)^T Pa2
-// (H200, batch 64, 4096 tokens, 128 heads: 123.5-125.0 us against the exact kernel's 185; timing-only
+// (H200, batch 64, 4096 tokens, 128 heads: 122.7-123.7 us against the exact kernel's 185; timing-only
 // builds put this design's floor near 104 us, kernels/NOTES.md decode round 11.)
 // A lane of the producer warpgroup per buffer issues the tensor copies of each part of a tile as
 // soon as the warpgroup that reads it last releases it (part 0: V_L and the rope block, by
@@ -319,12 +319,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto p_off = [&](int n) {
     return static_cast<uint32_t>(r0 * 128 + ((((n >> 1) ^ g) << 4) | (4 * tq + 2 * (n & 1))));
   };
+  // In that order the pairs of tokens 8 n + 2 tq (n even) and 8 (n + 1) + 2 tq are one word.
   auto store_pk = [&](const uint16_t(&pk)[16], uint32_t dst) {
 #pragma unroll
-    for (int n = 0; n < 8; ++n) {
+    for (int n = 0; n < 8; n += 2) {
       const uint32_t a0 = dst + p_off(n);
-      asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a0), "h"(pk[2 * n]) : "memory");
-      asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(a0 + 8 * 128), "h"(pk[2 * n + 1]) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0),
+                   "r"(static_cast<uint32_t>(pk[2 * n]) | (static_cast<uint32_t>(pk[2 * n + 2]) << 16))
+                   : "memory");
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(a0 + 8 * 128),
+                   "r"(static_cast<uint32_t>(pk[2 * n + 1]) | (static_cast<uint32_t>(pk[2 * n + 3]) << 16))
+                   : "memory");
     }
     fence_proxy_async();
   };
@@ -456,10 +461,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         // P(a) 2^(m0 - m1) into Pa2: this thread's values of Pa read back and scaled (exact: a power of two).
         uint16_t pk[16];
 #pragma unroll
-        for (int n = 0; n < 8; ++n)
+        for (int n = 0; n < 8; n += 2)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            asm volatile("ld.shared.b16 %0, [%1];\n" : "=h"(pk[2 * n + h]) : "r"(pa_u32 + p_off(n) + h * 8 * 128));
+          for (int h = 0; h < 2; ++h) {
+            uint32_t w;
+            asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w) : "r"(pa_u32 + p_off(n) + h * 8 * 128));
+            pk[2 * n + h] = static_cast<uint16_t>(w);
+            pk[2 * n + 2 + h] = static_cast<uint16_t>(w >> 16);
+          }
         if (has_b) {
 #pragma unroll
           for (int i = 0; i < 16; ++i) {
