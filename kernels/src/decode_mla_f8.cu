@@ -24,7 +24,7 @@
 //   WG1: S(b); m1 = ref(m0, rowmax S(b)); P(b) = 2^(S(b) - m1) -> Pb; O_R = O_R 2^(m - m1) + V_R(b)^T Pb
 //   WG0: P(a) 2^(m0 - m1) -> Pa2; O_L = O_L 2^(m0 - m1) + V_L(b)^T Pb
 //   WG1: O_R += V_R(a)^T Pa2
-// (H200, batch 64, 4096 tokens, 128 heads: 122.7-123.7 us against the exact kernel's 185; timing-only
+// (H200, batch 64, 4096 tokens, 128 heads: 110.8-111.3 us against the exact kernel's 185; timing-only
 // builds put this design's floor near 104 us, kernels/NOTES.md decode round 11.)
 // A lane of the producer warpgroup per buffer issues the tensor copies of each part of a tile as
 // soon as the warpgroup that reads it last releases it (part 0: V_L and the rope block, by
@@ -169,7 +169,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (wg == 2) {
     // Producer: lane 0 of warp 8 + buf issues buffer buf's tiles, each part once it was released.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    // The producer needs few registers (one issuing lane per buffer): the math warpgroups take 240,
+    // which ptxas honours after setmaxnreg. At 56 / 224 warpgroup 1 spilled about 350 bytes and
+    // the kernel ran 12-13 us slower (H200, 128 heads: 123.9-129.3 -> 110.8-111.3 us; 40 / 232:
+    // 114.7-115.3).
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n" ::: "memory");
     if (warp > 9 || lane != 0) return;
     const int buf = warp - 8;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tmap)) : "memory");
@@ -199,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   // Math warpgroups.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n" ::: "memory");
   {
     // Q rows of this head group to e4m3, times 2^e per row (the largest magnitude to [128, 256));
     // rows past the heads are zero. Threads 4r .. 4r + 3 take row r, thread 4r + j its 16-byte
