@@ -6,8 +6,8 @@
 // warpgroup. Q is rounded once to e4m3, per head times a power of two (its largest magnitude to
 // [128, 256)), undone on S. Q and the tiles live in shared memory as five column blocks of
 // [64 rows x 128 bytes] with the 128-byte swizzle: four of the nope bytes and one of the rope's 64
-// bytes (the tensor copy's box runs past the entry and is zero-filled there), so a tile is, as it
-// lands, the K-major B operand of S = Q K^T (m64n64k32 e4m3).
+// bytes (S reads only those; the tensor copy's box runs past the entry and is zero-filled there),
+// so a tile is, as it lands, the K-major B operand of S = Q K^T (m64n64k32 e4m3).
 //
 // P V runs transposed, O^T = V^T P^T (m64n64k32 e4m3): wgmma takes fp8 operands from shared memory
 // only K-major, which the raw V (tokens x columns) is not, so V^T is the A operand in registers,
@@ -63,7 +63,7 @@ constexpr int kOffQs = kOffL + 4 * kM * 4;
 constexpr int kOffBar = kOffQs + kM * 4;
 constexpr int kBars = 2 * kNb + 4;
 constexpr int kSmem = 1024 + kOffBar + kBars * 8;
-static_assert(kSmem <= 227 * 1024, "one CTA per SM");
+static_assert(kSmem <= 227 * 1024, "the layout fits an SM's shared memory");
 
 // Column block visited i-th by S of a tile of parity `odd` (and copied i-th): even tiles V_L, rope,
 // V_R; odd tiles V_R, V_L, rope (the order in which their parts are freed).
@@ -138,7 +138,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
   const uint32_t q_u32 = smem_u32(smem), t_u32 = q_u32 + kOffT, p_u32 = q_u32 + kOffP;
   const uint32_t pa_u32 = p_u32, pa2_u32 = p_u32 + kBlk, pb_u32 = p_u32 + 2 * kBlk;
-  float* sM = reinterpret_cast<float*>(smem + kOffM);  // [pair parity][warpgroup][row]: m0, m1
+  // [pair parity][warpgroup][row]: m0, m1. The parity is what keeps warpgroup 0's next m0 from
+  // overwriting this pair's while another of its warps still reads it for the per-head factors.
+  float* sM = reinterpret_cast<float*>(smem + kOffM);
   float* sF = reinterpret_cast<float*>(smem + kOffF);  // [pair parity][warpgroup][row]: rescale factors
   float* sL = reinterpret_cast<float*>(smem + kOffL);  // [sum][warpgroup][row]: final row sums
   float* sQs = reinterpret_cast<float*>(smem + kOffQs);
@@ -237,10 +239,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t a = q_u32 + (d >> 7) * kBlk + r * 128 + ((((d & 127) >> 4) ^ (r & 7)) << 4) + (d & 8);
       asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" ::"r"(a), "r"(o[0]), "r"(o[1]) : "memory");
     }
-    {  // bytes 64-127 of the rope block
-      const uint32_t a = q_u32 + kRopeCb * kBlk + r * 128 + (((4 + j) ^ (r & 7)) << 4);
-      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0) : "memory");
-    }
     if (j == 0) sQs[r] = p.scale_log2 * exp2i(-e);
     fence_proxy_async();
     bar_sync(1);
@@ -283,7 +281,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 4; ++i) fence_regs(acc[i]);
   };
   // Rows r0 and r1 of this warp's 16 (S layout): reference maxima, sums of P (the lse) and of P
-  // rounded to e4m3 (what O is divided by, so the weights sum to 1 as multiplied).
+  // rounded to e4m3 (what O is divided by, so the weights sum to 1 as multiplied; warpgroup 1's
+  // copy of P(a) is rounded again after its exact power-of-two scaling, which differs only where
+  // that lands below e4m3's normal range, a weight under 2^-14 of the row's largest).
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f, u0 = 0.0f, u1 = 0.0f;
   const int r0 = wl * 16 + g, r1 = r0 + 8;
 
@@ -349,8 +349,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   // O^T half += V_half(t)^T P^T, P^T from the block at `pbuf`. The A fragments come from the raw
-  // rows of the tile: this thread's 8 columns 8 (8 wl + g) .. + 7 of the warpgroup's half (block
-  // 2 wg + wl / 2, bytes 64 (wl & 1) + 8 g), tokens 32 ks + 16 hf + 4 tq + jj; tokens past the end
+  // rows of the tile (see lbase below): this thread's columns 16 (4 wl + i) + 2 g + h of the
+  // warpgroup's half, tokens 32 ks + 16 h' + 8 (e / 2) + 2 tq + e % 2 for byte e; tokens past the end
   // read as 0 (P is 0 there, but 0 * NaN is not). The fragments stay live until the caller's wait.
   uint32_t va[2][4][4];
   auto fence_va = [&]() {

@@ -1,7 +1,8 @@
 #pragma once
 // What the two Hopper seesaw decode kernels share (decode_mla_seesaw.cu; decode_mla_f8.cu, the fp8
 // tensor-core variant): tensor copies and their maps, mbarrier arrives, named barriers of the two
-// math warpgroups, the lazy softmax reference and a tile's softmax steps. Private to kernels/src.
+// math warpgroups, the seesaw kernel's lazy softmax reference and a tile's softmax steps. Private
+// to kernels/src.
 #include <cuda.h>  // CUtensorMap (types only: the encoder is reached through the runtime)
 #include <cuda_runtime.h>
 
