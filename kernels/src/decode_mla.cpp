@@ -99,6 +99,7 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
   if (p.fp8_math != 0 && p.fp8_math != 1) return bad("fp8_math = " + std::to_string(p.fp8_math) + " is not 0 or 1");
   if (p.fp8_math == 1 && f.kind != FormatKind::kMlaFp8)
     return bad("fp8_math = 1 applies to mla_fp8 caches only, not " + f.name());
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return bad("workspace is not 16-byte aligned");
   if (p.num_splits < 0 || p.num_splits > kDecodeMlaMaxSplits)
     return bad("num_splits = " + std::to_string(p.num_splits) + " is outside [0, " +
                std::to_string(kDecodeMlaMaxSplits) + "]");
@@ -106,6 +107,8 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
     if (p.q == nullptr) return bad("q is null");
     if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0) return bad("q is not 16-byte aligned");
     if (p.o == nullptr) return bad("o is null");
+    // The GPU kernels write o, and their fp32 partials in the workspace, by 16-byte stores.
+    if (reinterpret_cast<uintptr_t>(p.o) % 16 != 0) return bad("o is not 16-byte aligned");
     if (p.lse == nullptr) return bad("lse is null");
     if (p.seq_lens == nullptr) return bad("seq_lens is null");
     if (p.block_table == nullptr && p.block_table_stride > 0) return bad("block_table is null");

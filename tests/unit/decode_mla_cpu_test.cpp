@@ -277,6 +277,11 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   }
   {
     DecodeMlaParams x = p;
+    x.o = o.data() + 1;  // 2-byte aligned
+    expect_error(x, "o is not 16-byte aligned");
+  }
+  {
+    DecodeMlaParams x = p;
     x.format = EntryFormat::mla_fp8();
     expect_error(x, "dtype");
   }

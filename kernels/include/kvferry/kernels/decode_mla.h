@@ -102,12 +102,12 @@ struct DecodeMlaParams {
   int32_t heads = 0;
   float sm_scale = 0.0f;  ///< the model's softmax scale (not necessarily 576^-0.5); finite and > 0
   float k_scale = 1.0f;   ///< per-tensor dequantization scale of mla_fp8 (1 for the others)
-  uint16_t* o = nullptr;  ///< [batch, heads, 512] bf16 bits (written)
+  uint16_t* o = nullptr;  ///< [batch, heads, 512] bf16 bits (written), 16-byte aligned
   float* lse = nullptr;   ///< [batch, heads] fp32 natural-log LSE (written)
 
   // GPU only.
   int32_t num_splits = 0;     ///< KV splits per request; 0 = chosen from the device (auto)
-  void* workspace = nullptr;  ///< fp32 scratch of decode_mla_workspace_bytes(); may be null if 0
+  void* workspace = nullptr;  ///< fp32 scratch of decode_mla_workspace_bytes(); 16-byte aligned; may be null if 0
   size_t workspace_bytes = 0;
   /// mma.sync kernel for bf16 caches only (the fp8 one has a fixed layout): how K tiles reach
   /// shared memory: 1 = bulk copies (TMA engine, one per entry), 2 = cp.async (16 B per thread),
