@@ -155,4 +155,19 @@ struct MlaCase {
   }
 };
 
+// Relative L2 distance of request r's o (bf16 bits, [batch, heads, 512] as the case's) from a
+// reference whose element i is ref(i); the absolute distance where the reference is all zero (an
+// empty request), so 0 means equal there too.
+template <class Ref>
+double request_rel_l2(const MlaCase& c, int r, const std::vector<uint16_t>& o, Ref ref) {
+  double num = 0, den = 0;
+  const size_t per = static_cast<size_t>(c.heads) * kMlaRank;
+  for (size_t i = static_cast<size_t>(r) * per; i < static_cast<size_t>(r + 1) * per; ++i) {
+    const double x = bf16_to_float(o[i]), y = ref(i);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(den > 0 ? num / den : num);
+}
+
 }  // namespace kvferry::test

@@ -188,16 +188,6 @@ TEST(DecodeMlaCpuEdges, LayerViewEqualsContiguousCache) {
 // output moves, but boundedly (the rounding happens, and stays a few percent on random data);
 // length 1 still returns the entry; Q rows whose values e4m3 holds exactly (after the row's power
 // of two) give the exact logits, so a length-1 lse equals the reference's.
-double rel_l2(const std::vector<uint16_t>& got, const std::vector<double>& ref, size_t from, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = from; i < from + n; ++i) {
-    const double d = bf16_to_float(got[i]) - ref[i];
-    num += d * d;
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
-
 TEST(DecodeMlaCpuFp8Math, RoundsQAndPBoundedly) {
   MlaCase c;
   c.format = EntryFormat::mla_fp8();
@@ -219,7 +209,7 @@ TEST(DecodeMlaCpuFp8Math, RoundsQAndPBoundedly) {
     } else if (c.lens[b] == 1) {
       for (size_t i = b * per; i < (b + 1) * per; ++i) ASSERT_EQ(r.o[i], exact.o[i]) << "length 1: the entry";
     } else {
-      const double err = rel_l2(r.o, o, b * per, per);
+      const double err = request_rel_l2(c, b, r.o, [&](size_t i) { return o[i]; });
       EXPECT_GT(err, 1e-3) << "request " << b << ": Q and P were not rounded";
       EXPECT_LT(err, 6e-2) << "request " << b;
     }
