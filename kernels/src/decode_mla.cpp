@@ -231,12 +231,16 @@ int32_t decode_mla_resolved_group_warps(const DecodeMlaParams& p) {
 
 int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   if (p.mma == 1 || p.mma == 2) return p.mma;
-  // Measured on an H200 (batch 64, 4096 tokens, page 64), wgmma (seesaw kernel) vs mma.sync: 128
-  // heads bf16 157 vs 407 us, mla_fp8 202 vs 301, mla_fp8_ds 218 vs 320; 16 heads (padded to 64
-  // rows) bf16 107 vs 95, mla_fp8 117 vs 62, mla_fp8_ds 133 vs 65: wgmma where a CTA has 64 real
-  // heads. mla_fp8 and mla_fp8_ds must take the same kernel, or a requantized cache would not give
-  // the same bits.
-  return p.heads >= 64 ? 2 : 1;
+  // Measured (batch 64, 4096 tokens, page 64; kvferry-bench decode with KVFERRY_BENCH_HEADS),
+  // wgmma (seesaw kernel, fewer than 64 heads padded to 64 rows) vs mma.sync, contiguous cache:
+  //   H100:  bf16     16 heads 117 vs 126 us, 32: 119 vs 192, 64: 131 vs 214
+  //          mla_fp8  16 heads 109 vs 78,     32: 111 vs 115, 64: 115 vs 171
+  //          fp8_ds   16 heads 115 vs 83,     32: 115 vs 119, 64: 124 vs 177
+  //   H200:  bf16 16 heads 88.5 vs 94.6; 128 heads mla_fp8 185 vs 300, fp8_ds 198 vs 320.
+  // So wgmma, except for the fp8 caches at 16 heads (their mma.sync kernel reads the cache once for
+  // 16 heads with no padded rows). mla_fp8 and mla_fp8_ds must take the same kernel, or a
+  // requantized cache would not give the same bits.
+  return p.format.kind == FormatKind::kMlaBf16 || p.heads >= 32 ? 2 : 1;
 }
 
 int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {

@@ -336,14 +336,16 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   }
 }
 
-TEST(DecodeMlaPath, AutoPicksWgmmaForSixtyFourHeadCtasOnly) {
+// Auto: wgmma, except for the fp8 caches at 16 heads (decode_mla_resolved_mma's measurements).
+TEST(DecodeMlaPath, AutoPicksMmaSyncForSixteenHeadFp8CachesOnly) {
   DecodeMlaParams p;
   for (EntryFormat f : {EntryFormat::mla_bf16(), EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds()}) {
     p.format = f;
     for (int heads : {16, 32, 64, 128}) {
       p.heads = heads;
       p.mma = 0;
-      EXPECT_EQ(heads >= 64 ? 2 : 1, decode_mla_resolved_mma(p)) << f.name() << " heads " << heads;
+      EXPECT_EQ(f.kind == FormatKind::kMlaBf16 || heads >= 32 ? 2 : 1, decode_mla_resolved_mma(p))
+          << f.name() << " heads " << heads;
       p.mma = 1;
       EXPECT_EQ(1, decode_mla_resolved_mma(p));
       p.mma = 2;

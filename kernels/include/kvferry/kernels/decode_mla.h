@@ -34,7 +34,8 @@
 // split kernels (DecodeMlaParams::mma and the format), then a second kernel that merges the
 // splits' (o, lse) pairs. All compute in fp32 with an online softmax and 16-bit tensor-core
 // operands, and read each K tile once for all the heads of a CTA:
-//  - wgmma (Hopper, sm_90a; chosen at >= 64 heads): one CTA per (request, split, 64 heads) with
+//  - wgmma (Hopper, sm_90a; chosen for bf16 caches and from 32 heads, where it measured faster;
+//    fewer than 64 heads are padded to 64 rows): one CTA per (request, split, 64 heads) with
 //    two math warpgroups and a producer warpgroup (mbarrier hand-over). Q stays in shared memory;
 //    each K tile is brought in once, in the 128-byte-swizzled layout that serves both as the
 //    K-major operand of Q K^T and as the transposed V operand of P V. At 128 heads two CTAs share
@@ -59,7 +60,7 @@
 //      depth, the halves are exchanged through shared memory and added (in either order the same
 //      bits), and both run the same softmax. fp8 tiles are bulk-copied raw and converted by three
 //      producer warps and the math warpgroups.
-//  - mma.sync (m16n8k16; chosen at <= 32 heads, where it measured faster), two kernels:
+//  - mma.sync (m16n8k16; chosen for the fp8 caches at 16 heads, and where wgmma is unavailable), two kernels:
 //    - bf16 caches: one CTA per (request, split, group of <= 64 heads) that brings each 32-token
 //      K tile into shared memory (bulk copies or cp.async, double-buffered); 2 or 4 warps share
 //      16 heads, splitting the QK depth (partial S tiles added in a fixed order) and the output
