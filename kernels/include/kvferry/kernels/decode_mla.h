@@ -121,10 +121,11 @@ struct DecodeMlaParams {
   /// Both give results within the same bounds; a call's choice is deterministic.
   int32_t group_warps = 0;
   /// Tensor-core path: 1 = the mma.sync kernels (any head count up to 64 per CTA; the knobs above
-  /// apply to the bf16 one), 2 = the Hopper wgmma kernel (64 heads per CTA, fewer padded; needs sm_90a code and a
-  /// compute capability 9.0 device; loader and group_warps are ignored), 0 = auto: wgmma where it
-  /// measured faster on an H200 (see decode_mla_resolved_mma), falling back to 1 where it is not
-  /// available. A call's choice is deterministic; both paths keep the bit-identity promises.
+  /// apply to the bf16 one), 2 = the Hopper wgmma kernel (64 heads per CTA, fewer padded; needs
+  /// sm_90a code and a compute capability 9.0 device; loader and group_warps are ignored), 0 = auto:
+  /// wgmma where it measured faster (bf16 caches, and the fp8 caches from 32 heads; see
+  /// decode_mla_resolved_mma), falling back to 1 where it is not available. A call's choice is
+  /// deterministic; both paths keep the bit-identity promises.
   int32_t mma = 0;
   /// mla_fp8 only: 1 = fp8 tensor-core math, both products in e4m3 (twice the 16-bit rate, and the
   /// tiles are multiplied as they land): Q is rounded to e4m3 per head, times the power of two that
