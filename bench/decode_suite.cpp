@@ -48,12 +48,15 @@ const std::vector<int> kHeads = [] {
   for (const char* c = v; c != nullptr && *c != '\0';) {
     char* e = nullptr;
     const long h = std::strtol(c, &e, 10);
-    if (e == c || (h != 16 && h != 32 && h != 64 && h != 128) || (*e != ',' && *e != '\0'))
-      return std::vector<int>{16, 128};
+    if (e == c || (h != 16 && h != 32 && h != 64 && h != 128) || (*e != ',' && *e != '\0')) {
+      hs.clear();
+      break;
+    }
     hs.push_back(static_cast<int>(h));
     c = *e == ',' ? e + 1 : e;
   }
-  return hs.empty() ? std::vector<int>{16, 128} : hs;
+  if (hs.empty()) hs = {16, 128};
+  return hs;
 }();
 constexpr int kPage = 64;
 constexpr int kLayers = 8;

@@ -238,9 +238,10 @@ int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   //          fp8_ds   16 heads 115 vs 83,     32: 115 vs 119, 64: 124 vs 177
   //   H200:  bf16 16 heads 88.5 vs 94.6; 128 heads mla_fp8 185 vs 300, fp8_ds 198 vs 320.
   // The same order at 512, 1024 and 16384 tokens (H100), except mla_fp8_ds at 32 heads up to 1024
-  // tokens (wgmma 1-5 % slower, where mla_fp8 still gains). So wgmma, except for the fp8 caches at 16
-  // heads (their mma.sync kernel reads the cache once for 16 heads with no padded rows). mla_fp8 and mla_fp8_ds must
-  // take the same kernel, or a requantized cache would not give the same bits.
+  // tokens (wgmma 1-5 % slower, where mla_fp8 still gains). So wgmma, except for the fp8 caches at
+  // 16 heads (their mma.sync kernel reads the cache once for 16 heads with no padded rows).
+  // mla_fp8 and mla_fp8_ds must take the same kernel, or a requantized cache would not give the
+  // same bits.
   return p.format.kind == FormatKind::kMlaBf16 || p.heads >= 32 ? 2 : 1;
 }
 

@@ -187,8 +187,9 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
     if (HasFatalFailure()) return;
     // The wgmma kernels round mla_fp8_ds values (to bf16, or fp16 with an fp16 scale, both within
     // 2^-9: decode_mla.h).
-    // The auto path takes wgmma for mla_fp8_ds from 32 heads (decode_mla_resolved_mma).
-    expect_close_to_cpu(c, got, ref, (mma == 2 || (mma == 0 && heads >= 32)) && fmt == 2);
+    DecodeMlaParams path = c.params(nullptr, nullptr);
+    path.mma = mma;
+    expect_close_to_cpu(c, got, ref, decode_mla_resolved_mma(path) == 2 && fmt == 2);
   }
   SKIP_IF_WGMMA_SKIPPED(wgmma_skipped);
 }

@@ -60,7 +60,8 @@
 //      depth, the halves are exchanged through shared memory and added (in either order the same
 //      bits), and both run the same softmax. fp8 tiles are bulk-copied raw and converted by three
 //      producer warps and the math warpgroups.
-//  - mma.sync (m16n8k16; chosen for the fp8 caches at 16 heads, and where wgmma is unavailable), two kernels:
+//  - mma.sync (m16n8k16; chosen for the fp8 caches at 16 heads, and where wgmma is unavailable),
+//    two kernels:
 //    - bf16 caches: one CTA per (request, split, group of <= 64 heads) that brings each 32-token
 //      K tile into shared memory (bulk copies or cp.async, double-buffered); 2 or 4 warps share
 //      16 heads, splitting the QK depth (partial S tiles added in a fixed order) and the output
