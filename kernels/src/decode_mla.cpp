@@ -236,9 +236,11 @@ int32_t decode_mla_resolved_mma(const DecodeMlaParams& p) {
   //   H100:  bf16     16 heads 117 vs 126 us, 32: 119 vs 192, 64: 131 vs 214
   //          mla_fp8  16 heads 109 vs 78,     32: 111 vs 115, 64: 115 vs 171
   //          fp8_ds   16 heads 115 vs 83,     32: 115 vs 119, 64: 124 vs 177
-  //   H200:  bf16 16 heads 88.5 vs 94.6; 128 heads mla_fp8 185 vs 300, fp8_ds 198 vs 320.
-  // The same order at 512, 1024 and 16384 tokens (H100), except mla_fp8_ds at 32 heads up to 1024
-  // tokens (wgmma 1-5 % slower, where mla_fp8 still gains). So wgmma, except for the fp8 caches at
+  //   H200:  bf16 16 heads 88.4-89.1 vs 95.0-95.3, 32: 92 vs 190; mla_fp8 32 heads 105 vs 116;
+  //          fp8_ds 32 heads 114 vs 118; 128 heads mla_fp8 187 vs 302, fp8_ds 200 vs 322.
+  // The same order at 512, 1024 and 16384 tokens, with two small exceptions up to 1024 tokens:
+  // mla_fp8_ds at 32 heads on an H100 (wgmma 1-5 % slower, where mla_fp8 still gains) and bf16 at
+  // 16 heads on an H200 (1.5-3 % slower, against 7 % faster at 4096 tokens). So wgmma, except for the fp8 caches at
   // 16 heads (their mma.sync kernel reads the cache once for 16 heads with no padded rows).
   // mla_fp8 and mla_fp8_ds must take the same kernel, or a requantized cache would not give the
   // same bits.
