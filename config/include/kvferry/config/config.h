@@ -25,6 +25,9 @@ struct DaemonConfig {
   std::vector<uint32_t> allowed_gids;  ///< SO_PEERCRED gids allowed
   LogLevel log_level = LogLevel::kInfo;
   std::string metrics_listen = "127.0.0.1:9464";  ///< host:port of /metrics and /healthz ("" = off)
+  std::vector<uint32_t> admin_uids{0};  ///< uids that see and manage every tenant (root by default)
+  std::vector<uint32_t> admin_gids;     ///< gids (primary or supplementary) that do the same
+  bool debug_read = false;              ///< serve DebugRead (a client reads region bytes through the daemon)
 
   bool operator==(const DaemonConfig&) const = default;
 };
@@ -82,11 +85,36 @@ struct IntegrityConfig {
   bool operator==(const IntegrityConfig&) const = default;
 };
 
+/// Per-tenant quotas; 0 in a tenant's own quota = take the `limits.tenant` default.
+struct TenantQuota {
+  uint32_t clients = 0;         ///< connected clients
+  uint32_t regions = 0;         ///< regions created or registered by the tenant
+  uint64_t region_bytes = 0;    ///< bytes of those regions
+  uint64_t pinned_bytes = 0;    ///< bytes of the tenant's blocks pinned in the host pool
+  uint64_t inflight_bytes = 0;  ///< bytes of save/load requests queued or running
+
+  bool operator==(const TenantQuota&) const = default;
+};
+
+/// A tenant: the uids and gids (primary or supplementary) that may use it, and its quotas.
+/// Regions, blocks and namespaces belong to a tenant; a client sees and touches only its own.
+struct TenantConfig {
+  std::string name;
+  std::vector<uint32_t> uids;
+  std::vector<uint32_t> gids;
+  TenantQuota quota;  ///< 0 fields = limits.tenant
+
+  bool operator==(const TenantConfig&) const = default;
+};
+
 struct LimitsConfig {
   uint32_t max_clients = 64;
   uint32_t ring_entries = 1024;  ///< per-client submission/completion ring slots (power of two)
   std::chrono::milliseconds request_timeout{30000};
   std::chrono::milliseconds watchdog{0};  ///< 0 = take WATCHDOG_USEC from systemd
+  /// Default quotas of every tenant (and of every uid where no tenant is configured); here 0 means
+  /// no limit, except pinned_bytes: 0 = half of tiers.host.capacity.
+  TenantQuota tenant{.clients = 16, .regions = 16, .region_bytes = 0, .pinned_bytes = 0, .inflight_bytes = 0};
 
   bool operator==(const LimitsConfig&) const = default;
 };
@@ -100,6 +128,7 @@ struct Config {
   RemoteTierConfig remote;  ///< yaml: tiers.remote
   IntegrityConfig integrity;
   LimitsConfig limits;
+  std::vector<TenantConfig> tenants;  ///< yaml: tenants (empty = one implicit tenant per uid)
 
   bool operator==(const Config&) const = default;
 };

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "kvferry/config/config.h"
 #include "kvferry/connector/ring.h"
 #include "kvferry/connector/wire_io.h"
 
@@ -25,7 +26,12 @@ namespace kvferry::daemon {
 struct ClientChannel {
   uint32_t client_id = 0;
   std::string model;   ///< from the Hello (namespace), "" = default
-  std::string tenant;  ///< from the Hello (namespace)
+  /// The effective tenant, set by the daemon at the Hello from the peer's credentials (never
+  /// what the client merely claims): blocks, regions and namespaces of other tenants are out of reach.
+  std::string tenant;
+  uint32_t uid = 0;    ///< SO_PEERCRED uid
+  bool admin = false;  ///< daemon.admin_uids/admin_gids: may list and evict every tenant's blocks
+  config::TenantQuota quota;  ///< the tenant's quotas, defaults resolved (0 = no limit)
   UniqueFd ring_fd, sq_efd, cq_efd;
   void* base = nullptr;
   uint64_t bytes = 0;
