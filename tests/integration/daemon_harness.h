@@ -104,13 +104,25 @@ class DaemonProcess {
     if (std::system(cmd.c_str()) != 0) {
     }
   }
+  /// `extra_yaml` may start with a "daemon:" section of its own: its keys join the harness's.
   void write_config(const std::string& extra_yaml) {
     std::ofstream f(config_);
+    std::string daemon_keys, rest = extra_yaml;
+    if (rest.rfind("daemon:\n", 0) == 0) {
+      size_t at = 8;
+      while (at < rest.size() && rest.compare(at, 2, "  ") == 0) {
+        const size_t nl = rest.find('\n', at);
+        const size_t end = nl == std::string::npos ? rest.size() : nl + 1;
+        daemon_keys += rest.substr(at, end - at);
+        at = end;
+      }
+      rest = rest.substr(at);
+    }
     // No metrics port (tests pass --metrics-listen when they want one) and a small host pool
     // unless the test sets its own tiers.
     f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n  metrics_listen: \"\"\n"
-      << "device:\n  backend: " << backend_ << "\n"
-      << extra_yaml;
+      << daemon_keys << "device:\n  backend: " << backend_ << "\n"
+      << rest;
     if (extra_yaml.find("tiers:") == std::string::npos) f << "tiers:\n  host:\n    capacity: 64MiB\n";
   }
   /// SIGTERM and wait (bounded); returns the wait status (-1 when it did not exit in time).
