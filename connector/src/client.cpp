@@ -1,6 +1,7 @@
 // Client (client.h).
 #include "kvferry/connector/client.h"
 
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -15,9 +16,38 @@
 
 #include "kvferry/connector/cuda_vmm.h"
 
+#if defined(KVFERRY_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
 namespace kvferry {
 
 namespace {
+/// Restores the calling thread's current CUDA device on every path (the engine's choice is
+/// not ours to change). A no-op without CUDA or without a device.
+class DeviceGuard {
+ public:
+  DeviceGuard() {
+#if defined(KVFERRY_WITH_CUDA)
+    if (cudaGetDevice(&device_) != cudaSuccess) {
+      device_ = -1;
+      (void)cudaGetLastError();
+    }
+#endif
+  }
+  ~DeviceGuard() {
+#if defined(KVFERRY_WITH_CUDA)
+    int now = -1;
+    if (device_ >= 0 && (cudaGetDevice(&now) != cudaSuccess || now != device_)) (void)cudaSetDevice(device_);
+#endif
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_ = -1;
+};
+
 std::string socket_path(const std::string& s) {
   if (!s.empty()) return s;
   const char* env = std::getenv("KVFERRY_SOCKET");
@@ -52,7 +82,17 @@ Result<std::unique_ptr<Client>> Client::connect(const Options& opts) {
     hello.tenant = opts.tenant;
   }
   auto f = c->request(proto::encode(hello), proto::MsgType::kWelcome);
-  if (!f.ok()) return f.status();
+  if (!f.ok()) {
+    if (f.status().code() == ErrorCode::kVersionMismatch)
+      return f.status().with_context("kvferryd at '" + path +
+                                     "' speaks another protocol version (this library speaks " +
+                                     std::to_string(proto::kVersion) + ")");
+    return f.status();
+  }
+  if (f->header.version != proto::kVersion)
+    return Status(ErrorCode::kVersionMismatch, "kvferryd at '" + path + "' answered with protocol version " +
+                                                   std::to_string(f->header.version) + ", this library speaks " +
+                                                   std::to_string(proto::kVersion));
   auto w = proto::decode_welcome(f->payload, f->header.field_mask);
   if (!w.ok()) return w.status();
   if (f->fds.size() != 3)
@@ -78,6 +118,7 @@ Result<std::unique_ptr<Client>> Client::connect(const Options& opts) {
 }
 
 Client::~Client() {
+  DeviceGuard dg;
   for (auto& [_, m] : mapped_) unmap(m);
   if (sock_) (void)proto::send_frame(sock_.get(), proto::encode_goodbye(), {}, 100);
   if (ring_base_) ::munmap(ring_base_, ring_bytes_);
@@ -174,7 +215,14 @@ Result<uint32_t> Client::map_handle(proto::RecvFrame& f) {
   return d.id;
 }
 
+void* Client::mapped_base(uint32_t region_id) const {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = mapped_.find(region_id);
+  return it == mapped_.end() ? nullptr : it->second.base;
+}
+
 Result<void*> Client::map_region(uint32_t region_id) {
+  DeviceGuard dg;
   std::lock_guard<std::mutex> g(mu_);
   if (auto it = mapped_.find(region_id); it != mapped_.end()) return it->second.base;
   auto f = request(proto::encode(proto::MapRegion{region_id}), proto::MsgType::kRegionHandle);
@@ -186,6 +234,7 @@ Result<void*> Client::map_region(uint32_t region_id) {
 
 Result<uint32_t> Client::create_region(const std::string& name, const KvCacheSpec& spec) {
   KVFERRY_TRY(spec.validate());
+  DeviceGuard dg;
   std::lock_guard<std::mutex> g(mu_);
   auto f = request(proto::encode(proto::CreateRegion{name, spec}), proto::MsgType::kRegionHandle);
   if (!f.ok()) return f.status();
@@ -251,6 +300,8 @@ Result<LayerView> Client::layer_view(uint32_t region_id, int64_t layer) const {
 }
 
 Status Client::submit(const ring::SubmitEntry& e) {
+  if (dead_.load(std::memory_order_acquire)) return dead_status();
+  std::lock_guard<std::mutex> g(sq_mu_);
   if (!ch_.sq.try_push(e))
     return {ErrorCode::kBusy, "the submission ring is full (" + std::to_string(ch_.sq.capacity()) +
                                   " requests in flight): reap completions and retry"};
@@ -266,13 +317,9 @@ Status Client::ping(uint64_t id, uint64_t payload) {
   return submit(e);
 }
 
-size_t Client::poll(std::span<ring::CompletionEntry> out) {
+size_t Client::drain_cq(ring::CompletionEntry* out, size_t max) {
   size_t n = 0;
-  while (n < out.size() && !raw_.empty()) {
-    out[n++] = raw_.front();
-    raw_.erase(raw_.begin());
-  }
-  while (n < out.size()) {
+  while (n < max) {
     const ring::CompletionEntry* c = ch_.cq.peek();
     if (!c) break;
     out[n++] = *c;
@@ -281,27 +328,118 @@ size_t Client::poll(std::span<ring::CompletionEntry> out) {
   return n;
 }
 
-Result<size_t> Client::wait(std::span<ring::CompletionEntry> out, int64_t timeout_us) {
-  using Clock = std::chrono::steady_clock;
+bool Client::socket_closed(int timeout_ms) const {
+  // POLLRDHUP only: a control reply waiting to be read (POLLIN) is not a death.
+  pollfd p{sock_.get(), POLLRDHUP, 0};
+  int r;
+  do r = ::poll(&p, 1, timeout_ms);
+  while (r < 0 && errno == EINTR);
+  return r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
+Status Client::dead_status() const {
+  return {ErrorCode::kUnavailable, "kvferryd closed the connection (it died or stopped); " + std::to_string(lost_ops_) +
+                                       " data op(s) in flight then were lost, and pins this client held were released: "
+                                       "connect again"};
+}
+
+void Client::mark_dead() {
+  if (dead_.load(std::memory_order_relaxed)) return;
+  lost_ops_ = pending_.size();
+  dead_.store(true, std::memory_order_release);
+}
+
+Status Client::connection_status() {
+  std::unique_lock<std::mutex> lk(ops_mu_);
+  if (!dead_.load(std::memory_order_relaxed) && socket_closed(0)) mark_dead();
+  return dead_.load(std::memory_order_relaxed) ? dead_status() : Status::Ok();
+}
+
+Status Client::reap_until(std::unique_lock<std::mutex>& lk, Clock::time_point end, const std::function<bool()>& done) {
   const auto start = Clock::now();
   const auto spin = std::chrono::microseconds(opts_.spin_us);
-  const auto limit = std::chrono::microseconds(timeout_us);
+  bool tried = false;  // a zero timeout still looks at the ring once
   for (;;) {
-    if (size_t n = poll(out)) return n;
-    const auto waited = Clock::now() - start;
-    if (waited >= limit)
-      return Status(ErrorCode::kTimeout, "no completion within " + std::to_string(timeout_us) + " us");
-    if (waited < spin) {
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
+    if (done()) return Status::Ok();
+    if (dead_.load(std::memory_order_relaxed)) return dead_status();
+    if (tried && Clock::now() >= end) return Status(ErrorCode::kTimeout, "no completion in time");
+    if (reaping_) {  // another thread reaps for everyone and wakes us for each batch it files
+      if (ops_cv_.wait_until(lk, end) == std::cv_status::timeout) tried = true;
       continue;
     }
-    if (!ch_.cq.prepare_sleep()) continue;
-    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(limit - waited).count();
-    ring::wait_doorbell(cq_efd_.get(), left);
-    ch_.cq.end_sleep();
+    reaping_ = true;
+    tried = true;
+    lk.unlock();
+    ring::CompletionEntry buf[64];
+    size_t n = drain_cq(buf, 64);
+    bool gone = false;
+    if (n == 0 && Clock::now() < end) {
+      if (Clock::now() - start < spin) {
+        while (ch_.cq.empty() && Clock::now() - start < spin && Clock::now() < end) {
+#if defined(__x86_64__)
+          __builtin_ia32_pause();
+#endif
+        }
+      } else if (ch_.cq.prepare_sleep()) {
+        // Sleep on the completion doorbell and the control socket together: a dead daemon rings
+        // no doorbell, but its socket hangs up. Bounded so that a waiter re-checks its deadline.
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()).count() + 1;
+        pollfd p[2] = {{cq_efd_.get(), POLLIN, 0}, {sock_.get(), POLLRDHUP, 0}};
+        int r;
+        do r = ::poll(p, 2, static_cast<int>(std::min<int64_t>(left, 100)));
+        while (r < 0 && errno == EINTR);
+        if (r > 0 && (p[0].revents & POLLIN)) ring::drain_doorbell(cq_efd_.get());
+        if (r > 0 && (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) gone = true;
+        ch_.cq.end_sleep();
+      }
+      n = drain_cq(buf, 64);
+    }
+    // Whatever the daemon completed before it went is still handed out.
+    if (gone)
+      while (size_t more = drain_cq(buf + n, 64 - n)) n += more;
+    lk.lock();
+    for (size_t i = 0; i < n; ++i) absorb(buf[i]);
+    if (gone && n < 64) mark_dead();
+    reaping_ = false;
+    ops_cv_.notify_all();
   }
+}
+
+size_t Client::poll(std::span<ring::CompletionEntry> out) {
+  std::lock_guard<std::mutex> g(ops_mu_);
+  if (!reaping_) {  // file what the ring holds; a reaper at work files it itself
+    ring::CompletionEntry buf[64];
+    size_t n;
+    do {
+      n = drain_cq(buf, 64);
+      for (size_t i = 0; i < n; ++i) absorb(buf[i]);
+    } while (n == 64 && raw_.size() < out.size());
+    if (n) ops_cv_.notify_all();
+  }
+  size_t k = 0;
+  while (k < out.size() && !raw_.empty()) {
+    out[k++] = raw_.front();
+    raw_.pop_front();
+  }
+  return k;
+}
+
+Result<size_t> Client::wait(std::span<ring::CompletionEntry> out, int64_t timeout_us) {
+  if (out.empty()) return Status(ErrorCode::kInvalidArgument, "wait: no room for a completion");
+  std::unique_lock<std::mutex> lk(ops_mu_);
+  Status st = reap_until(lk, Clock::now() + std::chrono::microseconds(std::max<int64_t>(timeout_us, 0)),
+                         [&] { return !raw_.empty(); });
+  if (!st.ok()) {
+    if (st.code() == ErrorCode::kTimeout)
+      return Status(ErrorCode::kTimeout, "no completion within " + std::to_string(timeout_us) + " us");
+    return st;
+  }
+  size_t k = 0;
+  while (k < out.size() && !raw_.empty()) {
+    out[k++] = raw_.front();
+    raw_.pop_front();
+  }
+  return k;
 }
 
 Result<std::vector<uint8_t>> Client::debug_read(uint32_t region_id, uint64_t offset, uint32_t bytes) {
@@ -345,7 +483,10 @@ Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<
   if (ops::has_block_ids(op) && block_ids.size() != keys.size())
     return Status(ErrorCode::kInvalidArgument,
                   std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids");
+  if (keys.size() > UINT32_MAX) return Status(ErrorCode::kInvalidArgument, "too many keys in one request");
   const uint64_t bytes = ops::request_bytes(op, keys.size()) + extra_bytes;
+  std::lock_guard<std::mutex> g(ops_mu_);
+  if (dead_.load(std::memory_order_relaxed)) return dead_status();
   auto off = arena_alloc(bytes);
   if (!off.ok()) return off.status();
   uint8_t* p = ch_.arena + *off;
@@ -359,11 +500,13 @@ Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<
   e.count = static_cast<uint32_t>(keys.size());
   e.arena_offset = *off;
   e.args[0] = arg0;
+  // Filed before the push (ops_mu_ held), so the completion always finds its op.
+  pending_[e.id] = Pending{*off, static_cast<uint32_t>(bytes)};
   if (Status st = submit(e); !st.ok()) {
+    pending_.erase(e.id);
     arena_used_.erase(*off);
     return st;
   }
-  pending_[e.id] = Pending{*off, static_cast<uint32_t>(bytes)};
   return e.id;
 }
 
@@ -401,41 +544,23 @@ void Client::absorb(const ring::CompletionEntry& c) {
 }
 
 Result<Client::OpResult> Client::wait_op(uint64_t id, int64_t timeout_us) {
-  using Clock = std::chrono::steady_clock;
-  const auto end = Clock::now() + std::chrono::microseconds(timeout_us);
-  for (;;) {
-    if (auto it = finished_.find(id); it != finished_.end()) {
-      OpResult r = std::move(it->second);
-      finished_.erase(it);
-      return r;
-    }
-    if (!pending_.count(id)) return Status(ErrorCode::kNotFound, "no data op " + std::to_string(id) + " in flight");
-    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(end - Clock::now()).count();
-    if (left <= 0) return Status(ErrorCode::kTimeout, "data op " + std::to_string(id) + " did not complete in time");
-    ring::CompletionEntry buf[32];
-    // Reap straight from the ring (poll() would hand back raw completions first).
-    size_t n = 0;
-    while (n < 32) {
-      const ring::CompletionEntry* c = ch_.cq.peek();
-      if (!c) break;
-      buf[n++] = *c;
-      ch_.cq.pop();
-    }
-    if (n == 0) {
-      const auto t0 = Clock::now();
-      while (ch_.cq.empty() && Clock::now() - t0 < std::chrono::microseconds(opts_.spin_us)) {
-#if defined(__x86_64__)
-        __builtin_ia32_pause();
-#endif
-      }
-      if (ch_.cq.empty() && ch_.cq.prepare_sleep()) {
-        ring::wait_doorbell(cq_efd_.get(), std::min<int64_t>(left, 100'000));
-        ch_.cq.end_sleep();
-      }
-      continue;
-    }
-    for (size_t i = 0; i < n; ++i) absorb(buf[i]);
+  std::unique_lock<std::mutex> lk(ops_mu_);
+  Status st = reap_until(lk, Clock::now() + std::chrono::microseconds(std::max<int64_t>(timeout_us, 0)),
+                         [&] { return finished_.count(id) || !pending_.count(id); });
+  if (auto it = finished_.find(id); it != finished_.end()) {
+    OpResult r = std::move(it->second);
+    finished_.erase(it);
+    return r;
   }
+  if (!pending_.count(id)) return Status(ErrorCode::kNotFound, "no data op " + std::to_string(id) + " in flight");
+  if (st.code() == ErrorCode::kUnavailable) {  // lost with the daemon: its arena part is ours again
+    arena_used_.erase(pending_[id].arena_offset);
+    pending_.erase(id);
+    return st.with_context("data op " + std::to_string(id));
+  }
+  if (st.code() == ErrorCode::kTimeout)
+    return Status(ErrorCode::kTimeout, "data op " + std::to_string(id) + " did not complete in time");
+  return st;
 }
 
 Result<uint64_t> Client::submit_lookup(uint32_t region_id, std::span<const ops::Key> keys) {

@@ -3,10 +3,27 @@
 // regions into this process (host memory or GPU memory), get per-layer views, and submit
 // requests / reap completions over the shared-memory rings.
 //
-// Threads: control calls (map_region, create_region, debug_read, status) are serialized by an
-// internal mutex. The rings are single-producer / single-consumer: submit() from one thread at a
-// time and poll()/wait() from one thread at a time (they may be two different threads).
+// Threads: every member function may be called from any thread. Control calls (map_region,
+// create_region, debug_read, status) are serialized by one mutex; submissions by another (the
+// submission ring stays single-producer); completions are reaped by one thread at a time, which
+// files each for whoever waits on it, so a data op submitted on one thread while another thread
+// waits is safe. poll()/wait() hand out only raw completions (of submit()/ping()); a data op's
+// completion is always kept for its wait_op(), never handed to poll()/wait().
+//
+// A dead daemon: every wait (wait(), wait_op() and the synchronous data ops) also watches the
+// control socket; when kvferryd closes it (crash, SIGKILL, shutdown) the waits return
+// kUnavailable at once, every data op still in flight fails with kUnavailable, and later
+// submissions fail with kUnavailable. Connect again (a new Client) to go on; what was lost is
+// named in the error (ops in flight; pins and regions this client created are the daemon's).
+//
+// CUDA: calls that map or unmap GPU memory switch the calling thread's current device and
+// restore it before they return.
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -65,6 +82,8 @@ class Client {
   /// Id of the region named `name`.
   Result<uint32_t> find_region(const std::string& name) const;
 
+  /// Where region `region_id` is mapped in this process, or nullptr when it is not (yet).
+  void* mapped_base(uint32_t region_id) const;
   /// Maps region `region_id` into this process (once; later calls return the same base).
   Result<void*> map_region(uint32_t region_id);
   /// Asks the daemon to create a region (or reuse one of that name and spec) and maps it.
@@ -90,11 +109,15 @@ class Client {
   Status submit(const ring::SubmitEntry& e);
   /// Queues a no-op ping carrying `payload` (echoed in result[0]).
   Status ping(uint64_t id, uint64_t payload);
-  /// Takes up to out.size() completions without waiting.
+  /// Takes up to out.size() raw completions without waiting (data ops' completions are filed
+  /// for wait_op(), never returned here). Makes no system call: a dead daemon is seen by wait().
   size_t poll(std::span<ring::CompletionEntry> out);
-  /// Takes at least one completion (up to out.size()), spinning then sleeping; kTimeout after
-  /// `timeout_us`.
+  /// Takes at least one raw completion (up to out.size()), spinning then sleeping; kTimeout
+  /// after `timeout_us`, kUnavailable as soon as the daemon is gone.
   Result<size_t> wait(std::span<ring::CompletionEntry> out, int64_t timeout_us);
+  /// kOk while the daemon holds the connection; kUnavailable (saying what was lost) once it
+  /// closed it. Checks the control socket without blocking.
+  Status connection_status();
   /// The per-client shared arena (block lists of the data ops).
   std::span<uint8_t> arena() const { return {ch_.arena, ch_.arena_bytes}; }
   uint32_t ring_entries() const { return welcome_.ring_entries; }
@@ -103,8 +126,8 @@ class Client {
   // submit_*() queue a request and return its id (the block list goes into a part of the arena
   // the client manages); wait_op() reaps it. At most a ring's worth in flight; kBusy when the
   // ring or the arena is full (reap and retry). Data ops and raw submit() may be mixed, but then
-  // the arena belongs to the data ops. Same threading as submit()/wait(): wait_op() and
-  // poll()/wait() from one thread at a time.
+  // the arena belongs to the data ops. Any thread may submit and any thread may wait, for its own
+  // op or another's; each op's result is handed out once.
   Result<uint64_t> submit_lookup(uint32_t region_id, std::span<const ops::Key> keys);
   Result<uint64_t> submit_save(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids);
   Result<uint64_t> submit_load(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids);
@@ -114,6 +137,7 @@ class Client {
   /// (every namespace; region_id may be 0).
   Result<uint64_t> submit_evict(uint32_t region_id, std::span<const ops::Key> keys, uint64_t flags = 0);
   /// Waits for the data op `id` (kTimeout after `timeout_us`; it can be waited for again).
+  /// `timeout_us` 0 checks once without sleeping. kUnavailable when the daemon died first.
   Result<OpResult> wait_op(uint64_t id, int64_t timeout_us);
 
   static constexpr int64_t kOpTimeoutUs = 60'000'000;
@@ -157,7 +181,20 @@ class Client {
   Result<uint64_t> submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
                                std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes);
   /// Files a completion: a data op's result (reading its arena part, then freeing it) or a raw one.
+  /// Called with ops_mu_ held.
   void absorb(const ring::CompletionEntry& c);
+  using Clock = std::chrono::steady_clock;
+  /// Reaps completions until `done()` holds (checked with ops_mu_ held), `end` passes or the
+  /// daemon is gone. One thread reaps at a time; the others sleep on ops_cv_ and are woken for
+  /// every batch filed. `lk` holds ops_mu_ on entry and on return.
+  Status reap_until(std::unique_lock<std::mutex>& lk, Clock::time_point end, const std::function<bool()>& done);
+  /// Takes what the completion ring holds (no waiting) into `out`; returns how many.
+  size_t drain_cq(ring::CompletionEntry* out, size_t max);
+  /// The daemon closed the control socket (POLLHUP/POLLRDHUP), checked with `timeout_ms`.
+  bool socket_closed(int timeout_ms) const;
+  /// Records the daemon's death (ops_mu_ held): later waits and submissions fail with it.
+  void mark_dead();
+  Status dead_status() const;
   struct Pending {
     uint32_t arena_offset = 0;
     uint32_t arena_bytes = 0;
@@ -172,12 +209,18 @@ class Client {
   mutable std::mutex mu_;  // control channel + maps
   std::map<uint32_t, proto::RegionDesc> known_;
   std::map<uint32_t, Mapped> mapped_;
-  // data ops (submit/wait side only)
+  std::mutex sq_mu_;  // the submission ring's single producer
+  // data ops and reaping (ops_mu_ guards everything below)
+  std::mutex ops_mu_;
+  std::condition_variable ops_cv_;           // a reaper filed completions, or gave up its role
+  bool reaping_ = false;                     // a thread is taking completions off the ring
+  std::atomic<bool> dead_{false};            // the daemon closed the connection
+  size_t lost_ops_ = 0;                      // data ops in flight when it did
   uint64_t next_op_id_ = uint64_t{1} << 63;  // data op ids have the top bit set
   std::map<uint32_t, uint32_t> arena_used_;  // offset -> bytes
   std::map<uint64_t, Pending> pending_;
   std::map<uint64_t, OpResult> finished_;
-  std::vector<ring::CompletionEntry> raw_;  // other completions met by wait_op, handed out by poll()
+  std::deque<ring::CompletionEntry> raw_;  // raw completions reaped, handed out by poll()/wait()
 };
 
 }  // namespace kvferry
