@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -28,6 +29,40 @@ static_assert(sizeof(kvferry_stats_info) == sizeof(kvferry::ops::StatsWire));
 static_assert(sizeof(kvferry_ls_entry) == sizeof(kvferry::ops::LsEntry));
 static_assert(offsetof(kvferry_ls_entry, tier) == offsetof(kvferry::ops::LsEntry, tier));
 static_assert(offsetof(kvferry_sqe, args) == offsetof(kvferry::ring::SubmitEntry, args));
+static_assert(sizeof(kvferry_store_stats) == sizeof(uint64_t) + sizeof(kvferry::ops::StatsWire));
+
+// The C enum is ErrorCode, value for value; the ABI-1 macros keep theirs.
+constexpr bool same(kvferry_error a, ErrorCode b) { return static_cast<int>(a) == static_cast<int>(b); }
+static_assert(
+    same(KVFERRY_ERROR_OK, ErrorCode::kOk) && same(KVFERRY_ERROR_INVALID_ARGUMENT, ErrorCode::kInvalidArgument) &&
+    same(KVFERRY_ERROR_OUT_OF_RANGE, ErrorCode::kOutOfRange) && same(KVFERRY_ERROR_OVERFLOW, ErrorCode::kOverflow) &&
+    same(KVFERRY_ERROR_MISALIGNED, ErrorCode::kMisaligned) && same(KVFERRY_ERROR_NOT_FOUND, ErrorCode::kNotFound) &&
+    same(KVFERRY_ERROR_ALREADY_EXISTS, ErrorCode::kAlreadyExists) &&
+    same(KVFERRY_ERROR_RESOURCE_EXHAUSTED, ErrorCode::kResourceExhausted) &&
+    same(KVFERRY_ERROR_UNAVAILABLE, ErrorCode::kUnavailable) && same(KVFERRY_ERROR_INTERNAL, ErrorCode::kInternal) &&
+    same(KVFERRY_ERROR_UNSUPPORTED, ErrorCode::kUnsupported) && same(KVFERRY_ERROR_PROTOCOL, ErrorCode::kProtocol) &&
+    same(KVFERRY_ERROR_VERSION_MISMATCH, ErrorCode::kVersionMismatch) &&
+    same(KVFERRY_ERROR_PERMISSION_DENIED, ErrorCode::kPermissionDenied) &&
+    same(KVFERRY_ERROR_CHECKSUM_MISMATCH, ErrorCode::kChecksumMismatch) &&
+    same(KVFERRY_ERROR_TIMEOUT, ErrorCode::kTimeout) && same(KVFERRY_ERROR_CANCELLED, ErrorCode::kCancelled) &&
+    same(KVFERRY_ERROR_IO, ErrorCode::kIo) && same(KVFERRY_ERROR_CUDA, ErrorCode::kCuda) &&
+    same(KVFERRY_ERROR_UCX, ErrorCode::kUcx) && same(KVFERRY_ERROR_CONFIG, ErrorCode::kConfig) &&
+    same(KVFERRY_ERROR_BUSY, ErrorCode::kBusy) && same(KVFERRY_ERROR_DATA_LOSS, ErrorCode::kDataLoss));
+static_assert(KVFERRY_ERROR_COUNT == static_cast<int>(ErrorCode::kDataLoss) + 1,
+              "a new ErrorCode needs its KVFERRY_ERROR_ value and KVFERRY_ERROR_COUNT moved");
+static_assert(KVFERRY_OK == KVFERRY_ERROR_OK && KVFERRY_E_BUSY == KVFERRY_ERROR_BUSY &&
+              KVFERRY_E_TIMEOUT == KVFERRY_ERROR_TIMEOUT && KVFERRY_E_NOT_FOUND == KVFERRY_ERROR_NOT_FOUND &&
+              KVFERRY_E_EXHAUSTED == KVFERRY_ERROR_RESOURCE_EXHAUSTED &&
+              KVFERRY_E_UNSUPPORTED == KVFERRY_ERROR_UNSUPPORTED &&
+              KVFERRY_E_CHECKSUM_MISMATCH == KVFERRY_ERROR_CHECKSUM_MISMATCH);
+
+#ifndef KVFERRY_VERSION_STRING
+#define KVFERRY_VERSION_STRING "unknown"
+#endif
+#define KVFERRY_STR2_(x) #x
+#define KVFERRY_STR_(x) KVFERRY_STR2_(x)
+static_assert(kvferry::proto::kVersion == 1, "kVersionText names the protocol version");
+constexpr const char* kVersionText = KVFERRY_VERSION_STRING " (abi " KVFERRY_STR_(KVFERRY_ABI_VERSION) ", protocol 1)";
 
 int fail(const Status& st) {
   g_last_error = st.to_string();
@@ -89,13 +124,78 @@ int req_out(const kvferry::Result<uint64_t>& r, uint64_t* req) {
   return ok();
 }
 
+int region_spec(const kvferry_region_params* p, kvferry::KvCacheSpec* s) {
+  if (p->field_mask & ~uint64_t{KVFERRY_REGION_F_ALL_V2})
+    return fail(Status(ErrorCode::kVersionMismatch, "region params carry fields this library (abi " +
+                                                        std::to_string(KVFERRY_ABI_VERSION) + ") does not know"));
+  KVFERRY_C_CHECK(p->field_mask & KVFERRY_REGION_F_SPEC, "region params without KVFERRY_REGION_F_SPEC");
+  KVFERRY_C_CHECK(p->name && p->format, "region params: name or format is NULL");
+  KVFERRY_C_CHECK(p->layout == 0 || p->layout == 1, "layout must be 0 (block_major) or 1 (layer_major)");
+  auto f = kvferry::EntryFormat::parse(p->format);
+  if (!f.ok()) return fail(f.status());
+  *s = kvferry::KvCacheSpec{p->layers, p->blocks, p->block_size, *f, static_cast<kvferry::Layout>(p->layout)};
+  return 0;
+}
+
+std::string json_str(const std::string& s) {
+  std::string o = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') o += '\\';
+    if (static_cast<unsigned char>(ch) < 0x20) {
+      char b[8];
+      std::snprintf(b, sizeof b, "\\u%04x", ch);
+      o += b;
+      continue;
+    }
+    o += ch;
+  }
+  return o + "\"";
+}
+
+std::string status_json(const kvferry::proto::StatusReply& s) {
+  char b[512];
+  std::snprintf(b, sizeof b, "{\"version\":%s,\"uptime_s\":%.3f,\"pid\":%u,\"backend\":%s,\"regions\":[",
+                json_str(s.version).c_str(), s.uptime_ms / 1000.0, s.pid, json_str(s.backend).c_str());
+  std::string o = b;
+  for (size_t i = 0; i < s.regions.size(); ++i) {
+    const auto& r = s.regions[i];
+    std::snprintf(b, sizeof b,
+                  "%s{\"id\":%u,\"name\":%s,\"layers\":%lld,\"blocks\":%lld,\"block_size\":%lld,\"format\":%s,"
+                  "\"layout\":\"%s\",\"bytes\":%llu,\"backend\":\"%s\",\"device\":%d,\"holders\":%u,"
+                  "\"from_config\":%s}",
+                  i ? "," : "", r.desc.id, json_str(r.desc.name).c_str(), static_cast<long long>(r.desc.spec.layers),
+                  static_cast<long long>(r.desc.spec.blocks), static_cast<long long>(r.desc.spec.block_size),
+                  json_str(r.desc.spec.format.name()).c_str(),
+                  r.desc.spec.layout == kvferry::Layout::kBlockMajor ? "block_major" : "layer_major",
+                  static_cast<unsigned long long>(r.desc.bytes),
+                  std::string(kvferry::proto::backend_name(r.desc.backend)).c_str(), r.desc.device, r.holders,
+                  r.from_config ? "true" : "false");
+    o += b;
+  }
+  o += "],\"clients\":[";
+  for (size_t i = 0; i < s.clients.size(); ++i) {
+    const auto& c = s.clients[i];
+    std::snprintf(b, sizeof b, "%s{\"id\":%u,\"name\":%s,\"pid\":%u,\"uid\":%u,\"ops\":%llu}", i ? "," : "", c.id,
+                  json_str(c.name).c_str(), c.pid, c.uid, static_cast<unsigned long long>(c.ops));
+    o += b;
+  }
+  return o + "]}";
+}
+
 }  // namespace
 
 extern "C" {
 
 const char* kvferry_last_error(void) { return g_last_error.c_str(); }
 
-const char* kvferry_status_name(int status) { return kvferry::error_code_name(static_cast<ErrorCode>(status)).data(); }
+const char* kvferry_status_name(int status) {
+  if (status < 0 || status >= KVFERRY_ERROR_COUNT) return "unknown";
+  return kvferry::error_code_name(static_cast<ErrorCode>(status)).data();
+}
+
+const char* kvferry_version(void) { return kVersionText; }
+uint32_t kvferry_abi_version(void) { return KVFERRY_ABI_VERSION; }
+uint32_t kvferry_protocol_version(void) { return kvferry::proto::kVersion; }
 
 int kvferry_connect(const char* socket, const char* client_name, kvferry_client** out) {
   return guard([&] {
@@ -423,6 +523,144 @@ int kvferry_ls(kvferry_client* c, uint32_t region_id, kvferry_ls_entry* out, uin
     const size_t k = std::min<size_t>(r->size(), max);
     if (k) std::memcpy(out, r->data(), k * sizeof(kvferry_ls_entry));
     *n = static_cast<uint32_t>(k);
+    return ok();
+  });
+}
+
+int kvferry_connection_status(kvferry_client* c) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c, "client is NULL");
+    Status st = c->c->connection_status();
+    return st.ok() ? ok() : fail(st);
+  });
+}
+
+int kvferry_connect_with(const kvferry_connect_params* p, kvferry_client** out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(p && out, "params or out is NULL");
+    *out = nullptr;
+    if (p->field_mask & ~uint64_t{KVFERRY_CONNECT_F_ALL_V2})
+      return fail(Status(ErrorCode::kVersionMismatch, "connect params carry fields this library (abi " +
+                                                          std::to_string(KVFERRY_ABI_VERSION) + ") does not know"));
+    if ((p->field_mask & KVFERRY_CONNECT_F_ABI_VERSION) && p->abi_version > KVFERRY_ABI_VERSION)
+      return fail(Status(ErrorCode::kVersionMismatch, "the caller was built against kvferry.h abi " +
+                                                          std::to_string(p->abi_version) + ", this libkvferry is abi " +
+                                                          std::to_string(KVFERRY_ABI_VERSION) + ": update libkvferry"));
+    kvferry::Client::Options o;
+    if ((p->field_mask & KVFERRY_CONNECT_F_SOCKET) && p->socket) o.socket = p->socket;
+    if ((p->field_mask & KVFERRY_CONNECT_F_CLIENT_NAME) && p->client_name) o.name = p->client_name;
+    if (p->field_mask & KVFERRY_CONNECT_F_NAMESPACE) {
+      if (p->model) o.model = p->model;
+      if (p->tenant) o.tenant = p->tenant;
+    }
+    if (p->field_mask & KVFERRY_CONNECT_F_TIMEOUT_MS) {
+      KVFERRY_C_CHECK(p->timeout_ms > 0, "timeout_ms must be positive");
+      o.timeout_ms = p->timeout_ms;
+    }
+    if (p->field_mask & KVFERRY_CONNECT_F_SPIN_US) {
+      KVFERRY_C_CHECK(p->spin_us >= 0, "spin_us must not be negative");
+      o.spin_us = p->spin_us;
+    }
+    auto c = kvferry::Client::connect(o);
+    if (!c.ok()) return fail(c.status());
+    *out = new kvferry_client{std::move(*c)};
+    return ok();
+  });
+}
+
+int kvferry_create_region_with(kvferry_client* c, const kvferry_region_params* p, uint32_t* region_id) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && p && region_id, "client, params or region_id is NULL");
+    kvferry::KvCacheSpec s;
+    if (int rc = region_spec(p, &s)) return rc;
+    auto r = c->c->create_region(p->name, s);
+    if (!r.ok()) return fail(r.status());
+    *region_id = *r;
+    return ok();
+  });
+}
+
+int kvferry_register_region_with(kvferry_client* c, const kvferry_region_params* p, uint32_t* region_id) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && p && region_id, "client, params or region_id is NULL");
+    kvferry::KvCacheSpec s;
+    if (int rc = region_spec(p, &s)) return rc;
+    KVFERRY_C_CHECK(p->field_mask & KVFERRY_REGION_F_BUFFER, "register: region params without KVFERRY_REGION_F_BUFFER");
+    KVFERRY_C_CHECK(p->backend >= 0 && p->backend <= 2, "backend must be 0 (memfd), 1 (cuda_vmm) or 2 (cuda_ipc)");
+    kvferry::Client::OwnBuffer b;
+    b.backend = static_cast<kvferry::proto::Backend>(p->backend);
+    b.fd = p->fd;
+    b.ipc_handle = p->ipc_handle;
+    b.base = p->base;
+    b.alloc_bytes = p->alloc_bytes;
+    b.device = p->device;
+    auto r = c->c->register_region(p->name, s, b);
+    if (!r.ok()) return fail(r.status());
+    *region_id = *r;
+    return ok();
+  });
+}
+
+int kvferry_describe_region(kvferry_client* c, uint32_t region_id, kvferry_region_desc* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    const uint64_t want = out->field_mask & KVFERRY_REGION_DESC_F_ALL_V2;
+    const auto rs = c->c->regions();
+    auto it = std::find_if(rs.begin(), rs.end(), [&](const auto& d) { return d.id == region_id; });
+    if (it == rs.end())
+      return fail(Status(ErrorCode::kNotFound, "region " + std::to_string(region_id) + " is unknown to this client"));
+    const auto& d = *it;
+    out->field_mask = 0;
+    if (want & KVFERRY_REGION_DESC_F_BASIC) {
+      out->id = d.id;
+      out->layout = static_cast<int32_t>(d.spec.layout);
+      std::memset(out->name, 0, sizeof out->name);
+      std::strncpy(out->name, d.name.c_str(), sizeof out->name - 1);
+      std::memset(out->format, 0, sizeof out->format);
+      std::strncpy(out->format, d.spec.format.name().c_str(), sizeof out->format - 1);
+      out->layers = d.spec.layers;
+      out->blocks = d.spec.blocks;
+      out->block_size = d.spec.block_size;
+      out->bytes = d.bytes;
+      out->backend = static_cast<int32_t>(d.backend);
+      out->device = d.device;
+      out->field_mask |= KVFERRY_REGION_DESC_F_BASIC;
+    }
+    if (want & KVFERRY_REGION_DESC_F_MAPPING) {
+      out->base = c->c->mapped_base(region_id);
+      out->mapped = out->base ? 1 : 0;
+      out->reserved = 0;
+      out->block_bytes = static_cast<uint64_t>(d.spec.block_bytes());
+      out->field_mask |= KVFERRY_REGION_DESC_F_MAPPING;
+    }
+    return ok();
+  });
+}
+
+int kvferry_get_stats(kvferry_client* c, kvferry_store_stats* out) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && out, "client or out is NULL");
+    const uint64_t want = out->field_mask & KVFERRY_STATS_F_ALL_V2;
+    out->field_mask = 0;
+    if (!want) return ok();
+    auto r = c->c->stats();
+    if (!r.ok()) return fail(r.status());
+    std::memcpy(&out->entries, &*r, sizeof *r);
+    out->field_mask = KVFERRY_STATS_F_STORE;
+    return ok();
+  });
+}
+
+int kvferry_daemon_status_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && needed && (buf || cap == 0), "client, buf or needed is NULL");
+    auto r = c->c->status();
+    if (!r.ok()) return fail(r.status());
+    const std::string j = status_json(*r);
+    *needed = static_cast<uint32_t>(j.size() + 1);
+    if (cap < j.size() + 1)
+      return fail(Status(ErrorCode::kOutOfRange, "the status needs " + std::to_string(j.size() + 1) + " bytes"));
+    std::memcpy(buf, j.c_str(), j.size() + 1);
     return ok();
   });
 }

@@ -1,7 +1,40 @@
 /* kvferry C ABI (libkvferry.so): the same reach as the C++ kvferry::Client, for engines written
  * in C or bound from Python (ctypes/cffi). Every call returns a status code (0 = ok, otherwise a
- * kvferry ErrorCode value); kvferry_last_error() gives the message of the calling thread's last
- * failed call. No C++ exception crosses this interface. */
+ * kvferry_error value); kvferry_last_error() gives the message of the calling thread's last
+ * failed call. No C++ exception crosses this interface.
+ *
+ * Versions. KVFERRY_ABI_VERSION grows by one whenever entry points or params structs are added;
+ * nothing is removed or changed in place, so a program built against an older header links and
+ * runs against a newer library. kvferry_abi_version() is the library's; pass your header's in
+ * kvferry_connect_params.abi_version and a library older than your header refuses to connect
+ * (version_mismatch) instead of misreading your structs. The wire protocol's version travels in
+ * every frame: a daemon speaking another one is refused at connect with version_mismatch.
+ *
+ * Growing structs carry a `field_mask` (first member): the caller sets the KVFERRY_*_F_* bits of
+ * the fields it filled in (input structs) or has room for (output structs; on return the mask
+ * holds the fields the library wrote). Bits the library does not know are refused (input) or
+ * cleared (output).
+ *
+ * Threads. A kvferry_client may be used from several threads at once: control calls (map, create,
+ * register, debug_read) are serialized inside; submissions are serialized inside; completions are
+ * taken off the ring by one waiting thread at a time and filed for whoever waits for them, so
+ * submitting a data op on one thread while another thread waits is safe. kvferry_poll and
+ * kvferry_wait return only raw completions (requests queued with kvferry_submit/kvferry_ping);
+ * a data op's completion (kvferry_submit_*) is kept for its kvferry_wait_op and never handed to
+ * poll/wait. kvferry_close must not race with any other call on the same client.
+ *
+ * Lifetimes. The base kvferry_map_region returns, the views (kvferry_layer_view, kvferry_kv_view)
+ * and the arena stay valid until kvferry_close of that client (for a registered region: the
+ * caller's buffer, which the caller owns and frees after kvferry_close). Strings returned
+ * (kvferry_last_error, kvferry_status_name, kvferry_version) are owned by the library.
+ *
+ * A dead daemon. Every wait also watches the control socket: when kvferryd goes away (crash,
+ * SIGKILL, shutdown), waits return KVFERRY_ERROR_UNAVAILABLE within milliseconds, every data op in
+ * flight fails with it, and so does every later call on that client; the message says what was
+ * lost. Connect again (a new client) to go on; kvferry_connection_status checks without waiting.
+ *
+ * CUDA. Calls that map or unmap GPU memory (map, create, close) switch the calling thread's
+ * current device and restore it before they return. */
 #ifndef KVFERRY_CONNECTOR_KVFERRY_H_
 #define KVFERRY_CONNECTOR_KVFERRY_H_
 
@@ -17,6 +50,39 @@
 extern "C" {
 #endif
 
+/* The ABI version of this header (1: the first release; 2: versions, params structs, the full
+ * status list, kvferry_connection_status). */
+#define KVFERRY_ABI_VERSION 2
+
+/* Every status code (the daemon's ErrorCode values; wire-stable, only appended to). */
+typedef enum kvferry_error {
+  KVFERRY_ERROR_OK = 0,
+  KVFERRY_ERROR_INVALID_ARGUMENT = 1,   /* a parameter is malformed or inconsistent */
+  KVFERRY_ERROR_OUT_OF_RANGE = 2,       /* an index (block, layer, slot) is past its bound */
+  KVFERRY_ERROR_OVERFLOW = 3,           /* a size or offset does not fit in int64 */
+  KVFERRY_ERROR_MISALIGNED = 4,         /* an address, offset or stride violates an alignment rule */
+  KVFERRY_ERROR_NOT_FOUND = 5,          /* a key, region or client is unknown (a miss) */
+  KVFERRY_ERROR_ALREADY_EXISTS = 6,     /* a unique name or key is taken */
+  KVFERRY_ERROR_RESOURCE_EXHAUSTED = 7, /* a pool, ring or disk is full */
+  KVFERRY_ERROR_UNAVAILABLE = 8,        /* the daemon is gone, or a capability is missing */
+  KVFERRY_ERROR_INTERNAL = 9,           /* a broken invariant inside kvferry */
+  KVFERRY_ERROR_UNSUPPORTED = 10,       /* a valid request kvferry does not implement */
+  KVFERRY_ERROR_PROTOCOL = 11,          /* a malformed message on the wire */
+  KVFERRY_ERROR_VERSION_MISMATCH = 12,  /* the peer speaks another protocol or ABI version */
+  KVFERRY_ERROR_PERMISSION_DENIED = 13, /* this process's credentials are not allowed */
+  KVFERRY_ERROR_CHECKSUM_MISMATCH = 14, /* stored bytes no longer match their checksum */
+  KVFERRY_ERROR_TIMEOUT = 15,           /* a deadline passed */
+  KVFERRY_ERROR_CANCELLED = 16,         /* the work was cancelled (client gone, shutdown) */
+  KVFERRY_ERROR_IO = 17,                /* an operating-system call failed */
+  KVFERRY_ERROR_CUDA = 18,              /* a CUDA call failed */
+  KVFERRY_ERROR_UCX = 19,               /* a UCX call failed */
+  KVFERRY_ERROR_CONFIG = 20,            /* a configuration value is invalid */
+  KVFERRY_ERROR_BUSY = 21,              /* try again later (ring or arena full, block pinned) */
+  KVFERRY_ERROR_DATA_LOSS = 22,         /* a stored block is gone or unreadable */
+  KVFERRY_ERROR_COUNT = 23              /* one past the last code (kvferry_status_name covers all) */
+} kvferry_error;
+
+/* The same values under their first names (ABI 1). */
 #define KVFERRY_OK 0
 #define KVFERRY_E_BUSY 21    /* ring full: reap completions and retry */
 #define KVFERRY_E_TIMEOUT 15 /* no completion in time */
@@ -112,8 +178,14 @@ typedef struct kvferry_ls_entry {
 
 /* Message of this thread's last failed call ("" when none). Valid until the next call. */
 KVFERRY_API const char* kvferry_last_error(void);
-/* Stable name of a status code, e.g. "busy". */
+/* Stable name of a status code, e.g. "busy" ("unknown" outside 0..KVFERRY_ERROR_COUNT-1). */
 KVFERRY_API const char* kvferry_status_name(int status);
+/* The library's version, e.g. "0.1.0 (abi 2, protocol 1)". */
+KVFERRY_API const char* kvferry_version(void);
+/* The library's KVFERRY_ABI_VERSION (compare with your header's). */
+KVFERRY_API uint32_t kvferry_abi_version(void);
+/* The wire protocol version this library speaks. */
+KVFERRY_API uint32_t kvferry_protocol_version(void);
 
 /* socket NULL or "" = $KVFERRY_SOCKET, else /run/kvferry/kvferry.sock. */
 KVFERRY_API int kvferry_connect(const char* socket, const char* client_name, kvferry_client** out);
@@ -141,9 +213,11 @@ KVFERRY_API int kvferry_kv_view(kvferry_client* c, uint32_t region_id, int64_t l
 
 KVFERRY_API int kvferry_submit(kvferry_client* c, const kvferry_sqe* req);
 KVFERRY_API int kvferry_ping(kvferry_client* c, uint64_t id, uint64_t payload);
-/* Takes up to `max` completions without waiting; *n = how many. */
+/* Takes up to `max` raw completions without waiting; *n = how many. Completions of data ops
+ * (kvferry_submit_*) are filed for kvferry_wait_op, never returned here. */
 KVFERRY_API int kvferry_poll(kvferry_client* c, kvferry_cqe* out, uint32_t max, uint32_t* n);
-/* Takes at least one completion, waiting up to timeout_us (KVFERRY_E_TIMEOUT after). */
+/* Takes at least one raw completion, waiting up to timeout_us (KVFERRY_E_TIMEOUT after;
+ * KVFERRY_ERROR_UNAVAILABLE as soon as the daemon is gone). */
 KVFERRY_API int kvferry_wait(kvferry_client* c, kvferry_cqe* out, uint32_t max, int64_t timeout_us, uint32_t* n);
 /* The per-client shared arena for block lists. */
 KVFERRY_API int kvferry_arena(kvferry_client* c, void** base, uint32_t* bytes);
@@ -165,7 +239,10 @@ KVFERRY_API int kvferry_submit_save(kvferry_client* c, uint32_t region_id, const
 KVFERRY_API int kvferry_submit_load(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
                                     const int64_t* block_ids, uint32_t n, uint64_t* req);
 /* Waits for request `req`: statuses (up to max_statuses, may be NULL), *done and result[5]
- * (lookup: result[0] = longest hit prefix; evict: result[0] = blocks evicted; may be NULL). */
+ * (lookup: result[0] = longest hit prefix; evict: result[0] = blocks evicted; may be NULL).
+ * timeout_us 0 checks once without sleeping; KVFERRY_E_TIMEOUT leaves the request in flight (wait
+ * again). KVFERRY_ERROR_UNAVAILABLE: the daemon went away first (the request is lost). Any
+ * thread may wait for any request; each request's result is handed out once. */
 KVFERRY_API int kvferry_wait_op(kvferry_client* c, uint64_t req, int64_t timeout_us, int16_t* statuses,
                                 uint32_t max_statuses, uint32_t* done, uint64_t* result);
 
@@ -194,6 +271,89 @@ KVFERRY_API int kvferry_ls(kvferry_client* c, uint32_t region_id, kvferry_ls_ent
 
 /* Reads region bytes through the daemon's own mapping (debugging/tests). */
 KVFERRY_API int kvferry_debug_read(kvferry_client* c, uint32_t region_id, uint64_t offset, void* dst, uint32_t bytes);
+
+/* ---- ABI 2: params structs with a field_mask, beside the calls above ---- */
+
+/* 0 while the daemon holds the connection, KVFERRY_ERROR_UNAVAILABLE (with what was lost in
+ * kvferry_last_error) once it closed it. Does not wait. */
+KVFERRY_API int kvferry_connection_status(kvferry_client* c);
+
+#define KVFERRY_CONNECT_F_ABI_VERSION (1u << 0)
+#define KVFERRY_CONNECT_F_SOCKET (1u << 1)
+#define KVFERRY_CONNECT_F_CLIENT_NAME (1u << 2)
+#define KVFERRY_CONNECT_F_NAMESPACE (1u << 3) /* model and tenant */
+#define KVFERRY_CONNECT_F_TIMEOUT_MS (1u << 4)
+#define KVFERRY_CONNECT_F_SPIN_US (1u << 5)
+#define KVFERRY_CONNECT_F_ALL_V2 0x3fu
+typedef struct kvferry_connect_params {
+  uint64_t field_mask;
+  uint32_t abi_version;    /* KVFERRY_ABI_VERSION of the caller's header */
+  int32_t timeout_ms;      /* bound on each control round trip (default 5000) */
+  const char* socket;      /* NULL or "" = $KVFERRY_SOCKET, else /run/kvferry/kvferry.sock */
+  const char* client_name; /* shown by `kvferry status` */
+  const char* model;       /* block namespace: model (NULL or "" = the default namespace) */
+  const char* tenant;      /* block namespace: tenant (the daemon may enforce its own) */
+  int64_t spin_us;         /* waits spin this long before sleeping (default 50) */
+} kvferry_connect_params;
+KVFERRY_API int kvferry_connect_with(const kvferry_connect_params* p, kvferry_client** out);
+
+#define KVFERRY_REGION_F_SPEC (1u << 0)   /* name, layers, blocks, block_size, format, layout */
+#define KVFERRY_REGION_F_BUFFER (1u << 1) /* backend, fd, ipc_handle, base, alloc_bytes, device */
+#define KVFERRY_REGION_F_ALL_V2 0x3u
+typedef struct kvferry_region_params {
+  uint64_t field_mask;
+  const char* name;
+  int64_t layers, blocks, block_size;
+  const char* format;        /* EntryFormat name: "mla_fp8_ds", "mha:bf16:8x128:nhd", ... */
+  int32_t layout;            /* 0 block_major, 1 layer_major */
+  int32_t backend;           /* register only: 0 memfd (sealed F_SEAL_SHRINK), 1 cuda_vmm, 2 cuda_ipc */
+  int32_t fd;                /* register only: memfd or cuMem POSIX fd (the caller keeps it); -1 for cuda_ipc */
+  int32_t device;            /* register only: CUDA device, -1 for host memory */
+  const uint8_t* ipc_handle; /* register only: 64-byte cudaIpcMemHandle for cuda_ipc */
+  void* base;                /* register only: where this process maps the buffer */
+  uint64_t alloc_bytes;      /* register only: bytes of the buffer (>= the region's bytes) */
+} kvferry_region_params;
+/* Creates (or reuses) and maps a daemon-owned region: needs KVFERRY_REGION_F_SPEC. */
+KVFERRY_API int kvferry_create_region_with(kvferry_client* c, const kvferry_region_params* p, uint32_t* region_id);
+/* Registers a buffer this process allocated: needs KVFERRY_REGION_F_SPEC | KVFERRY_REGION_F_BUFFER
+ * (the params form of kvferry_register_region). */
+KVFERRY_API int kvferry_register_region_with(kvferry_client* c, const kvferry_region_params* p, uint32_t* region_id);
+
+#define KVFERRY_REGION_DESC_F_BASIC (1u << 0)   /* id .. device (the fields of kvferry_region_info) */
+#define KVFERRY_REGION_DESC_F_MAPPING (1u << 1) /* mapped, base, block_bytes */
+#define KVFERRY_REGION_DESC_F_ALL_V2 0x3u
+typedef struct kvferry_region_desc {
+  uint64_t field_mask;
+  uint32_t id;
+  int32_t layout; /* 0 block_major, 1 layer_major */
+  char name[64];
+  char format[64];
+  int64_t layers, blocks, block_size;
+  uint64_t bytes;
+  int32_t backend; /* 0 memfd, 1 cuda_vmm, 2 cuda_ipc */
+  int32_t device;  /* CUDA device, -1 host */
+  int32_t mapped;  /* 1 when mapped into this process */
+  int32_t reserved;
+  void* base;           /* the mapping (NULL when not mapped) */
+  uint64_t block_bytes; /* bytes of one block, all layers (block_major: one contiguous range) */
+} kvferry_region_desc;
+/* Region `region_id` as this client knows it (offered at connect, created, mapped or registered). */
+KVFERRY_API int kvferry_describe_region(kvferry_client* c, uint32_t region_id, kvferry_region_desc* out);
+
+#define KVFERRY_STATS_F_STORE (1u << 0) /* the fields of kvferry_stats_info */
+#define KVFERRY_STATS_F_ALL_V2 0x1u
+typedef struct kvferry_store_stats {
+  uint64_t field_mask;
+  uint64_t entries, writing, pinned, used_bytes, capacity_bytes, evictions, evicted_bytes;
+  uint64_t lookups, hits, misses, blocks_saved, bytes_saved, blocks_loaded, bytes_loaded;
+  uint64_t checksum_failures, clients, pool_pinned;
+} kvferry_store_stats;
+KVFERRY_API int kvferry_get_stats(kvferry_client* c, kvferry_store_stats* out);
+
+/* The daemon's status as JSON (the shape of `kvferry status --json`: version, uptime_s, pid,
+ * backend, regions[], clients[]), NUL-terminated into buf (cap bytes). *needed = bytes with the
+ * NUL; KVFERRY_ERROR_OUT_OF_RANGE when cap is smaller (call again with *needed). */
+KVFERRY_API int kvferry_daemon_status_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed);
 
 #ifdef __cplusplus
 }
