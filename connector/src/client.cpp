@@ -169,6 +169,15 @@ Result<uint32_t> Client::find_region(const std::string& name) const {
   std::lock_guard<std::mutex> g(mu_);
   for (auto& [id, d] : known_)
     if (d.name == name) return id;
+  // Not offered at the handshake: another client may have made it since. The daemon's status
+  // lists the regions this client may see. (request() only touches the control socket, which mu_
+  // guards; known_ is the cache it refreshes.)
+  auto f = const_cast<Client*>(this)->request(proto::encode_status_request(), proto::MsgType::kStatusReply);
+  if (f.ok())
+    if (auto s = proto::decode_status_reply(f->payload, f->header.field_mask); s.ok())
+      for (const auto& r : s->regions) known_.try_emplace(r.desc.id, r.desc);
+  for (auto& [id, d] : known_)
+    if (d.name == name) return id;
   return Status(ErrorCode::kNotFound, "no region named '" + name + "'");
 }
 

@@ -79,7 +79,8 @@ class Client {
   uint32_t id() const { return welcome_.client_id; }
   /// Regions the daemon offered at the handshake (plus those created or mapped since).
   std::vector<proto::RegionDesc> regions() const;
-  /// Id of the region named `name`.
+  /// Id of the region named `name` (asks the daemon when the name is not known here yet, e.g. a
+  /// region another client created after this one connected).
   Result<uint32_t> find_region(const std::string& name) const;
 
   /// Where region `region_id` is mapped in this process, or nullptr when it is not (yet).
@@ -206,8 +207,8 @@ class Client {
   uint64_t ring_bytes_ = 0;
   ring::Channel ch_;
   proto::Welcome welcome_;
-  mutable std::mutex mu_;  // control channel + maps
-  std::map<uint32_t, proto::RegionDesc> known_;
+  mutable std::mutex mu_;                                // control channel + maps
+  mutable std::map<uint32_t, proto::RegionDesc> known_;  // find_region() learns from the daemon
   std::map<uint32_t, Mapped> mapped_;
   std::mutex sq_mu_;  // the submission ring's single producer
   // data ops and reaping (ops_mu_ guards everything below)
