@@ -259,6 +259,7 @@ struct DiskTier::Impl {
     std::list<std::unique_ptr<Batch>> active;
     std::deque<Job*> pending;
     std::deque<SubOp*> retry;
+    std::deque<Job*> verify;  ///< reads whose bytes are in, waiting for their XXH3 check
     unsigned inflight = 0;
     std::thread thread;
 
@@ -499,14 +500,10 @@ struct DiskTier::Impl {
       j->header = -1;
     }
     if (j->op == TierOp::kRead) {
-      if (j->status.ok() && block_checksum(j->buf, j->record.bytes) != j->record.checksum) {
-        checksum_failures.fetch_add(1, std::memory_order_relaxed);
-        j->status = {ErrorCode::kChecksumMismatch, "block " + j->record.key.hex() + " of '" + j->record.ns + "' in " +
-                                                       slot_name(path, j->slot_offset) +
-                                                       " no longer matches its XXH3: dropped"};
-        log(j->status.message());
-      }
-      complete(w, j);
+      if (j->status.ok())
+        w.verify.push_back(j);  // hashed once the ring is refilled, so the device never idles on it
+      else
+        complete(w, j);
       return;
     }
     if (!j->status.ok() || opts.durability == Durability::kNone) {
@@ -616,6 +613,21 @@ struct DiskTier::Impl {
     issue(w, &j->ops[1]);
   }
 
+  void verify_reads(Worker& w) {
+    while (!w.verify.empty()) {
+      Job* j = w.verify.front();
+      w.verify.pop_front();
+      if (block_checksum(j->buf, j->record.bytes) != j->record.checksum) {
+        checksum_failures.fetch_add(1, std::memory_order_relaxed);
+        j->status = {ErrorCode::kChecksumMismatch, "block " + j->record.key.hex() + " of '" + j->record.ns + "' in " +
+                                                       slot_name(path, j->slot_offset) +
+                                                       " no longer matches its XXH3: dropped"};
+        log(j->status.message());
+      }
+      complete(w, j);
+    }
+  }
+
   void cancel_job(Worker& w, Job* j) {
     j->status = {ErrorCode::kCancelled, "the disk tier is shutting down"};
     const bool batch_write = j->op == TierOp::kWrite && opts.durability == Durability::kBatch;
@@ -660,12 +672,14 @@ struct DiskTier::Impl {
         w.pending.pop_front();
         start_job(w, j);
       }
-      if (stop && w.inflight == 0 && w.retry.empty() && w.pending.empty()) break;
+      if (stop && w.inflight == 0 && w.retry.empty() && w.pending.empty() && w.verify.empty()) break;
       done_io.clear();
-      if (Status s = w.engine->run(done_io, 100); !s.ok()) {
+      // Submit the refill first (no wait while reads wait for their hash), then hash.
+      if (Status s = w.engine->run(done_io, w.verify.empty() ? 100 : 0); !s.ok()) {
         set_degraded(s.message());
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
+      verify_reads(w);
       for (const IoDone& d : done_io) {
         --w.inflight;
         subop_done(w, reinterpret_cast<SubOp*>(d.tag), d.res);
