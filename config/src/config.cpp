@@ -335,6 +335,8 @@ const std::vector<KeyDoc>& region_keys() {
       {"regions[].format", "mla_bf16",
        "entry format: mla_bf16 | mla_fp8 | mla_fp8_ds | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd]", false},
       {"regions[].layout", "block_major", "block_major (NB, L, BS, E) or layer_major (L, NB, BS, E)", false},
+      {"regions[].tenant", "\"\"", "the tenant (a name under tenants) it belongs to; \"\" = shared by every tenant",
+       false},
   };
   return kKeys;
 }
@@ -346,7 +348,8 @@ struct RegionsC {
     if (!n.IsSequence()) return ctx.fail(n, key, shown(n) + " is not a list of regions (or [])");
     std::vector<RegionConfig> regions;
     std::map<std::string, size_t> names;
-    static const std::vector<std::string> kSub = {"name", "layers", "blocks", "block_size", "format", "layout"};
+    static const std::vector<std::string> kSub = {"name",   "layers", "blocks", "block_size",
+                                                  "format", "layout", "tenant"};
     for (size_t i = 0; i < n.size(); ++i) {
       const YAML::Node r = n[i];
       const std::string at = std::string(key) + "[" + std::to_string(i) + "]";
@@ -376,6 +379,10 @@ struct RegionsC {
           KVFERRY_TRY(
               (EnumC<Layout>{{{"block_major", Layout::kBlockMajor}, {"layer_major", Layout::kLayerMajor}}}.parse(
                   ctx, sub, v, rc.spec.layout)));
+        } else if (k == "tenant") {
+          // Checked against `tenants` once every key is read (Loader::cross_checks).
+          KVFERRY_TRY(StrC{[](const std::string& s) { return s.empty() ? "" : check_name(s, 64); }}.parse(ctx, sub, v,
+                                                                                                          rc.tenant));
         } else {
           std::vector<std::string> known;
           for (const std::string& s : kSub) known.push_back(at + "." + s);
@@ -405,6 +412,123 @@ struct RegionsC {
       s += "\n    block_size: " + std::to_string(r.spec.block_size);
       s += "\n    format: " + quote(r.spec.format.name());
       s += std::string("\n    layout: ") + (r.spec.layout == Layout::kBlockMajor ? "block_major" : "layer_major");
+      s += "\n    tenant: " + quote(r.tenant);
+    }
+    return s;
+  }
+};
+
+// ---- tenants: a list of mappings (name, uids, gids, quota.*) ----
+
+const std::vector<KeyDoc>& tenant_keys() {
+  static const std::vector<KeyDoc> kKeys = {
+      {"tenants[].name", "(required)", "unique tenant name (letters, digits, '_', '-', '.')", true},
+      {"tenants[].uids", "[]", "peer uids that may use this tenant", true},
+      {"tenants[].gids", "[]", "peer gids (primary or supplementary) that may use this tenant", true},
+      {"tenants[].quota.clients", "0", "connected clients at most (0 = limits.tenant.clients)", true},
+      {"tenants[].quota.regions", "0", "regions created or registered at most (0 = limits.tenant.regions)", true},
+      {"tenants[].quota.region_bytes", "0", "bytes of those regions at most (0 = limits.tenant.region_bytes)", true},
+      {"tenants[].quota.pinned_bytes", "0", "bytes of pinned blocks at most (0 = limits.tenant.pinned_bytes)", true},
+      {"tenants[].quota.inflight_bytes", "0",
+       "bytes of queued or running saves/loads at most (0 = limits.tenant.inflight_bytes)", true},
+  };
+  return kKeys;
+}
+
+// The five quota keys, shared by limits.tenant and tenants[].quota.
+struct QuotaC {
+  static const std::vector<std::string>& keys() {
+    static const std::vector<std::string> kKeys = {"clients", "regions", "region_bytes", "pinned_bytes",
+                                                   "inflight_bytes"};
+    return kKeys;
+  }
+  Status parse(const Ctx& ctx, std::string_view key, const YAML::Node& n, TenantQuota& out) const {
+    if (n.IsNull()) return Status::Ok();  // "quota:" with nothing under it: every default
+    if (!n.IsMap()) return ctx.fail(n, key, shown(n) + " is not a mapping (clients, regions, region_bytes, ...)");
+    TenantQuota q;
+    std::set<std::string> seen;
+    for (const auto& kv : n) {
+      if (!kv.first.IsScalar()) return ctx.fail(kv.first, key, "a key must be a plain name");
+      const std::string k = kv.first.Scalar();
+      const std::string sub = std::string(key) + "." + k;
+      if (!seen.insert(k).second) return ctx.fail(kv.first, sub, "duplicate key");
+      const YAML::Node& v = kv.second;
+      if (k == "clients") {
+        KVFERRY_TRY((IntC<uint32_t>{0, 65536}.parse(ctx, sub, v, q.clients)));
+      } else if (k == "regions") {
+        KVFERRY_TRY((IntC<uint32_t>{0, 65536}.parse(ctx, sub, v, q.regions)));
+      } else if (k == "region_bytes") {
+        KVFERRY_TRY(SizeC{}.parse(ctx, sub, v, q.region_bytes));
+      } else if (k == "pinned_bytes") {
+        KVFERRY_TRY(SizeC{}.parse(ctx, sub, v, q.pinned_bytes));
+      } else if (k == "inflight_bytes") {
+        KVFERRY_TRY(SizeC{}.parse(ctx, sub, v, q.inflight_bytes));
+      } else {
+        std::vector<std::string> known;
+        for (const std::string& s : keys()) known.push_back(std::string(key) + "." + s);
+        return ctx.fail(kv.first, "", "unknown key '" + sub + "'" + suggestion(sub, known));
+      }
+    }
+    out = q;
+    return Status::Ok();
+  }
+};
+
+struct TenantsC {
+  Status parse(const Ctx& ctx, std::string_view key, const YAML::Node& n, std::vector<TenantConfig>& out) const {
+    if (!n.IsSequence()) return ctx.fail(n, key, shown(n) + " is not a list of tenants (or [])");
+    std::vector<TenantConfig> tenants;
+    std::map<std::string, size_t> names;
+    static const std::vector<std::string> kSub = {"name", "uids", "gids", "quota"};
+    for (size_t i = 0; i < n.size(); ++i) {
+      const YAML::Node t = n[i];
+      const std::string at = std::string(key) + "[" + std::to_string(i) + "]";
+      if (!t.IsMap()) return ctx.fail(t, at, shown(t) + " is not a mapping (name, uids, gids, quota)");
+      TenantConfig tc;
+      std::set<std::string> seen;
+      for (const auto& kv : t) {
+        if (!kv.first.IsScalar()) return ctx.fail(kv.first, at, "a key must be a plain name");
+        const std::string k = kv.first.Scalar();
+        const std::string sub = at + "." + k;
+        if (!seen.insert(k).second) return ctx.fail(kv.first, sub, "duplicate key");
+        const YAML::Node& v = kv.second;
+        if (k == "name") {
+          KVFERRY_TRY(StrC{[](const std::string& s) { return check_name(s, 64); }}.parse(ctx, sub, v, tc.name));
+        } else if (k == "uids") {
+          KVFERRY_TRY(IdListC{}.parse(ctx, sub, v, tc.uids));
+        } else if (k == "gids") {
+          KVFERRY_TRY(IdListC{}.parse(ctx, sub, v, tc.gids));
+        } else if (k == "quota") {
+          KVFERRY_TRY(QuotaC{}.parse(ctx, sub, v, tc.quota));
+        } else {
+          std::vector<std::string> known;
+          for (const std::string& s : kSub) known.push_back(at + "." + s);
+          return ctx.fail(kv.first, "", "unknown key '" + sub + "'" + suggestion(sub, known));
+        }
+      }
+      if (!seen.count("name")) return ctx.fail(t, at, "'name' is missing");
+      if (auto [it, fresh] = names.emplace(tc.name, i); !fresh)
+        return ctx.fail(
+            t, at + ".name",
+            "'" + tc.name + "' is already the name of " + std::string(key) + "[" + std::to_string(it->second) + "]");
+      tenants.push_back(std::move(tc));
+    }
+    out = std::move(tenants);
+    return Status::Ok();
+  }
+  std::string emit(const std::vector<TenantConfig>& v) const {
+    if (v.empty()) return "[]";
+    std::string s;
+    for (const TenantConfig& t : v) {
+      s += "\n  - name: " + quote(t.name);
+      s += "\n    uids: " + IdListC{}.emit(t.uids);
+      s += "\n    gids: " + IdListC{}.emit(t.gids);
+      s += "\n    quota:";
+      s += "\n      clients: " + std::to_string(t.quota.clients);
+      s += "\n      regions: " + std::to_string(t.quota.regions);
+      s += "\n      region_bytes: " + format_size(t.quota.region_bytes);
+      s += "\n      pinned_bytes: " + format_size(t.quota.pinned_bytes);
+      s += "\n      inflight_bytes: " + format_size(t.quota.inflight_bytes);
     }
     return s;
   }
@@ -480,6 +604,12 @@ const std::vector<Field>& table() {
               "trace | debug | info | warn | error | off"),
         field("daemon.metrics_listen", KVF_MEMBER(daemon.metrics_listen), StrC{host_port_or_off}, kRestart,
               "host:port of /metrics and /healthz (\"\" = off)"),
+        field("daemon.admin_uids", KVF_MEMBER(daemon.admin_uids), IdListC{}, kReload,
+              "peer uids that see and manage every tenant, free of quotas ([] = none)"),
+        field("daemon.admin_gids", KVF_MEMBER(daemon.admin_gids), IdListC{}, kReload,
+              "peer gids (primary or supplementary) that do the same"),
+        field("daemon.debug_read", KVF_MEMBER(daemon.debug_read), BoolC{}, kReload,
+              "serve DebugRead: a client reads region bytes through the daemon (tests; off in production)"),
         field("device.backend", KVF_MEMBER(device.backend), backend, kRestart,
               "auto (CUDA when a GPU is usable, else CPU) | cuda | cpu"),
         field("device.gpu", KVF_MEMBER(device.gpu), IntC<int>{0, 1023}, kRestart, "CUDA device index"),
@@ -521,6 +651,26 @@ const std::vector<Field>& table() {
         field("limits.watchdog", KVF_MEMBER(limits.watchdog),
               MillisC{std::chrono::milliseconds(0), std::chrono::hours(1)}, kRestart,
               "watchdog interval (0s = WATCHDOG_USEC from systemd)"),
+        field("limits.handshake_timeout", KVF_MEMBER(limits.handshake_timeout),
+              MillisC{std::chrono::milliseconds(10), std::chrono::minutes(10)}, kReload,
+              "a connection without a Hello (or an answered status request) this long after accept is closed"),
+        field("limits.max_unauthenticated", KVF_MEMBER(limits.max_unauthenticated), IntC<uint32_t>{1, 65536}, kReload,
+              "connections without a completed Hello at most; more are closed at once"),
+        field("limits.send_timeout", KVF_MEMBER(limits.send_timeout),
+              MillisC{std::chrono::milliseconds(10), std::chrono::minutes(10)}, kReload,
+              "a client whose oldest queued control reply stays unsent this long is disconnected"),
+        field("limits.tenant.clients", KVF_MEMBER(limits.tenant.clients), IntC<uint32_t>{0, 65536}, kReload,
+              "default quota: connected clients per tenant (0 = no limit; checked at each Hello)"),
+        field("limits.tenant.regions", KVF_MEMBER(limits.tenant.regions), IntC<uint32_t>{0, 65536}, kReload,
+              "default quota: regions a tenant created or registered (0 = no limit)"),
+        field("limits.tenant.region_bytes", KVF_MEMBER(limits.tenant.region_bytes), SizeC{}, kReload,
+              "default quota: bytes of those regions (0 = no limit)"),
+        field("limits.tenant.pinned_bytes", KVF_MEMBER(limits.tenant.pinned_bytes), SizeC{}, kReload,
+              "default quota: bytes of a tenant's pinned blocks (0 = half of tiers.host.capacity; new clients)"),
+        field("limits.tenant.inflight_bytes", KVF_MEMBER(limits.tenant.inflight_bytes), SizeC{}, kReload,
+              "default quota: bytes of a tenant's queued or running saves/loads (0 = no limit; new clients)"),
+        field("tenants", KVF_MEMBER(tenants), TenantsC{}, kReload,
+              "tenants: who (uids, gids) may use which name, and its quotas ([] = one tenant per uid)"),
     };
   }();
   return kTable;
@@ -668,6 +818,7 @@ struct Loader {
   Ctx ctx;
   Config cfg;
   std::map<std::string, int> lines;  // key -> 0-based line where the file sets it
+  YAML::Node doc;                    // the parsed text (cross_checks finds lines in it)
 
   Status walk(const YAML::Node& map, const std::string& prefix) {
     std::set<std::string> seen;
@@ -712,6 +863,19 @@ struct Loader {
       return ctx.fail_at(line_of("tiers.remote.listen", "daemon.metrics_listen"), "tiers.remote.listen",
                          "'" + cfg.remote.listen + "' is also daemon.metrics_listen");
     }
+    for (size_t i = 0; i < cfg.regions.size(); ++i) {
+      const std::string& t = cfg.regions[i].tenant;
+      if (t.empty()) continue;
+      bool known = false;
+      for (const TenantConfig& tc : cfg.tenants) known = known || tc.name == t;
+      if (known) continue;
+      int line = line_of("regions", "regions");
+      if (doc.IsMap() && doc["regions"].IsSequence() && i < doc["regions"].size() && doc["regions"][i].IsMap() &&
+          doc["regions"][i]["tenant"])
+        line = doc["regions"][i]["tenant"].Mark().line;
+      return ctx.fail_at(line, "regions[" + std::to_string(i) + "].tenant",
+                         "'" + t + "' is not the name of an entry of tenants");
+    }
     return Status::Ok();
   }
 
@@ -719,7 +883,6 @@ struct Loader {
     if (text.size() > kMaxFileBytes)
       return ctx.fail_at(-1, "", "is larger than " + std::to_string(kMaxFileBytes) + " bytes");
     KVFERRY_TRY(check_characters(ctx, text));
-    YAML::Node doc;
     try {
       const std::string s(text);
       KVFERRY_TRY(single_document(ctx, s));
@@ -737,7 +900,11 @@ struct Loader {
     } catch (const YAML::Exception& e) {
       return ctx.fail_at(e.mark.line, "", "yaml: " + e.msg);
     }
-    KVFERRY_TRY(cross_checks());
+    try {
+      KVFERRY_TRY(cross_checks());
+    } catch (const YAML::Exception& e) {
+      return ctx.fail_at(e.mark.line, "", "yaml: " + e.msg);
+    }
     return cfg;
   }
 };
@@ -759,6 +926,8 @@ const std::vector<KeyDoc>& schema() {
       v.push_back({f.key, f.emit(defaults), f.doc, f.reloadable});
       if (f.key == "regions")
         for (const KeyDoc& k : region_keys()) v.push_back(k);
+      if (f.key == "tenants")
+        for (const KeyDoc& k : tenant_keys()) v.push_back(k);
     }
     return v;
   }();
@@ -766,7 +935,7 @@ const std::vector<KeyDoc>& schema() {
 }
 
 Result<Config> load_string(std::string_view yaml, std::string_view origin) {
-  Loader l{Ctx{std::string(origin)}, Config{}, {}};
+  Loader l{Ctx{std::string(origin)}, Config{}, {}, {}};
   return l.run(yaml);
 }
 

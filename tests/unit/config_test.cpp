@@ -145,6 +145,8 @@ TEST(ConfigLoad, EveryDefault) {
   EXPECT_EQ(c.limits.ring_entries, 1024u);
   EXPECT_EQ(c.limits.request_timeout, 30000ms);
   EXPECT_EQ(c.limits.watchdog, 0ms);
+  EXPECT_EQ(c.daemon.admin_uids, std::vector<uint32_t>{0});
+  EXPECT_FALSE(c.daemon.debug_read);
 }
 
 TEST(ConfigLoad, SchemaListsEveryKeyWithItsDefault) {
@@ -458,14 +460,27 @@ Config everything_changed() {
   c.daemon.log_level = LogLevel::kTrace;
   c.daemon.metrics_listen = "";
   c.device = {Backend::kCuda, 7, true};
-  c.regions.push_back({"deepseek", KvCacheSpec{61, 100, 64, EntryFormat::mla_fp8_ds(), Layout::kBlockMajor}});
+  c.daemon.admin_uids = {};
+  c.daemon.admin_gids = {10, 27};
+  c.daemon.debug_read = true;
+  c.regions.push_back({"deepseek", KvCacheSpec{61, 100, 64, EntryFormat::mla_fp8_ds(), Layout::kBlockMajor}, "team-a"});
   c.regions.push_back(
-      {"llama", KvCacheSpec{80, 7, 16, EntryFormat::mha(8, 128, DType::kBF16, MhaOrder::kHND), Layout::kLayerMajor}});
+      {"llama", KvCacheSpec{80, 7, 16, EntryFormat::mha(8, 128, DType::kBF16, MhaOrder::kHND), Layout::kLayerMajor},
+       ""});
+  c.tenants.push_back({"team-a", {1000, 1001}, {}, {1, 2, 3ull << 30, 4096, 5}});
+  c.tenants.push_back({"team.b", {}, {2000}, {}});
   c.host = {(3ull << 30) + 4096, 1, 0.7, 0.123456789};
   c.disk = {"/var/lib/kv", 1000000007ull, 32, false};
   c.remote = {"0.0.0.0:1", {"a:2", "[::1]:3"}, "rc,sm"};
   c.integrity = {Checksum::kNone, false};
-  c.limits = {3, 16, std::chrono::milliseconds(1234), std::chrono::milliseconds(60000)};
+  c.limits = {3,
+              16,
+              std::chrono::milliseconds(1234),
+              std::chrono::milliseconds(60000),
+              {7, 8, 9ull << 20, 10ull << 20, 11ull << 20},
+              std::chrono::milliseconds(250),
+              5,
+              std::chrono::milliseconds(750)};
   return c;
 }
 
@@ -504,7 +519,7 @@ TEST(ConfigReload, DiffSplitsReloadableFromRestart) {
 
   b.daemon.socket = "/tmp/other.sock";
   b.host.capacity = 2ull << 30;
-  b.regions.push_back({"r", KvCacheSpec{1, 1, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}});
+  b.regions.push_back({"r", KvCacheSpec{1, 1, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}, ""});
   EXPECT_EQ(non_reloadable_changes(a, b),
             (std::vector<std::string>{"daemon.socket", "regions", "tiers.host.capacity"}));
   EXPECT_EQ(reloadable_changes(a, b).size(), 3u);
@@ -524,9 +539,191 @@ TEST(ConfigReload, DiffSplitsReloadableFromRestart) {
   EXPECT_EQ(r.size() + n.size(), table_keys);
 }
 
+// ---- tenancy keys (issue 36) ----
+
+TEST(ConfigTenancy, Defaults) {
+  const Config c = load_ok("");
+  EXPECT_EQ(c.daemon.admin_uids, std::vector<uint32_t>{0});
+  EXPECT_TRUE(c.daemon.admin_gids.empty());
+  EXPECT_FALSE(c.daemon.debug_read);
+  EXPECT_TRUE(c.tenants.empty());
+  EXPECT_EQ(c.limits.tenant.clients, 16u);
+  EXPECT_EQ(c.limits.tenant.regions, 16u);
+  EXPECT_EQ(c.limits.tenant.region_bytes, 0u);
+  EXPECT_EQ(c.limits.tenant.pinned_bytes, 0u);
+  EXPECT_EQ(c.limits.tenant.inflight_bytes, 0u);
+  EXPECT_EQ(c.limits.handshake_timeout, 5000ms);
+  EXPECT_EQ(c.limits.max_unauthenticated, 64u);
+  EXPECT_EQ(c.limits.send_timeout, 2000ms);
+}
+
+TEST(ConfigTenancy, EveryKeySet) {
+  const Config c = load_ok(R"(
+daemon:
+  admin_uids: []
+  admin_gids: [10]
+  debug_read: true
+limits:
+  handshake_timeout: 1500ms
+  max_unauthenticated: 8
+  send_timeout: 500ms
+  tenant:
+    clients: 4
+    regions: 0
+    region_bytes: 8GiB
+    pinned_bytes: 1GiB
+    inflight_bytes: 256MiB
+regions:
+  - name: r
+    layers: 1
+    blocks: 1
+    tenant: alpha
+  - name: s
+    layers: 1
+    blocks: 1
+tenants:
+  - name: alpha
+    uids: [1000, 1001]
+    gids: [3000]
+    quota:
+      clients: 2
+      regions: 3
+      region_bytes: 1GiB
+      pinned_bytes: 512MiB
+      inflight_bytes: 64MiB
+  - name: beta.2
+    gids: [3001]
+  - name: gamma
+    uids: [1002]
+    quota:
+)");
+  EXPECT_TRUE(c.daemon.admin_uids.empty());
+  EXPECT_EQ(c.daemon.admin_gids, std::vector<uint32_t>{10});
+  EXPECT_TRUE(c.daemon.debug_read);
+  EXPECT_EQ(c.limits.handshake_timeout, 1500ms);
+  EXPECT_EQ(c.limits.max_unauthenticated, 8u);
+  EXPECT_EQ(c.limits.send_timeout, 500ms);
+  EXPECT_EQ(c.limits.tenant, (TenantQuota{4, 0, 8ull << 30, 1ull << 30, 256ull << 20}));
+  ASSERT_EQ(c.regions.size(), 2u);
+  EXPECT_EQ(c.regions[0].tenant, "alpha");
+  EXPECT_EQ(c.regions[1].tenant, "");
+  ASSERT_EQ(c.tenants.size(), 3u);
+  EXPECT_EQ(c.tenants[0].name, "alpha");
+  EXPECT_EQ(c.tenants[0].uids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_EQ(c.tenants[0].gids, std::vector<uint32_t>{3000});
+  EXPECT_EQ(c.tenants[0].quota, (TenantQuota{2, 3, 1ull << 30, 512ull << 20, 64ull << 20}));
+  EXPECT_EQ(c.tenants[1].name, "beta.2");
+  EXPECT_TRUE(c.tenants[1].uids.empty());
+  EXPECT_EQ(c.tenants[1].gids, std::vector<uint32_t>{3001});
+  EXPECT_EQ(c.tenants[1].quota, TenantQuota{});
+  EXPECT_EQ(c.tenants[2].quota, TenantQuota{});
+}
+
+TEST(ConfigTenancy, BadValues) {
+  const Bad cases[] = {
+      {"daemon:\n  admin_uids: 0", "t.yaml:2: daemon.admin_uids: '0' is not a list of ids"},
+      {"daemon:\n  admin_gids: [-1]", "t.yaml:2: daemon.admin_gids[0]: '-1' is outside"},
+      {"daemon:\n  debug_read: on", "t.yaml:2: daemon.debug_read: 'on' is not true or false"},
+      {"limits:\n  handshake_timeout: 5", "limits.handshake_timeout: '5' is not a duration"},
+      {"limits:\n  handshake_timeout: 1ms", "limits.handshake_timeout: '1ms' is outside [10ms, 10m]"},
+      {"limits:\n  max_unauthenticated: 0", "limits.max_unauthenticated: '0' is outside [1, 65536]"},
+      {"limits:\n  send_timeout: 1h", "limits.send_timeout: '1h' is outside [10ms, 10m]"},
+      {"limits:\n  tenant:\n    clients: -1", "t.yaml:3: limits.tenant.clients: '-1' is outside [0, 65536]"},
+      {"limits:\n  tenant:\n    region_bytes: lots", "t.yaml:3: limits.tenant.region_bytes: 'lots' is not a size"},
+      {"limits:\n  tenant: 4", "t.yaml:2: limits.tenant: '4' is not a mapping of keys"},
+      {"tenants: {}", "t.yaml:1: tenants: a mapping is not a list of tenants"},
+      {"tenants:\n  - alpha", "t.yaml:2: tenants[0]: 'alpha' is not a mapping"},
+      {"tenants:\n  - uids: [1]", "t.yaml:2: tenants[0]: 'name' is missing"},
+      {"tenants:\n  - name: 'a b'", "t.yaml:2: tenants[0].name: 'a b' may only hold"},
+      {"tenants:\n  - name: 'uid:1000'", "tenants[0].name: 'uid:1000' may only hold"},
+      {"tenants:\n  - name: a\n    uids: 1000", "t.yaml:3: tenants[0].uids: '1000' is not a list of ids"},
+      {"tenants:\n  - name: a\n    gids: [x]", "t.yaml:3: tenants[0].gids[0]: 'x' is not an integer"},
+      {"tenants:\n  - name: a\n    quota: 3", "t.yaml:3: tenants[0].quota: '3' is not a mapping"},
+      {"tenants:\n  - name: a\n    quota:\n      clients: x", "t.yaml:4: tenants[0].quota.clients: 'x' is not"},
+      {"tenants:\n  - name: a\n    quota:\n      pinned_bytes: 1XB", "t.yaml:4: tenants[0].quota.pinned_bytes:"},
+      {"tenants:\n  - name: a\n    quota:\n      clients: 1\n      clients: 2",
+       "t.yaml:5: tenants[0].quota.clients: duplicate key"},
+      {"tenants:\n  - name: a\n    name: b", "t.yaml:3: tenants[0].name: duplicate key"},
+      {"regions:\n  - {name: r, layers: 1, blocks: 1, tenant: 'a/b'}", "regions[0].tenant: 'a/b' may only hold"},
+      {"regions:\n  - {name: r, layers: 1, blocks: 1}\n  - name: s\n    layers: 1\n    blocks: 1\n    tenant: nobody",
+       "t.yaml:6: regions[1].tenant: 'nobody' is not the name of an entry of tenants"},
+  };
+  for (const Bad& b : cases) {
+    const std::string msg = load_err(b.yaml);
+    EXPECT_NE(msg.find(b.expect), std::string::npos) << "input:\n"
+                                                     << b.yaml << "\nmessage: " << msg << "\nexpected: " << b.expect;
+  }
+}
+
+TEST(ConfigTenancy, DuplicateTenantNames) {
+  EXPECT_EQ(load_err("tenants:\n  - name: a\n    uids: [1]\n  - name: b\n  - name: a\n    uids: [2]\n"),
+            "t.yaml:5: tenants[2].name: 'a' is already the name of tenants[0]");
+}
+
+TEST(ConfigTenancy, UnknownKeys) {
+  const Bad cases[] = {
+      {"tenants:\n  - name: a\n    uid: [1]",
+       "t.yaml:3: unknown key 'tenants[0].uid' (did you mean 'tenants[0].uids'?)"},
+      {"tenants:\n  - name: a\n    quota:\n      client: 1",
+       "t.yaml:4: unknown key 'tenants[0].quota.client' (did you mean 'tenants[0].quota.clients'?)"},
+      {"tenants:\n  - name: a\n    clients: 1", "t.yaml:3: unknown key 'tenants[0].clients'"},
+      {"limits:\n  tenant:\n    pinned: 1G",
+       "t.yaml:3: unknown key 'limits.tenant.pinned' (did you mean "
+       "'limits.tenant.pinned_bytes'?)"},
+      {"daemon:\n  admin_uid: [0]", "t.yaml:2: unknown key 'daemon.admin_uid' (did you mean 'daemon.admin_uids'?)"},
+      {"regions:\n  - {name: r, layers: 1, blocks: 1, tennant: a}",
+       "t.yaml:2: unknown key 'regions[0].tennant' (did you mean 'regions[0].tenant'?)"},
+  };
+  for (const Bad& b : cases) EXPECT_EQ(load_err(b.yaml), b.expect) << "input:\n" << b.yaml;
+}
+
+// Tenants, the admin lists, debug_read, the quotas and the connection limits apply on SIGHUP;
+// a region's tenant (like every region key) needs a restart.
+TEST(ConfigTenancy, ReloadableKeys) {
+  const Config a;
+  Config b = a;
+  b.daemon.admin_uids = {};
+  b.daemon.admin_gids = {5};
+  b.daemon.debug_read = true;
+  b.tenants.push_back({"t", {1}, {}, {}});
+  b.limits.tenant.clients = 1;
+  b.limits.handshake_timeout = 1s;
+  b.limits.max_unauthenticated = 2;
+  b.limits.send_timeout = 1s;
+  EXPECT_EQ(reloadable_changes(a, b),
+            (std::vector<std::string>{"daemon.admin_uids", "daemon.admin_gids", "daemon.debug_read",
+                                      "limits.handshake_timeout", "limits.max_unauthenticated", "limits.send_timeout",
+                                      "limits.tenant.clients", "tenants"}));
+  EXPECT_TRUE(non_reloadable_changes(a, b).empty());
+  Config r1 = a, r2 = a;
+  r1.regions.push_back({"r", KvCacheSpec{1, 1, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}, ""});
+  r2.regions.push_back({"r", KvCacheSpec{1, 1, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}, "t"});
+  EXPECT_EQ(non_reloadable_changes(r1, r2), std::vector<std::string>{"regions"});
+}
+
+TEST(ConfigTenancy, RoundTripAndSchema) {
+  const std::string yaml =
+      "tenants:\n  - name: a\n    uids: [1]\n    quota:\n      region_bytes: 1GiB\n  - name: b\n    gids: [2]\n"
+      "regions:\n  - {name: r, layers: 1, blocks: 1, tenant: b}\n";
+  const Config c = load_ok(yaml);
+  const std::string y = to_yaml(c);
+  EXPECT_NE(y.find("tenant: \"b\""), std::string::npos) << y;
+  EXPECT_NE(y.find("region_bytes: 1GiB"), std::string::npos) << y;
+  Result<Config> back = load_string(y, "to_yaml");
+  ASSERT_TRUE(back.ok()) << back.status().message() << "\n" << y;
+  EXPECT_EQ(*back, c);
+  for (const char* k : {"daemon.admin_uids", "daemon.admin_gids", "daemon.debug_read", "limits.tenant.clients",
+                        "limits.tenant.pinned_bytes", "limits.handshake_timeout", "tenants", "tenants[].name",
+                        "tenants[].quota.inflight_bytes", "regions[].tenant"}) {
+    bool found = false;
+    for (const KeyDoc& d : schema()) found = found || d.key == k;
+    EXPECT_TRUE(found) << k;
+  }
+}
+
 TEST(ConfigReload, RegionSpecChangeIsSeen) {
   Config a, b;
-  a.regions.push_back({"r", KvCacheSpec{2, 4, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}});
+  a.regions.push_back({"r", KvCacheSpec{2, 4, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}, ""});
   b = a;
   b.regions[0].spec.layout = Layout::kLayerMajor;
   EXPECT_EQ(non_reloadable_changes(a, b), std::vector<std::string>{"regions"});

@@ -25,9 +25,9 @@ struct DaemonConfig {
   std::vector<uint32_t> allowed_gids;  ///< SO_PEERCRED gids allowed
   LogLevel log_level = LogLevel::kInfo;
   std::string metrics_listen = "127.0.0.1:9464";  ///< host:port of /metrics and /healthz ("" = off)
-  std::vector<uint32_t> admin_uids{0};  ///< uids that see and manage every tenant (root by default)
-  std::vector<uint32_t> admin_gids;     ///< gids (primary or supplementary) that do the same
-  bool debug_read = false;              ///< serve DebugRead (a client reads region bytes through the daemon)
+  std::vector<uint32_t> admin_uids{0};            ///< uids that see and manage every tenant (root by default)
+  std::vector<uint32_t> admin_gids;               ///< gids (primary or supplementary) that do the same
+  bool debug_read = false;                        ///< serve DebugRead (a client reads region bytes through the daemon)
 
   bool operator==(const DaemonConfig&) const = default;
 };
@@ -43,11 +43,12 @@ struct DeviceConfig {
 /// A region created at start-up.
 struct RegionConfig {
   std::string name;
-  KvCacheSpec spec;  ///< layers, blocks, block_size, format, layout
+  KvCacheSpec spec;    ///< layers, blocks, block_size, format, layout
+  std::string tenant;  ///< the tenant (of `tenants`) it belongs to; "" = shared by every tenant
 
-  /// KvCacheSpec has no operator==; two regions are equal when name and every spec field match.
+  /// KvCacheSpec has no operator==; two regions are equal when name, tenant and every spec field match.
   bool operator==(const RegionConfig& o) const {
-    return name == o.name && spec.layers == o.spec.layers && spec.blocks == o.spec.blocks &&
+    return name == o.name && tenant == o.tenant && spec.layers == o.spec.layers && spec.blocks == o.spec.blocks &&
            spec.block_size == o.spec.block_size && spec.format == o.spec.format && spec.layout == o.spec.layout;
   }
 };
@@ -115,6 +116,14 @@ struct LimitsConfig {
   /// Default quotas of every tenant (and of every uid where no tenant is configured); here 0 means
   /// no limit, except pinned_bytes: 0 = half of tiers.host.capacity.
   TenantQuota tenant{.clients = 16, .regions = 16, .region_bytes = 0, .pinned_bytes = 0, .inflight_bytes = 0};
+  /// A connection that has not completed its Hello (nor been answered a StatusRequest) this long
+  /// after it was accepted is closed.
+  std::chrono::milliseconds handshake_timeout{5000};
+  /// Connections without a completed Hello at most; more are closed at once.
+  uint32_t max_unauthenticated = 64;
+  /// A client whose oldest queued control reply is still unsent this long after it was queued
+  /// (it does not read its socket) is disconnected.
+  std::chrono::milliseconds send_timeout{2000};
 
   bool operator==(const LimitsConfig&) const = default;
 };
