@@ -1,6 +1,8 @@
 // The data ops of kvferryd (data_ops.h).
 #include "data_ops.h"
 
+#include "ring_request.h"
+
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -9,7 +11,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <optional>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "kvferry/connector/ops.h"
@@ -30,19 +34,28 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 
 void set_status(ring::CompletionEntry& out, ErrorCode c) { out.status = static_cast<int16_t>(c); }
 
-/// A fixed set of threads draining one queue of jobs.
+/// A fixed set of threads draining one queue of jobs per tenant, the tenants in turn: one
+/// tenant's queue of large saves delays another tenant's request by at most one job step.
 class WorkerPool {
  public:
   explicit WorkerPool(int n) {
     for (int i = 0; i < std::max(1, n); ++i) threads_.emplace_back([this] { run(); });
   }
   ~WorkerPool() { stop(); }
-  void post(std::function<void()> job) {
+  void post(const std::string& tenant, std::function<void()> job) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      jobs_.push_back(std::move(job));
+      auto [it, fresh] = queues_.try_emplace(tenant);
+      if (fresh) turn_.push_back(tenant);
+      it->second.push_back(std::move(job));
+      ++queued_;
     }
     cv_.notify_one();
+  }
+  /// Whether a tenant other than `tenant` has a job waiting (a long job then yields its worker).
+  bool others_waiting(const std::string& tenant) const {
+    std::lock_guard<std::mutex> g(mu_);
+    return queues_.size() > (queues_.count(tenant) ? 1u : 0u);
   }
   /// Runs what is queued, then joins. Idempotent.
   void stop() {
@@ -60,7 +73,7 @@ class WorkerPool {
   }
   size_t queued() const {
     std::lock_guard<std::mutex> g(mu_);
-    return jobs_.size();
+    return queued_;
   }
 
  private:
@@ -69,27 +82,71 @@ class WorkerPool {
       std::function<void()> job;
       {
         std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
-        if (jobs_.empty()) return;
-        job = std::move(jobs_.front());
-        jobs_.pop_front();
+        cv_.wait(lk, [&] { return stop_ || queued_ > 0; });
+        if (queued_ == 0) return;
+        // The tenant at the front of the turn order runs one job and goes to the back.
+        const std::string tenant = std::move(turn_.front());
+        turn_.pop_front();
+        auto q = queues_.find(tenant);
+        job = std::move(q->second.front());
+        q->second.pop_front();
+        --queued_;
+        if (q->second.empty())
+          queues_.erase(q);  // the table holds waiting tenants only
+        else
+          turn_.push_back(tenant);
       }
       job();
     }
   }
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
+  std::unordered_map<std::string, std::deque<std::function<void()>>> queues_;  // non-empty queues only
+  std::deque<std::string> turn_;  // tenants with a waiting job, in serving order
+  size_t queued_ = 0;
   bool stop_ = false;
   std::vector<std::thread> threads_;
+};
+
+/// The namespaces one client leased (model|family|tenant per format family it used), released
+/// when its channel goes, i.e. after the last worker holding the channel is done.
+struct ClientNamespaces {
+  std::shared_ptr<store::BlockIndex> index;
+  std::mutex mu;
+  std::vector<std::pair<std::string, store::NamespaceId>> ids;  // family -> id; a handful at most
+  ~ClientNamespaces() {
+    for (auto& [_, id] : ids) index->release_namespace(id);
+  }
+};
+
+/// One save or load moving through the workers in steps of at most kFairStepBytes.
+struct Transfer {
+  std::shared_ptr<ClientChannel> client;
+  ring::SubmitEntry req;
+  ring::CompletionEntry out;
+  std::shared_ptr<Region> region;
+  std::vector<store::BlockKey> keys;
+  std::vector<int64_t> ids;
+  uint64_t status_offset = 0;
+  store::NamespaceId ns = 0;
+  bool load = false;
+  uint64_t bytes = 0;  // counted against the tenant's in-flight quota until the completion
+  Clock::time_point t0, deadline;
+  size_t next = 0;  // blocks done
+  std::vector<ErrorCode> codes;
+  std::string why;  // the first failure's message, for the debug log
 };
 
 }  // namespace
 
 struct DataOps::Impl {
+  /// A long transfer yields its worker to another tenant after this many bytes (one step keeps
+  /// the copy/hash pipeline busy: two of its 128 MiB sub-batches).
+  static constexpr uint64_t kFairStepBytes = uint64_t{256} << 20;
+
   Options opts;
   std::unique_ptr<store::HostPool> pool;
-  std::unique_ptr<store::BlockIndex> index;
+  std::shared_ptr<store::BlockIndex> index;
   store::Registry metrics;
   std::unique_ptr<store::OffloadService> svc;
   std::unique_ptr<WorkerPool> workers;
@@ -98,41 +155,77 @@ struct DataOps::Impl {
 
   store::Counter* lookups_hit = nullptr;
   store::Counter* lookups_miss = nullptr;
+  store::Counter* quota_refusals = nullptr;
   store::Histogram* op_seconds[proto::kOpTableSize] = {};
 
-  /// The block namespace of `client` for blocks of `format`: model|family|tenant.
-  store::NamespaceId ns_for(const ClientChannel& c, const EntryFormat& format) {
-    const std::string model = c.model.empty() ? kDefaultModel : c.model;
-    return index->intern_namespace(model + "|" + store::format_family(format) + "|" + c.tenant);
-  }
+  std::mutex inflight_mu;
+  std::unordered_map<std::string, uint64_t> inflight;  // bytes per tenant; tenants with none are erased
 
-  /// Checks that `count` entries of `op` (input + statuses) fit in the client's arena.
-  Status check_arena(const ClientChannel& c, const ring::SubmitEntry& req) const {
-    if (req.arena_offset % 8 != 0)
-      return {ErrorCode::kMisaligned, "arena_offset " + std::to_string(req.arena_offset) + " is not 8-byte aligned"};
-    const uint64_t need = ops::request_bytes(req.op, req.count);
-    if (uint64_t{req.arena_offset} + need > c.ch.arena_bytes)
-      return {ErrorCode::kOutOfRange, std::to_string(req.count) + " entries at arena offset " +
-                                          std::to_string(req.arena_offset) + " need " + std::to_string(need) +
-                                          " bytes, past the arena of " + std::to_string(c.ch.arena_bytes)};
-    return Status::Ok();
-  }
-
-  std::vector<store::BlockKey> read_keys(const ClientChannel& c, const ring::SubmitEntry& req) const {
-    std::vector<store::BlockKey> keys(req.count);
-    const uint8_t* p = c.ch.arena + req.arena_offset;
-    for (uint32_t i = 0; i < req.count; ++i) {
-      ops::Key k;
-      std::memcpy(&k, p + i * sizeof(ops::Key), sizeof k);
-      keys[i] = {k.hi, k.lo};
+  /// The block namespace of `client` for blocks of `format`: model|family|tenant, leased once
+  /// per client and family. kResourceExhausted when the index holds its limit of namespaces.
+  Result<store::NamespaceId> ns_for(ClientChannel& c, const EntryFormat& format) {
+    if (!c.data_state) {
+      auto st = std::make_shared<ClientNamespaces>();
+      st->index = index;
+      c.data_state = st;
     }
+    auto& cache = *static_cast<ClientNamespaces*>(c.data_state.get());
+    const std::string family = store::format_family(format);
+    std::lock_guard<std::mutex> g(cache.mu);
+    for (auto& [f, id] : cache.ids)
+      if (f == family) return id;
+    const std::string model = c.model.empty() ? kDefaultModel : c.model;
+    auto id = index->acquire_namespace(model + "|" + family + "|" + c.tenant, c.tenant);
+    if (id.ok()) cache.ids.emplace_back(family, *id);
+    return id;
+  }
+
+  /// Whether `c` may see blocks of a namespace of `tenant` (its own; an admin every one).
+  /// The pin account of a tenant: a hash of its name (0 is "no account").
+  static uint64_t tenant_account(const std::string& tenant) { return std::hash<std::string>()(tenant) | 1; }
+
+  static bool sees(const ClientChannel& c, const std::string& tenant) { return c.admin || tenant == c.tenant; }
+
+  /// Counts `bytes` against the tenant's in-flight quota; false (nothing counted) past it.
+  bool take_inflight(const ClientChannel& c, uint64_t bytes, uint64_t* now) {
+    std::lock_guard<std::mutex> g(inflight_mu);
+    uint64_t& used = inflight[c.tenant];
+    *now = used;
+    // A request larger than the whole quota still runs when it is the tenant's only one.
+    if (c.quota.inflight_bytes && used > 0 && used + bytes > c.quota.inflight_bytes) return false;
+    used += bytes;
+    return true;
+  }
+  void give_inflight(const std::string& tenant, uint64_t bytes) {
+    std::lock_guard<std::mutex> g(inflight_mu);
+    auto it = inflight.find(tenant);
+    if (it == inflight.end()) return;
+    it->second -= std::min(it->second, bytes);
+    if (it->second == 0) inflight.erase(it);
+  }
+
+  /// The request's keys and block ids, copied out of the client's arena once (ring_request.h);
+  /// on an error its code is in `out`.
+  static std::optional<KeyedRequest> take(const ClientChannel& c, const ring::SubmitEntry& req,
+                                          ring::CompletionEntry& out) {
+    auto r = take_keyed_request(req, c.ch.arena, c.ch.arena_bytes);
+    if (!r.ok()) {
+      set_status(out, r.status().code());
+      return std::nullopt;
+    }
+    return std::move(*r);
+  }
+
+  static std::vector<store::BlockKey> block_keys(const KeyedRequest& r) {
+    std::vector<store::BlockKey> keys(r.keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) keys[i] = {r.keys[i].hi, r.keys[i].lo};
     return keys;
   }
 
-  /// Writes per-key statuses after the input and points the completion at them.
-  static void write_statuses(ClientChannel& c, const ring::SubmitEntry& req, const std::vector<ErrorCode>& st,
+  /// Writes per-key statuses at the request's status area (checked inside the arena) and points
+  /// the completion at them.
+  static void write_statuses(ClientChannel& c, uint64_t off, const std::vector<ErrorCode>& st,
                              ring::CompletionEntry& out) {
-    const uint64_t off = ops::status_offset(req.op, req.arena_offset, req.count);
     uint32_t done = 0;
     for (size_t i = 0; i < st.size(); ++i) {
       const int16_t v = static_cast<int16_t>(st[i]);
@@ -157,52 +250,120 @@ struct DataOps::Impl {
 
   // ---- handlers ----
 
-  bool transfer(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
-    const auto t0 = Clock::now();
-    ClientChannel& c = *cp;
-    if (Status st = check_arena(c, req); !st.ok()) {
-      set_status(out, st.code());
-      return true;
+  /// The namespace of `region` for `c`, or kResourceExhausted in `out`.
+  bool namespace_of(ClientChannel& c, const Region& region, ring::CompletionEntry& out, store::NamespaceId* ns) {
+    auto id = ns_for(c, region.desc().spec.format);
+    if (!id.ok()) {
+      set_status(out, id.status().code());
+      return false;
     }
+    *ns = *id;
+    return true;
+  }
+
+  bool transfer(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
+    ClientChannel& c = *cp;
+    auto in = take(c, req, out);
+    if (!in) return true;
     auto region = region_of(req, out);
     if (!region) return true;
-    auto keys = read_keys(c, req);
-    std::vector<int64_t> ids(req.count);
-    std::memcpy(ids.data(), c.ch.arena + req.arena_offset + req.count * sizeof(ops::Key), req.count * sizeof(int64_t));
-    const store::NamespaceId ns = ns_for(c, region->desc().spec.format);
-    const bool load = req.op == static_cast<uint16_t>(proto::Op::kLoad);
-    const auto deadline = t0 + std::chrono::milliseconds(request_timeout_ms.load());
-    workers->post(
-        [this, cp, req, out, region, keys = std::move(keys), ids = std::move(ids), ns, load, t0, deadline]() mutable {
-          store::RegionAccess acc{region->base(), region->desc().spec, region->on_device()};
-          std::vector<Status> res =
-              load ? svc->load(acc, ns, keys, ids, deadline) : svc->save(acc, ns, keys, ids, deadline);
-          std::vector<ErrorCode> codes(res.size());
-          ErrorCode first = ErrorCode::kOk;
-          for (size_t i = 0; i < res.size(); ++i) {
-            codes[i] = res[i].code();
-            if (first == ErrorCode::kOk && codes[i] != ErrorCode::kOk) {
-              first = codes[i];
-              spdlog::debug("client {}: {} of block {} ({}): {}", cp->client_id, load ? "load" : "save", ids[i],
-                            keys[i].hex(), res[i].to_string());
-            }
-          }
-          write_statuses(*cp, req, codes, out);
-          set_status(out, first);
-          observe(req.op, t0);
-          rings->post(cp, out);
-        });
+    auto t = std::make_shared<Transfer>();
+    if (!namespace_of(c, *region, out, &t->ns)) return true;
+    t->bytes = uint64_t{req.count} * static_cast<uint64_t>(region->desc().spec.block_bytes());
+    uint64_t used = 0;
+    if (!take_inflight(c, t->bytes, &used)) {
+      // A tenant's requests already queued or running hold its whole quota: refuse this one at
+      // once (the engine retries or recomputes) rather than let it queue behind them.
+      quota_refusals->add();
+      std::vector<ErrorCode> codes(req.count, ErrorCode::kResourceExhausted);
+      write_statuses(c, in->status_offset, codes, out);
+      set_status(out, ErrorCode::kResourceExhausted);
+      spdlog::debug("client {}: {} of {} bytes refused: tenant '{}' has {} bytes in flight (quota {})", c.client_id,
+                    req.op == static_cast<uint16_t>(proto::Op::kLoad) ? "load" : "save", t->bytes, c.tenant, used,
+                    c.quota.inflight_bytes);
+      return true;
+    }
+    t->client = cp;
+    t->req = req;
+    t->out = out;
+    t->region = std::move(region);
+    t->keys = block_keys(*in);
+    t->ids = std::move(in->block_ids);
+    t->status_offset = in->status_offset;
+    t->load = req.op == static_cast<uint16_t>(proto::Op::kLoad);
+    t->t0 = Clock::now();
+    t->deadline = t->t0 + std::chrono::milliseconds(request_timeout_ms.load());
+    t->codes.reserve(req.count);
+    workers->post(c.tenant, [this, t] { step(t); });
     return false;
+  }
+
+  /// Runs one step of a transfer on a worker: up to kFairStepBytes of blocks, then either the
+  /// next step at once or, when another tenant waits, at the back of this tenant's queue.
+  void step(const std::shared_ptr<Transfer>& t) {
+    const store::RegionAccess acc{t->region->base(), t->region->desc().spec, t->region->on_device()};
+    const uint64_t bb = std::max<uint64_t>(1, static_cast<uint64_t>(acc.spec.block_bytes()));
+    const size_t n = t->keys.size();
+    size_t per_step = static_cast<size_t>(std::max<uint64_t>(1, kFairStepBytes / bb));
+    // The service refuses a destination named twice only within one call: such a request runs whole.
+    if (t->next == 0 && n > per_step && has_duplicate_destinations(*t)) per_step = n;
+    for (;;) {
+      const size_t end = std::min(n, t->next + per_step);
+      const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next, end - t->next);
+      const auto ids = std::span<const int64_t>(t->ids).subspan(t->next, end - t->next);
+      const std::vector<Status> res =
+          t->load ? svc->load(acc, t->ns, keys, ids, t->deadline) : svc->save(acc, t->ns, keys, ids, t->deadline);
+      for (const Status& r : res) {
+        t->codes.push_back(r.code());
+        if (t->why.empty() && !r.ok()) t->why = r.to_string();
+      }
+      t->next = end;
+      if (t->next >= n) break;
+      if (workers->others_waiting(t->client->tenant)) {
+        workers->post(t->client->tenant, [this, t] { step(t); });
+        return;
+      }
+    }
+    finish(*t);
+  }
+
+  static bool has_duplicate_destinations(const Transfer& t) {
+    std::vector<std::pair<uint64_t, uint64_t>> v;
+    v.reserve(t.keys.size());
+    for (size_t i = 0; i < t.keys.size(); ++i)
+      v.emplace_back(t.load ? static_cast<uint64_t>(t.ids[i]) : t.keys[i].hi, t.load ? 0 : t.keys[i].lo);
+    std::sort(v.begin(), v.end());
+    return std::adjacent_find(v.begin(), v.end()) != v.end();
+  }
+
+  void finish(Transfer& t) {
+    ErrorCode first = ErrorCode::kOk;
+    for (ErrorCode c : t.codes)
+      if (c != ErrorCode::kOk) {
+        first = c;
+        break;
+      }
+    if (first != ErrorCode::kOk)
+      spdlog::debug("client {}: {} failed for some blocks, the first: {}", t.client->client_id,
+                    t.load ? "load" : "save", t.why);
+    write_statuses(*t.client, t.status_offset, t.codes, t.out);
+    set_status(t.out, first);
+    observe(t.req.op, t.t0);
+    give_inflight(t.client->tenant, t.bytes);
+    rings->post(t.client, t.out);
   }
 
   bool lookup(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
     const auto t0 = Clock::now();
     ClientChannel& c = *cp;
-    if (Status st = check_arena(c, req); !st.ok()) return set_status(out, st.code()), true;
+    auto in = take(c, req, out);
+    if (!in) return true;
     auto region = region_of(req, out);
     if (!region) return true;
-    auto keys = read_keys(c, req);
-    auto r = index->lookup(ns_for(c, region->desc().spec.format), keys);
+    store::NamespaceId ns;
+    if (!namespace_of(c, *region, out, &ns)) return true;
+    const auto keys = block_keys(*in);
+    auto r = index->lookup(ns, keys);
     std::vector<ErrorCode> codes(keys.size());
     uint64_t hits = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -211,7 +372,7 @@ struct DataOps::Impl {
     }
     lookups_hit->add(hits);
     lookups_miss->add(keys.size() - hits);
-    write_statuses(c, req, codes, out);
+    write_statuses(c, in->status_offset, codes, out);
     out.result[0] = r.prefix;
     observe(req.op, t0);
     return true;
@@ -220,16 +381,23 @@ struct DataOps::Impl {
   bool pin(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
     const auto t0 = Clock::now();
     ClientChannel& c = *cp;
-    if (Status st = check_arena(c, req); !st.ok()) return set_status(out, st.code()), true;
+    auto in = take(c, req, out);
+    if (!in) return true;
     auto region = region_of(req, out);
     if (!region) return true;
-    auto keys = read_keys(c, req);
-    const auto ns = ns_for(c, region->desc().spec.format);
+    store::NamespaceId ns;
+    if (!namespace_of(c, *region, out, &ns)) return true;
+    const auto keys = block_keys(*in);
     const bool unpin = req.op == static_cast<uint16_t>(proto::Op::kUnpin);
+    // The pinned-bytes quota is the tenant's: every client of a tenant pins against one account.
+    const store::PinAccount account{tenant_account(c.tenant), c.quota.pinned_bytes};
     std::vector<ErrorCode> codes(keys.size());
-    for (size_t i = 0; i < keys.size(); ++i)
-      codes[i] = (unpin ? index->unpin({ns, keys[i]}, c.client_id) : index->pin({ns, keys[i]}, c.client_id)).code();
-    write_statuses(c, req, codes, out);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      codes[i] =
+          (unpin ? index->unpin({ns, keys[i]}, c.client_id) : index->pin({ns, keys[i]}, c.client_id, account)).code();
+      if (codes[i] == ErrorCode::kResourceExhausted) quota_refusals->add();
+    }
+    write_statuses(c, in->status_offset, codes, out);
     observe(req.op, t0);
     return true;
   }
@@ -238,20 +406,26 @@ struct DataOps::Impl {
     const auto t0 = Clock::now();
     ClientChannel& c = *cp;
     if (req.args[0] & ops::kEvictAllNs) {
-      out.result[0] = index->evict_all(std::nullopt);
+      // Every namespace the client may see: an admin's every one, anyone else's their tenant's.
+      out.result[0] = c.admin ? index->evict_all(std::nullopt)
+                              : index->evict_all([&c](store::NamespaceId, const std::string&, const std::string& t) {
+                                  return sees(c, t);
+                                });
       observe(req.op, t0);
       return true;
     }
-    if (Status st = check_arena(c, req); !st.ok()) return set_status(out, st.code()), true;
+    auto in = take(c, req, out);
+    if (!in) return true;
     auto region = region_of(req, out);
     if (!region) return true;
-    const auto ns = ns_for(c, region->desc().spec.format);
+    store::NamespaceId ns;
+    if (!namespace_of(c, *region, out, &ns)) return true;
     if (req.args[0] & ops::kEvictAll) {
       out.result[0] = index->evict_all(ns);
       observe(req.op, t0);
       return true;
     }
-    auto keys = read_keys(c, req);
+    const auto keys = block_keys(*in);
     std::vector<ErrorCode> codes(keys.size());
     uint64_t evicted = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -263,7 +437,7 @@ struct DataOps::Impl {
                                                                                                : ErrorCode::kNotFound;
       }
     }
-    write_statuses(c, req, codes, out);
+    write_statuses(c, in->status_offset, codes, out);
     out.result[0] = evicted;
     observe(req.op, t0);
     return true;
@@ -297,8 +471,8 @@ struct DataOps::Impl {
   bool stats(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
     const auto t0 = Clock::now();
     ClientChannel& c = *cp;
-    if (req.arena_offset % 8 != 0 || uint64_t{req.arena_offset} + sizeof(ops::StatsWire) > c.ch.arena_bytes)
-      return set_status(out, ErrorCode::kOutOfRange), true;
+    if (Status st = check_result_area(req, c.ch.arena_bytes, sizeof(ops::StatsWire)); !st.ok())
+      return set_status(out, st.code()), true;
     const ops::StatsWire w = stats_wire();
     std::memcpy(c.ch.arena + req.arena_offset, &w, sizeof w);
     out.arena_offset = req.arena_offset;
@@ -316,17 +490,21 @@ struct DataOps::Impl {
   bool ls(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
     const auto t0 = Clock::now();
     ClientChannel& c = *cp;
-    if (req.arena_offset % 8 != 0 || req.arena_offset >= c.ch.arena_bytes)
-      return set_status(out, ErrorCode::kOutOfRange), true;
+    if (Status st = check_result_area(req, c.ch.arena_bytes, sizeof(ops::LsEntry)); !st.ok())
+      return set_status(out, st.code()), true;
     std::optional<store::NamespaceId> ns;
     if (req.region != 0) {
       auto region = region_of(req, out);
       if (!region) return true;
-      ns = ns_for(c, region->desc().spec.format);
+      store::NamespaceId id;
+      if (!namespace_of(c, *region, out, &id)) return true;
+      ns = id;
     }
     const uint64_t room = (c.ch.arena_bytes - req.arena_offset) / sizeof(ops::LsEntry);
     const uint64_t limit = std::min<uint64_t>(room, req.args[0] ? req.args[0] : room);
-    const auto list = index->list(ns, limit);
+    const auto list = index->list(
+        [&](store::NamespaceId id, const std::string&, const std::string& t) { return ns ? id == *ns : sees(c, t); },
+        limit);
     for (size_t i = 0; i < list.size(); ++i) {
       ops::LsEntry e{};
       e.key = {list[i].key.hi, list[i].key.lo};
@@ -348,11 +526,14 @@ struct DataOps::Impl {
     ClientChannel& c = *cp;
     if (!opts.test_faults) return set_status(out, ErrorCode::kUnsupported), true;
     if (req.count != 1) return set_status(out, ErrorCode::kInvalidArgument), true;
-    if (Status st = check_arena(c, req); !st.ok()) return set_status(out, st.code()), true;
+    auto in = take(c, req, out);
+    if (!in) return true;
     auto region = region_of(req, out);
     if (!region) return true;
-    auto keys = read_keys(c, req);
-    Status st = index->corrupt_for_test({ns_for(c, region->desc().spec.format), keys[0]}, req.args[0]);
+    store::NamespaceId ns;
+    if (!namespace_of(c, *region, out, &ns)) return true;
+    const auto keys = block_keys(*in);
+    Status st = index->corrupt_for_test({ns, keys[0]}, req.args[0]);
     if (st.ok()) spdlog::warn("test fault: flipped byte {} of block {}", req.args[0], keys[0].hex());
     set_status(out, st.code());
     return true;
@@ -393,7 +574,7 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   store::BlockIndex::Options io;
   io.high_watermark = cfg.host.high_watermark;
   io.low_watermark = cfg.host.low_watermark;
-  impl->index = std::make_unique<store::BlockIndex>(*impl->pool, io);
+  impl->index = std::make_shared<store::BlockIndex>(*impl->pool, io);
   store::OffloadService::Options so;
   so.checksum = cfg.integrity.checksum == config::Checksum::kXxh3;
   so.verify_on_load = cfg.integrity.verify_on_load;
@@ -410,6 +591,8 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   auto& m = d.metrics;
   d.lookups_hit = &m.counter("kvferry_lookups_total", "Keys looked up", "result=\"hit\"");
   d.lookups_miss = &m.counter("kvferry_lookups_total", "Keys looked up", "result=\"miss\"");
+  d.quota_refusals = &m.counter("kvferry_quota_refusals_total",
+                                "Pins and transfers refused by a tenant quota (limits.tenant, tenants[].quota)");
   static const std::pair<proto::Op, const char*> names[] = {
       {proto::Op::kLookup, "lookup"}, {proto::Op::kSave, "save"},   {proto::Op::kLoad, "load"},
       {proto::Op::kPin, "pin"},       {proto::Op::kUnpin, "unpin"}, {proto::Op::kEvict, "evict"},
@@ -433,6 +616,8 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
              [idx] { return static_cast<double>(idx->stats().pinned); });
   m.gauge_fn("kvferry_evictions", "Blocks evicted since start (monotonic)", "tier=\"host\"",
              [idx] { return static_cast<double>(idx->stats().evictions); });
+  m.gauge_fn("kvferry_namespaces", "Live block namespaces (leased by a client or holding blocks)", "",
+             [idx] { return static_cast<double>(idx->namespaces()); });
   auto clients = d.opts.clients;
   m.gauge_fn("kvferry_clients", "Connected clients", "",
              [clients] { return clients ? static_cast<double>(clients()) : 0.0; });

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iterator>
 
 #include "kvferry/connector/protocol.h"
 
@@ -46,6 +47,17 @@ namespace {
 void unsupported_op(ClientChannel&, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
   out.status =
       static_cast<int16_t>(req.op >= 16 && req.op <= 23 ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument);
+}
+/// One read of a submission slot the client may be rewriting: word by word through volatile
+/// loads, so the compiler cannot fold a later use of the copy back into a read of the slot.
+ring::SubmitEntry copy_untrusted(const ring::SubmitEntry* slot) {
+  static_assert(sizeof(ring::SubmitEntry) % sizeof(uint64_t) == 0);
+  uint64_t words[sizeof(ring::SubmitEntry) / sizeof(uint64_t)];
+  const volatile uint64_t* src = reinterpret_cast<const volatile uint64_t*>(slot);
+  for (size_t i = 0; i < std::size(words); ++i) words[i] = src[i];
+  ring::SubmitEntry e;
+  std::memcpy(&e, words, sizeof e);
+  return e;
 }
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -148,20 +160,23 @@ size_t RingService::serve(const std::shared_ptr<ClientChannel>& cp, bool* blocke
       *blocked = true;  // backpressure: leave the request in the submission ring
       break;
     }
-    const ring::SubmitEntry* req = c.ch.sq.peek();
-    if (!req) break;
+    const ring::SubmitEntry* slot = c.ch.sq.peek();
+    if (!slot) break;
+    // The slot is client-writable memory: copy it once, and let the handlers see only the copy
+    // (a client that rewrites count or arena_offset after a check would otherwise win the race).
+    const ring::SubmitEntry req = copy_untrusted(slot);
     ring::CompletionEntry out{};
-    out.id = req->id;
-    out.op = req->op;
+    out.id = req.id;
+    out.op = req.op;
     out.status = static_cast<int16_t>(ErrorCode::kOk);
-    const size_t op = req->op < table_.size() ? req->op : 0;
+    const size_t op = req.op < table_.size() ? req.op : 0;
     bool complete = true;
     if (deferrable_[op]) {
       c.deferred.fetch_add(1, std::memory_order_acq_rel);  // holds a completion slot until posted
-      complete = deferrable_[op](cp, *req, out);
+      complete = deferrable_[op](cp, req, out);
       if (complete) c.deferred.fetch_sub(1, std::memory_order_acq_rel);
     } else {
-      table_[op](c, *req, out);
+      table_[op](c, req, out);
     }
     c.ch.sq.pop();
     if (complete) {

@@ -24,3 +24,8 @@ kvferry_fuzz_target(frame
   MODULES connector/protocol
   LIBS kvferry::protocol
   SEEDS tests/fuzz/seeds/frame)
+
+kvferry_fuzz_target(ring_request
+  SOURCES fuzz_ring_request.cpp
+  LIBS kvferry::layouts
+  SEEDS tests/fuzz/seeds/ring_request)

@@ -1,8 +1,11 @@
 #pragma once
 // Test harness: runs kvferryd as a separate process with a config in a temporary directory,
 // and offers bounded waits. Every wait in these tests has a deadline.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -69,9 +72,10 @@ inline std::string read_file(const std::string& p) {
 class DaemonProcess {
  public:
   /// `extra_yaml` is appended to a config that sets the socket (mode 0666) and the CPU backend.
-  /// `args` are extra kvferryd arguments (e.g. --enable-test-faults).
+  /// `args` are extra kvferryd arguments (e.g. --enable-test-faults). `max_fds` > 0 starts the
+  /// daemon with RLIMIT_NOFILE lowered to it (fd exhaustion tests).
   explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}, std::string backend = "cpu",
-                         std::vector<std::string> args = {})
+                         std::vector<std::string> args = {}, uint64_t max_fds = 0)
       : dir_(make_temp_dir()), backend_(std::move(backend)) {
     socket_ = dir_ + "/kvferry.sock";
     config_ = dir_ + "/kvferry.yaml";
@@ -83,6 +87,10 @@ class DaemonProcess {
       ::dup2(lf, 2);
       ::dup2(lf, 1);
       for (auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
+      if (max_fds > 0) {
+        const rlimit rl{max_fds, max_fds};
+        if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(126);
+      }
       std::vector<char*> argv{const_cast<char*>("kvferryd"), const_cast<char*>("--config"), config_.data()};
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -118,8 +126,10 @@ class DaemonProcess {
       }
       rest = rest.substr(at);
     }
-    // No metrics port (tests pass --metrics-listen when they want one) and a small host pool
-    // unless the test sets its own tiers.
+    // No metrics port (tests pass --metrics-listen when they want one), DebugRead on (tests read
+    // regions back through it) unless the test says otherwise, and a small host pool unless the
+    // test sets its own tiers.
+    if (daemon_keys.find("debug_read:") == std::string::npos) daemon_keys += "  debug_read: true\n";
     f << "daemon:\n  socket: " << socket_ << "\n  socket_mode: 0666\n  log_level: debug\n  metrics_listen: \"\"\n"
       << daemon_keys << "device:\n  backend: " << backend_ << "\n"
       << rest;
@@ -147,6 +157,43 @@ class DaemonProcess {
   pid_t pid_ = -1;
   bool ready_ = false, stopped_ = false;
 };
+
+/// GET `path` from 127.0.0.1:port; the whole response ("" on failure). Bounded by a 2 s timeout.
+inline std::string http_get(uint16_t port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  timeval tv{2, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) out.append(buf, static_cast<size_t>(n));
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
+/// The value of the metric line starting with `line_prefix` (-1 when absent).
+inline double metric(const std::string& body, const std::string& line_prefix) {
+  const size_t p = body.find("\n" + line_prefix + " ");
+  if (p == std::string::npos) return -1;
+  return std::stod(body.substr(p + line_prefix.size() + 2));
+}
+
+/// The port of /metrics that kvferryd logged ("metrics on ... (port N)"), 0 when none yet.
+inline uint16_t metrics_port(const std::string& log) {
+  const size_t p = log.find("metrics on ");
+  if (p == std::string::npos) return 0;
+  const size_t q = log.find("(port ", p);
+  return q == std::string::npos ? 0 : static_cast<uint16_t>(std::atoi(log.c_str() + q + 6));
+}
 
 /// Runs `fn` in a forked child; returns its exit code, or -1 when it did not exit in time.
 inline int run_in_child(const std::function<int()>& fn, std::chrono::milliseconds timeout = std::chrono::seconds(20)) {

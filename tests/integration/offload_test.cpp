@@ -24,6 +24,8 @@ namespace kvferry {
 namespace {
 
 using testing::DaemonProcess;
+using testing::http_get;
+using testing::metric;
 using testing::run_in_child;
 using testing::wait_until;
 using namespace std::chrono_literals;
@@ -478,34 +480,6 @@ TEST_F(OffloadIt, LookupsDoNotWaitBehindTransfers) {
     ASSERT_TRUE(w.ok()) << w.status().to_string();
     EXPECT_EQ(w->done, 128u);
   }
-}
-
-/// GET `path` from 127.0.0.1:port; the whole response ("" on failure). Bounded by a 2 s timeout.
-std::string http_get(uint16_t port, const std::string& path) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  timeval tv{2, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
-    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-    if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(req.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) out.append(buf, static_cast<size_t>(n));
-    }
-  }
-  ::close(fd);
-  return out;
-}
-
-double metric(const std::string& body, const std::string& line_prefix) {
-  const size_t p = body.find("\n" + line_prefix + " ");
-  if (p == std::string::npos) return -1;
-  return std::stod(body.substr(p + line_prefix.size() + 2));
 }
 
 // limits.request_timeout on data ops: a save slower than it stores nothing and says why, a load

@@ -233,5 +233,100 @@ TEST_F(IndexTest, ListShowsNamespaceFormatAndSize) {
   EXPECT_EQ(l[0].tier, "host");
 }
 
+// A namespace lives while a lease or a stored block holds it; then its name is forgotten and its
+// id reused, so made-up names cannot grow the table. Past the limit, a new name is refused.
+TEST(IndexNamespaces, LeasedOrStoredNamespacesLiveTheRestAreForgotten) {
+  HostPool::Options o;
+  o.chunk_bytes = 61440;
+  o.capacity = 4 * 61440;
+  o.pin = false;
+  auto pool = std::move(HostPool::create(o)).value();
+  BlockIndex::Options io{1.0, 1.0};
+  io.max_namespaces = 3;
+  BlockIndex idx(*pool, io);
+  auto a = idx.acquire_namespace("m|mla|a", "a");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(*idx.acquire_namespace("m|mla|a", "a"), *a);  // one id, two leases
+  EXPECT_EQ(idx.namespaces(), 1u);
+  auto r = idx.reserve(NsKey{*a, {0, 1}}, kShape);
+  ASSERT_TRUE(r.ok());
+  idx.commit(*r, 0);
+  idx.release_namespace(*a);
+  idx.release_namespace(*a);
+  EXPECT_EQ(idx.namespaces(), 1u) << "a stored block keeps its namespace";
+  EXPECT_EQ(idx.list(std::nullopt, 10).at(0).ns, "m|mla|a");
+  for (int i = 0; i < 100; ++i) {  // made-up names, each released at once
+    auto b = idx.acquire_namespace("m|mla|x" + std::to_string(i), "x");
+    ASSERT_TRUE(b.ok());
+    idx.release_namespace(*b);
+  }
+  EXPECT_EQ(idx.namespaces(), 1u);
+  auto b = idx.acquire_namespace("b", "b"), c = idx.acquire_namespace("c", "c");
+  ASSERT_TRUE(b.ok() && c.ok());
+  EXPECT_EQ(idx.acquire_namespace("d", "d").status().code(), ErrorCode::kResourceExhausted);
+  idx.release_namespace(*c);
+  EXPECT_TRUE(idx.acquire_namespace("d", "d").ok()) << "a forgotten namespace frees its place";
+  EXPECT_EQ(idx.evict_all(*a), 1u);
+  EXPECT_EQ(idx.namespaces(), 2u) << "the last block of 'a' went, and so did 'a'";
+}
+
+// Pins count against the client's account: a client cannot pin past its tenant's bytes quota,
+// a second pin of one block by one client costs nothing more, and leaving returns the bytes.
+TEST_F(IndexTest, PinnedBytesQuotaHoldsPerAccount) {
+  for (uint64_t k = 0; k < 6; ++k) ASSERT_TRUE(save(k, static_cast<uint8_t>(k + 1)).ok());
+  const PinAccount acct{77, 3 * 61440};
+  for (uint64_t k = 0; k < 3; ++k) ASSERT_TRUE(index_->pin(NsKey{ns_, {0, k}}, 1, acct).ok());
+  EXPECT_TRUE(index_->pin(NsKey{ns_, {0, 0}}, 1, acct).ok()) << "pinning a block twice is free";
+  EXPECT_EQ(index_->pin(NsKey{ns_, {0, 3}}, 1, acct).code(), ErrorCode::kResourceExhausted);
+  EXPECT_EQ(index_->pin(NsKey{ns_, {0, 3}}, 2, acct).code(), ErrorCode::kResourceExhausted)
+      << "another client of the same account shares its quota";
+  EXPECT_TRUE(index_->pin(NsKey{ns_, {0, 3}}, 3, PinAccount{78, 61440}).ok()) << "another account has its own";
+  EXPECT_EQ(index_->pinned_bytes(77), 3u * 61440);
+  EXPECT_EQ(index_->stats().pinned, 4u);
+  ASSERT_TRUE(index_->unpin(NsKey{ns_, {0, 0}}, 1).ok());
+  EXPECT_EQ(index_->pinned_bytes(77), 3u * 61440) << "still pinned once";
+  ASSERT_TRUE(index_->unpin(NsKey{ns_, {0, 0}}, 1).ok());
+  EXPECT_EQ(index_->pinned_bytes(77), 2u * 61440);
+  index_->release_client(1);
+  EXPECT_EQ(index_->pinned_bytes(77), 0u);
+  EXPECT_EQ(index_->stats().pinned, 1u);
+  EXPECT_TRUE(index_->pin(NsKey{ns_, {0, 4}}, 2, acct).ok());
+}
+
+// The stats are counters kept by every change, equal to a walk of the index.
+TEST_F(IndexTest, StatsCountersFollowEveryChange) {
+  auto r = index_->reserve(NsKey{ns_, {0, 100}}, kShape);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(index_->stats().writing, 1u);
+  index_->abort(*r);
+  for (uint64_t k = 0; k < 5; ++k) ASSERT_TRUE(save(k, 1).ok());
+  ASSERT_TRUE(index_->pin(NsKey{ns_, {0, 1}}, 9).ok());
+  auto s = index_->stats();
+  EXPECT_EQ(s.entries, 5u);
+  EXPECT_EQ(s.writing, 0u);
+  EXPECT_EQ(s.pinned, 1u);
+  EXPECT_EQ(index_->evict_all(ns_), 4u);
+  s = index_->stats();
+  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.pinned, 1u);
+  index_->release_client(9);
+  EXPECT_EQ(index_->stats().pinned, 0u);
+}
+
+// Filters by tenant: list and evict_all see only the namespaces a filter accepts.
+TEST_F(IndexTest, ListAndEvictAllFilterByTenant) {
+  const NamespaceId other = *index_->acquire_namespace("model-a|mla_fp8|t1", "t1");
+  ASSERT_TRUE(save(1, 1).ok());
+  auto r = index_->reserve(NsKey{other, {0, 2}}, kShape);
+  ASSERT_TRUE(r.ok());
+  index_->commit(*r, 0);
+  auto only_t1 = [](NamespaceId, const std::string&, const std::string& t) { return t == "t1"; };
+  auto l = index_->list(only_t1, 10);
+  ASSERT_EQ(l.size(), 1u);
+  EXPECT_EQ(l[0].ns, "model-a|mla_fp8|t1");
+  EXPECT_EQ(index_->evict_all(only_t1), 1u);
+  EXPECT_EQ(index_->list(std::nullopt, 10).size(), 1u) << "the other tenant's block stays";
+}
+
 }  // namespace
 }  // namespace kvferry::store

@@ -35,17 +35,84 @@ BlockIndex::Options BlockIndex::watermarks() const {
   return opts_;
 }
 
+Result<NamespaceId> BlockIndex::acquire_namespace_locked(const std::string& name, const std::string& tenant) {
+  if (auto it = ns_ids_.find(name); it != ns_ids_.end()) {
+    ++ns_[it->second].leases;
+    return it->second;
+  }
+  if (live_ns_ >= opts_.max_namespaces)
+    return Result<NamespaceId>(ErrorCode::kResourceExhausted,
+                               "the index holds its limit of " + std::to_string(opts_.max_namespaces) +
+                                   " namespaces; namespace '" + name + "' was not created");
+  NamespaceId id;
+  if (!free_ns_.empty()) {
+    id = free_ns_.back();
+    free_ns_.pop_back();
+  } else {
+    id = static_cast<NamespaceId>(ns_.size());
+    ns_.emplace_back();
+  }
+  ns_[id] = NsRecord{name, tenant, 1, 0, true};
+  ns_ids_.emplace(name, id);
+  ++live_ns_;
+  return id;
+}
+
+void BlockIndex::maybe_forget_namespace_locked(NamespaceId id) {
+  if (id >= ns_.size()) return;
+  NsRecord& r = ns_[id];
+  if (!r.live || r.leases || r.entries) return;
+  ns_ids_.erase(r.name);
+  r = NsRecord{};
+  free_ns_.push_back(id);
+  --live_ns_;
+}
+
 NamespaceId BlockIndex::intern_namespace(const std::string& name) {
   std::lock_guard lk(mu_);
-  auto [it, fresh] = ns_ids_.try_emplace(name, static_cast<NamespaceId>(ns_names_.size()));
-  if (fresh) ns_names_.push_back(name);
-  return it->second;
+  if (auto it = ns_ids_.find(name); it != ns_ids_.end()) return it->second;
+  auto id = acquire_namespace_locked(name, "");
+  return id.ok() ? *id : NamespaceId(~0u);  // past the limit: an id no block can have
+}
+
+Result<NamespaceId> BlockIndex::acquire_namespace(const std::string& name, const std::string& tenant) {
+  std::lock_guard lk(mu_);
+  return acquire_namespace_locked(name, tenant);
+}
+
+void BlockIndex::release_namespace(NamespaceId id) {
+  std::lock_guard lk(mu_);
+  if (id >= ns_.size() || !ns_[id].live || ns_[id].leases == 0) return;
+  --ns_[id].leases;
+  maybe_forget_namespace_locked(id);
+}
+
+size_t BlockIndex::namespaces() const {
+  std::lock_guard lk(mu_);
+  return live_ns_;
+}
+
+void BlockIndex::add_pins_locked(Entry& e, int64_t delta) {
+  const bool was = e.pins > 0;
+  e.pins = static_cast<uint32_t>(static_cast<int64_t>(e.pins) + delta);
+  if (was != (e.pins > 0)) was ? --pinned_ : ++pinned_;
 }
 
 void BlockIndex::erase_locked(std::unordered_map<NsKey, Entry, NsKeyHash>::iterator it) {
-  if (it->second.state == State::kReady) lru_.erase(it->second.lru);
+  if (it->second.state == State::kReady) {
+    lru_.erase(it->second.lru);
+    --ready_;
+  } else {
+    --writing_;
+  }
+  if (it->second.pins) --pinned_;
   pool_.release(it->second.slot);
+  const NamespaceId ns = it->first.ns;
   map_.erase(it);
+  if (ns < ns_.size() && ns_[ns].entries) {
+    --ns_[ns].entries;
+    maybe_forget_namespace_locked(ns);
+  }
 }
 
 bool BlockIndex::make_room_locked(uint64_t bytes) {
@@ -93,6 +160,8 @@ Result<SaveReservation> BlockIndex::reserve(const NsKey& key, const BlockShape& 
   e.meta.bytes = bytes;
   e.slot = *slot;
   map_.emplace(key, e);
+  ++writing_;
+  if (key.ns < ns_.size()) ++ns_[key.ns].entries;
   return SaveReservation{key, *slot, pool_.data(*slot), bytes};
 }
 
@@ -102,6 +171,8 @@ void BlockIndex::commit(const SaveReservation& r, uint64_t checksum) {
   if (it == map_.end() || it->second.state != State::kWriting || it->second.slot.offset != r.slot.offset) return;
   it->second.meta.checksum = checksum;
   it->second.state = State::kReady;
+  --writing_;
+  ++ready_;
   lru_.push_front(r.key);
   it->second.lru = lru_.begin();
 }
@@ -147,26 +218,57 @@ LookupResult BlockIndex::lookup(NamespaceId ns, std::span<const BlockKey> keys) 
   return r;
 }
 
-Status BlockIndex::pin(const NsKey& key, ClientId client) {
+Status BlockIndex::pin(const NsKey& key, ClientId client, const PinAccount& account) {
   std::lock_guard lk(mu_);
   auto it = map_.find(key);
   if (it == map_.end() || it->second.state != State::kReady)
     return {ErrorCode::kNotFound, "block " + key.key.hex() + " is not stored"};
-  ++it->second.pins;
-  ++client_pins_[client][key];
+  ClientPins& c = client_pins_[client];
+  if (c.keys.empty()) c.account = account;  // a client's account is the one of its first pin
+  auto [p, first] = c.keys.try_emplace(key, 0);
+  if (first && c.account.id) {
+    uint64_t& used = account_bytes_[c.account.id];
+    const uint64_t b = it->second.slot.bytes;
+    if (c.account.limit_bytes && used + b > c.account.limit_bytes) {
+      c.keys.erase(p);
+      if (used == 0) account_bytes_.erase(c.account.id);
+      if (c.keys.empty()) client_pins_.erase(client);
+      return {ErrorCode::kResourceExhausted, "pinning block " + key.key.hex() + " (" + std::to_string(b) +
+                                                 " bytes) would pass the pinned-bytes quota of " +
+                                                 std::to_string(c.account.limit_bytes) + " (" + std::to_string(used) +
+                                                 " pinned)"};
+    }
+    used += b;
+  }
+  ++p->second;
+  add_pins_locked(it->second, 1);
   return Status::Ok();
+}
+
+void BlockIndex::unpin_locked(ClientPins& c, std::unordered_map<NsKey, uint32_t, NsKeyHash>::iterator p, bool all) {
+  const uint32_t n = all ? p->second : 1;
+  auto it = map_.find(p->first);
+  if (it != map_.end()) add_pins_locked(it->second, -static_cast<int64_t>(std::min(it->second.pins, n)));
+  p->second -= n;
+  if (p->second) return;
+  if (c.account.id && it != map_.end()) {
+    auto a = account_bytes_.find(c.account.id);
+    if (a != account_bytes_.end()) {
+      a->second -= std::min(a->second, it->second.slot.bytes);
+      if (a->second == 0) account_bytes_.erase(a);
+    }
+  }
+  c.keys.erase(p);
 }
 
 Status BlockIndex::unpin(const NsKey& key, ClientId client) {
   std::lock_guard lk(mu_);
   auto c = client_pins_.find(client);
-  if (c == client_pins_.end())
+  auto p = c == client_pins_.end() ? decltype(c->second.keys.begin()){} : c->second.keys.find(key);
+  if (c == client_pins_.end() || p == c->second.keys.end())
     return {ErrorCode::kNotFound, "block " + key.key.hex() + " is not pinned by this client"};
-  auto p = c->second.find(key);
-  if (p == c->second.end()) return {ErrorCode::kNotFound, "block " + key.key.hex() + " is not pinned by this client"};
-  if (--p->second == 0) c->second.erase(p);
-  auto it = map_.find(key);
-  if (it != map_.end() && it->second.pins > 0) --it->second.pins;
+  unpin_locked(c->second, p, false);
+  if (c->second.keys.empty()) client_pins_.erase(c);
   return Status::Ok();
 }
 
@@ -174,11 +276,14 @@ void BlockIndex::release_client(ClientId client) {
   std::lock_guard lk(mu_);
   auto c = client_pins_.find(client);
   if (c == client_pins_.end()) return;
-  for (const auto& [key, n] : c->second) {
-    auto it = map_.find(key);
-    if (it != map_.end()) it->second.pins -= std::min(it->second.pins, n);
-  }
+  while (!c->second.keys.empty()) unpin_locked(c->second, c->second.keys.begin(), true);
   client_pins_.erase(c);
+}
+
+uint64_t BlockIndex::pinned_bytes(uint64_t account) const {
+  std::lock_guard lk(mu_);
+  auto a = account_bytes_.find(account);
+  return a == account_bytes_.end() ? 0 : a->second;
 }
 
 uint64_t BlockIndex::evict(NamespaceId ns, std::span<const BlockKey> keys) {
@@ -197,10 +302,21 @@ uint64_t BlockIndex::evict(NamespaceId ns, std::span<const BlockKey> keys) {
 
 uint64_t BlockIndex::evict_all(std::optional<NamespaceId> ns) {
   std::lock_guard lk(mu_);
+  return evict_if_locked([&](const NsKey& k) { return !ns || k.ns == *ns; });
+}
+
+uint64_t BlockIndex::evict_all(const NamespaceFilter& filter) {
+  std::lock_guard lk(mu_);
+  return evict_if_locked([&](const NsKey& k) {
+    return k.ns < ns_.size() && ns_[k.ns].live && filter(k.ns, ns_[k.ns].name, ns_[k.ns].tenant);
+  });
+}
+
+uint64_t BlockIndex::evict_if_locked(const std::function<bool(const NsKey&)>& pred) {
   uint64_t n = 0;
   for (auto it = map_.begin(); it != map_.end();) {
     auto next = std::next(it);
-    if (evictable(it->second) && (!ns || it->first.ns == *ns)) {
+    if (evictable(it->second) && pred(it->first)) {
       evicted_bytes_ += it->second.slot.bytes;
       erase_locked(it);
       ++evictions_;
@@ -214,13 +330,9 @@ uint64_t BlockIndex::evict_all(std::optional<NamespaceId> ns) {
 IndexStats BlockIndex::stats() const {
   std::lock_guard lk(mu_);
   IndexStats s;
-  for (const auto& [k, e] : map_) {
-    if (e.state == State::kReady)
-      ++s.entries;
-    else
-      ++s.writing;
-    if (e.pins) ++s.pinned;
-  }
+  s.entries = ready_;
+  s.writing = writing_;
+  s.pinned = pinned_;
   s.used_bytes = pool_.used_bytes();
   s.capacity_bytes = pool_.capacity();
   s.evictions = evictions_;
@@ -229,14 +341,18 @@ IndexStats BlockIndex::stats() const {
 }
 
 std::vector<ListEntry> BlockIndex::list(std::optional<NamespaceId> ns, size_t limit) const {
+  return list([&](NamespaceId id, const std::string&, const std::string&) { return !ns || id == *ns; }, limit);
+}
+
+std::vector<ListEntry> BlockIndex::list(const NamespaceFilter& filter, size_t limit) const {
   std::lock_guard lk(mu_);
   std::vector<ListEntry> out;
   for (const NsKey& k : lru_) {
     if (out.size() >= limit) break;
-    if (ns && k.ns != *ns) continue;
+    const bool known = k.ns < ns_.size() && ns_[k.ns].live;
+    if (!known || !filter(k.ns, ns_[k.ns].name, ns_[k.ns].tenant)) continue;
     const Entry& e = map_.at(k);
-    out.push_back({k.ns < ns_names_.size() ? ns_names_[k.ns] : "?", k.key, e.meta.shape.format.name(), e.meta.bytes,
-                   e.pins, "host"});
+    out.push_back({ns_[k.ns].name, k.key, e.meta.shape.format.name(), e.meta.bytes, e.pins, "host"});
   }
   return out;
 }

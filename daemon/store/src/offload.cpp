@@ -8,6 +8,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 
 #include "kvferry/kernels/convert.h"
 #include "kvferry/kernels/copy_blocks.h"
@@ -149,6 +150,27 @@ std::vector<Status> mismatched_lists(const char* op, size_t keys, size_t ids) {
       keys, Status(ErrorCode::kInvalidArgument,
                    std::string(op) + ": " + std::to_string(keys) + " keys but " + std::to_string(ids) + " block ids"));
 }
+
+/// Marks every entry whose destination (a save's key, a load's target block) occurs more than
+/// once in the request: which copy should win is the caller's bug, so none of them runs.
+template <class T, class Hash = std::hash<T>>
+void refuse_duplicates(std::span<const T> dests, std::vector<Status>* res, const char* what,
+                       const std::function<std::string(const T&)>& name) {
+  std::unordered_map<T, uint32_t, Hash> seen;
+  seen.reserve(dests.size());
+  for (const T& d : dests) ++seen[d];
+  for (size_t i = 0; i < dests.size(); ++i) {
+    const uint32_t n = seen[dests[i]];
+    if (n > 1 && (*res)[i].ok())
+      (*res)[i] =
+          Status(ErrorCode::kInvalidArgument, std::string(what) + " " + name(dests[i]) + " is named " +
+                                                  std::to_string(n) + " times in one request; none of them ran");
+  }
+}
+
+struct BlockKeyHash {
+  size_t operator()(const BlockKey& k) const { return std::hash<uint64_t>()(k.hi * 0x9E3779B97F4A7C15ull ^ k.lo); }
+};
 
 }  // namespace
 
@@ -339,6 +361,7 @@ struct OffloadService::Impl {
     const int64_t zero = 0;
     KVFERRY_TRY(kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, lane.staging, one, {&zero, 1},
                                             {opts.cpu_threads}, lossy));
+    if (!lossy->empty()) return Status::Ok();  // the caller reports data loss; the target stays untouched
     std::vector<CopyRun> cr;
     push_block_runs(&cr, region.spec, b, 0, false);
     KVFERRY_TRY(kernels::validate_copy_runs(cr, lane.staging_bytes, region.spec.region_bytes()));
@@ -389,7 +412,9 @@ std::vector<Status> OffloadService::save(const RegionAccess& region, NamespaceId
     d.save_failures.add(res.size());
     return res;
   }
+  refuse_duplicates<BlockKey, BlockKeyHash>(keys, &res, "key", [](const BlockKey& k) { return k.hex(); });
   for (size_t i = 0; i < keys.size(); ++i) {
+    if (!res[i].ok()) continue;
     if (Status st = region.spec.check_block(block_ids[i]); !st.ok()) {
       res[i] = st;
       continue;
@@ -544,7 +569,9 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
   const BlockShape target{region.spec.layers, region.spec.block_size, region.spec.format};
   std::vector<size_t> which;
   std::vector<Hold> holds;
+  refuse_duplicates<int64_t>(block_ids, &res, "target block", [](const int64_t& b) { return std::to_string(b); });
   for (size_t i = 0; i < keys.size(); ++i) {
+    if (!res[i].ok()) continue;
     if (Status st = region.spec.check_block(block_ids[i]); !st.ok()) {
       res[i] = st;
       continue;
@@ -665,8 +692,18 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
     const int64_t zero = 0;
     Status st;
     if (!region.device) {
-      st = kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, region.base, region.spec, {&b, 1},
+      // Through a one-block staging copy: a conversion that turns out lossy must leave the
+      // target block as it was.
+      const KvCacheSpec one = target.slot_spec();
+      std::vector<uint8_t> staged(static_cast<size_t>(one.region_bytes()));
+      st = kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, staged.data(), one, {&zero, 1},
                                        {d.opts.cpu_threads}, &lossy);
+      if (st.ok() && lossy.empty()) {
+        std::vector<CopyRun> runs;
+        push_block_runs(&runs, region.spec, b, 0, false);
+        st = kernels::copy_blocks_cpu(staged.data(), one.region_bytes(), region.base, region.spec.region_bytes(), runs,
+                                      {1});
+      }
     } else {
 #if defined(KVFERRY_WITH_CUDA)
       st = lane.lane ? d.convert_to_device(*lane.lane, h, region, b, &lossy) : bst[j];

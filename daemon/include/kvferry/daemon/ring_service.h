@@ -25,13 +25,16 @@ namespace kvferry::daemon {
 /// client's session and, while registered, shared with the ring thread.
 struct ClientChannel {
   uint32_t client_id = 0;
-  std::string model;   ///< from the Hello (namespace), "" = default
+  std::string model;  ///< from the Hello (namespace), "" = default
   /// The effective tenant, set by the daemon at the Hello from the peer's credentials (never
   /// what the client merely claims): blocks, regions and namespaces of other tenants are out of reach.
   std::string tenant;
-  uint32_t uid = 0;    ///< SO_PEERCRED uid
-  bool admin = false;  ///< daemon.admin_uids/admin_gids: may list and evict every tenant's blocks
+  uint32_t uid = 0;           ///< SO_PEERCRED uid
+  bool admin = false;         ///< daemon.admin_uids/admin_gids: may list and evict every tenant's blocks
   config::TenantQuota quota;  ///< the tenant's quotas, defaults resolved (0 = no limit)
+  /// State the data ops keep per client (its namespace leases); released with the channel, after
+  /// the last worker that used it is done.
+  std::shared_ptr<void> data_state;
   UniqueFd ring_fd, sq_efd, cq_efd;
   void* base = nullptr;
   uint64_t bytes = 0;

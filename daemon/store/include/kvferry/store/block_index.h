@@ -4,6 +4,7 @@
 // is committed; a block being read (held) or pinned is never evicted. One mutex guards the
 // metadata only: copies run outside it, so lookups never wait behind transfers. Thread-safe.
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <mutex>
 #include <optional>
@@ -73,6 +74,15 @@ struct IndexStats {
   uint64_t evicted_bytes = 0;
 };
 
+/// Blocks pinned by the clients of one account (a tenant) count against its limit.
+struct PinAccount {
+  uint64_t id = 0;           ///< 0 = no account: no limit
+  uint64_t limit_bytes = 0;  ///< 0 = no limit
+};
+
+/// What a filter over namespaces sees: the id, the full name and the tenant it belongs to.
+using NamespaceFilter = std::function<bool(NamespaceId, const std::string& name, const std::string& tenant)>;
+
 struct ListEntry {
   std::string ns;
   BlockKey key;
@@ -85,8 +95,9 @@ struct ListEntry {
 class BlockIndex {
  public:
   struct Options {
-    double high_watermark = 0.95;  ///< evict when the pool is fuller than this fraction
-    double low_watermark = 0.85;   ///< ... down to this fraction
+    double high_watermark = 0.95;   ///< evict when the pool is fuller than this fraction
+    double low_watermark = 0.85;    ///< ... down to this fraction
+    size_t max_namespaces = 65536;  ///< live namespaces at most (leased or holding blocks)
   };
 
   BlockIndex(HostPool& pool, Options opts);
@@ -97,8 +108,17 @@ class BlockIndex {
   Result<uint64_t> set_watermarks(double high, double low);
   Options watermarks() const;
 
-  /// Id of namespace `name` (model + format fingerprint + tenant), created on first use.
+  /// Id of namespace `name` (model + format fingerprint + tenant), created on first use and
+  /// never released (tools and tests; the daemon leases instead).
   NamespaceId intern_namespace(const std::string& name);
+  /// Leases namespace `name` of `tenant`: its id stays valid until release_namespace(). A
+  /// namespace that no lease holds and that stores no block is forgotten and its id reused, so the
+  /// table stays bounded however many names clients make up. kResourceExhausted past
+  /// Options::max_namespaces.
+  Result<NamespaceId> acquire_namespace(const std::string& name, const std::string& tenant);
+  void release_namespace(NamespaceId id);
+  /// Live namespaces (leased or holding blocks).
+  size_t namespaces() const;
 
   /// Reserves a slot for a new block. kAlreadyExists when the key is stored or being written
   /// (the caller treats that as done); kResourceExhausted when nothing can be evicted.
@@ -115,8 +135,10 @@ class BlockIndex {
   /// Per-key presence and the longest prefix of hits, in key order.
   LookupResult lookup(NamespaceId ns, std::span<const BlockKey> keys);
 
-  /// Pins a stored block for `client` (never evicted while pinned); pins count per client.
-  Status pin(const NsKey& key, ClientId client);
+  /// Pins a stored block for `client` (never evicted while pinned); pins count per client. A
+  /// block's bytes count against `account` from the client's first pin of it to its last unpin;
+  /// kResourceExhausted (nothing pinned) when that would pass the account's limit.
+  Status pin(const NsKey& key, ClientId client, const PinAccount& account = {});
   Status unpin(const NsKey& key, ClientId client);
   /// Drops every pin `client` holds (it disconnected).
   void release_client(ClientId client);
@@ -126,11 +148,18 @@ class BlockIndex {
   uint64_t evict(NamespaceId ns, std::span<const BlockKey> keys);
   /// Evicts every unpinned, unheld block (of `ns` when given). Returns how many.
   uint64_t evict_all(std::optional<NamespaceId> ns);
+  /// Evicts every unpinned, unheld block of the namespaces `filter` accepts. Returns how many.
+  uint64_t evict_all(const NamespaceFilter& filter);
 
+  /// Kept up to date by every change: O(1), so /metrics never walks the index.
   IndexStats stats() const;
   HostPool& pool() const { return pool_; }
-  /// Up to `limit` entries (of `ns` when given).
+  /// Up to `limit` entries (of `ns` when given), most recently used first.
   std::vector<ListEntry> list(std::optional<NamespaceId> ns, size_t limit) const;
+  /// Up to `limit` entries of the namespaces `filter` accepts.
+  std::vector<ListEntry> list(const NamespaceFilter& filter, size_t limit) const;
+  /// Bytes pinned against `account` now.
+  uint64_t pinned_bytes(uint64_t account) const;
 
   /// Fault knob for tests: flips the bits of byte `byte` of a stored block.
   Status corrupt_for_test(const NsKey& key, uint64_t byte);
@@ -146,7 +175,24 @@ class BlockIndex {
     std::list<NsKey>::iterator lru;  ///< valid while ready
   };
 
+  struct NsRecord {
+    std::string name, tenant;
+    uint64_t leases = 0;   ///< acquire_namespace() not yet released (intern: one forever)
+    uint64_t entries = 0;  ///< blocks of this namespace in the map (writing or ready)
+    bool live = false;
+  };
+  struct ClientPins {
+    std::unordered_map<NsKey, uint32_t, NsKeyHash> keys;
+    PinAccount account;
+  };
+
   bool evictable(const Entry& e) const { return e.state == State::kReady && e.readers == 0 && e.pins == 0; }
+  Result<NamespaceId> acquire_namespace_locked(const std::string& name, const std::string& tenant);
+  void maybe_forget_namespace_locked(NamespaceId id);
+  void add_pins_locked(Entry& e, int64_t delta);
+  /// Drops one client's pin count of a key (all of them with `all`), with its account's bytes.
+  void unpin_locked(ClientPins& c, std::unordered_map<NsKey, uint32_t, NsKeyHash>::iterator p, bool all);
+  uint64_t evict_if_locked(const std::function<bool(const NsKey&)>& pred);
   /// Evicts LRU blocks until a slot of `bytes` fits and usage is at most the low watermark (when
   /// above the high one). Caller holds mu_. Returns false when nothing more can go.
   bool make_room_locked(uint64_t bytes);
@@ -156,12 +202,16 @@ class BlockIndex {
   Options opts_;
   mutable std::mutex mu_;
   std::unordered_map<NsKey, Entry, NsKeyHash> map_;
-  std::list<NsKey> lru_;  ///< front = most recently used (ready entries only)
-  std::unordered_map<std::string, NamespaceId> ns_ids_;
-  std::vector<std::string> ns_names_;
-  std::unordered_map<ClientId, std::unordered_map<NsKey, uint32_t, NsKeyHash>> client_pins_;
+  std::list<NsKey> lru_;                                 ///< front = most recently used (ready entries only)
+  std::unordered_map<std::string, NamespaceId> ns_ids_;  ///< live namespaces only
+  std::vector<NsRecord> ns_;                             ///< by id
+  std::vector<NamespaceId> free_ns_;                     ///< ids of forgotten namespaces
+  size_t live_ns_ = 0;
+  std::unordered_map<ClientId, ClientPins> client_pins_;
+  std::unordered_map<uint64_t, uint64_t> account_bytes_;  ///< pinned bytes per account (non-zero only)
   uint64_t evictions_ = 0;
   uint64_t evicted_bytes_ = 0;
+  uint64_t ready_ = 0, writing_ = 0, pinned_ = 0;  ///< IndexStats, kept up to date
 };
 
 }  // namespace kvferry::store
