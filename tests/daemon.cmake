@@ -20,3 +20,12 @@ kvferry_add_gtest(daemon_gpu_test LABEL gpu TIMEOUT 120
   LIBS kvferry::connector)
 add_dependencies(daemon_gpu_test kvferryd)
 target_compile_definitions(daemon_gpu_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")
+
+# Integration: the control plane under hostile clients (tenancy, non-readers, half-sent frames,
+# fd exhaustion, quotas); clients as other uids run in forked children (needs root, else skips).
+kvferry_add_gtest(hostile_control_test LABEL integration TIMEOUT 120
+  SOURCES integration/hostile_control_test.cpp
+  LIBS kvferry::connector)
+add_dependencies(hostile_control_test kvferryd kvferry_cli)
+target_compile_definitions(hostile_control_test PRIVATE
+  KVFERRYD_PATH="$<TARGET_FILE:kvferryd>" KVFERRY_CLI_PATH="$<TARGET_FILE:kvferry_cli>")

@@ -51,8 +51,11 @@ int run_status(const std::string& socket_path, bool json) {
   }
   if (f->header.type == static_cast<uint16_t>(proto::MsgType::kError)) {
     auto e = proto::decode_error(f->payload, f->header.field_mask);
-    std::fprintf(stderr, "kvferry status: the daemon refused: %s: %s\n",
-                 e.ok() ? std::string(error_code_name(e->code)).c_str() : "?", e.ok() ? e->message.c_str() : "");
+    if (e.ok() && e->code == ErrorCode::kPermissionDenied)
+      std::fprintf(stderr, "kvferry status: refused: %s\n", e->message.c_str());
+    else
+      std::fprintf(stderr, "kvferry status: the daemon answered with an error: %s: %s\n",
+                   e.ok() ? std::string(error_code_name(e->code)).c_str() : "?", e.ok() ? e->message.c_str() : "");
     return 1;
   }
   auto s = proto::decode_status_reply(f->payload, f->header.field_mask);

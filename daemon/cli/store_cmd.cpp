@@ -60,7 +60,11 @@ std::string key_hex(const ops::Key& k) {
 }
 
 int report(const char* cmd, const Status& st) {
-  std::fprintf(stderr, "kvferry %s: %s\n", cmd, st.to_string().c_str());
+  // A refusal (the caller's uid, group or tenant may not do this) is said as one, plainly.
+  if (st.code() == ErrorCode::kPermissionDenied)
+    std::fprintf(stderr, "kvferry %s: refused: %s\n", cmd, st.message().c_str());
+  else
+    std::fprintf(stderr, "kvferry %s: %s\n", cmd, st.to_string().c_str());
   return 1;
 }
 

@@ -1,10 +1,11 @@
-// The daemon core (daemon.h): control socket, sessions, region registry, ring service.
+// The daemon core (daemon.h): control socket, sessions, tenancy, region registry, ring service.
 #include <utility>  // before Asio (Boost 1.74 with C++20)
 
 #include <boost/asio.hpp>
 
 #include "kvferry/daemon/daemon.h"
 
+#include <fcntl.h>
 #include <grp.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -13,12 +14,16 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 
 #include "data_ops.h"
 #include "kvferry/connector/wire_io.h"
@@ -32,6 +37,7 @@ namespace kvferry::daemon {
 
 namespace asio = boost::asio;
 using local_stream = asio::local::stream_protocol;
+using Clock = std::chrono::steady_clock;
 
 const char* version() { return "0.1.0"; }
 
@@ -50,14 +56,148 @@ namespace {
 
 constexpr uint32_t kArenaBytes = 1u << 20;
 constexpr auto kSpin = std::chrono::microseconds(50);
+/// A payload is read in pieces of at most this, so the buffer grows with what actually arrived.
+constexpr size_t kReadChunk = 64 * 1024;
+/// A session's output queue holds at most this many frames or bytes; past either, the session's
+/// requests are not read until the client reads its replies (limits.send_timeout then applies).
+constexpr size_t kMaxQueuedFrames = 64;
+constexpr size_t kMaxQueuedBytes = 8u << 20;
+/// Longest tenant a Hello may claim.
+constexpr size_t kMaxClaimedTenant = 128;
+/// Pause of the accept loop after an error such as EMFILE.
+constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
+/// Period of the sweep over handshake and send deadlines (while any is pending).
+constexpr auto kSweepPeriod = std::chrono::milliseconds(100);
+/// The owner of what an admin session without a tenant creates: not a valid tenant name, so it
+/// never collides with one.
+constexpr const char* kAdminOwner = "@admin";
 
 void op_ping(ClientChannel&, const ring::SubmitEntry& req, ring::CompletionEntry& out) { out.result[0] = req.args[0]; }
 
-std::string creds_text(uint32_t uid, uint32_t gid, uint32_t pid) {
-  return "uid " + std::to_string(uid) + " gid " + std::to_string(gid) + " pid " + std::to_string(pid);
+/// A peer's credentials as the kernel vouches for them at connect(): uid, primary gid, pid and
+/// every group (primary first, then the supplementary ones).
+struct Creds {
+  uint32_t uid = 0, gid = 0, pid = 0;
+  std::vector<uint32_t> groups;
+};
+
+std::string creds_text(const Creds& c) {
+  std::string s = "uid " + std::to_string(c.uid) + " gid " + std::to_string(c.gid);
+  if (c.groups.size() > 1) {
+    s += " groups";
+    for (size_t i = 1; i < c.groups.size(); ++i) s += (i == 1 ? " " : ",") + std::to_string(c.groups[i]);
+  }
+  return s + " pid " + std::to_string(c.pid);
+}
+
+template <class T>
+bool contains(const std::vector<T>& v, const T& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+bool any_of_in(const std::vector<uint32_t>& have, const std::vector<uint32_t>& allowed) {
+  for (uint32_t g : have)
+    if (contains(allowed, g)) return true;
+  return false;
+}
+
+/// The peer's supplementary groups. SO_PEERGROUPS (Linux 4.13) returns them as the kernel saw
+/// them at connect(), with no race. Where it is missing, the `Groups:` line of /proc/<pid>/status
+/// is read right after accept: the pid may have exited and been reused by then, so that answer is
+/// only taken when the same file's effective uid still matches SO_PEERCRED's (a reused pid of
+/// another user is then ignored; one of the same user could still show its own groups). Nothing
+/// readable: the primary gid only.
+std::vector<uint32_t> peer_groups(int fd, const ucred& cr) {
+  std::vector<uint32_t> out{static_cast<uint32_t>(cr.gid)};
+  auto add = [&](uint32_t g) {
+    if (!contains(out, g)) out.push_back(g);
+  };
+#ifdef SO_PEERGROUPS
+  {
+    std::vector<gid_t> gs(64);
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      socklen_t len = static_cast<socklen_t>(gs.size() * sizeof(gid_t));
+      if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, gs.data(), &len) == 0) {
+        for (size_t i = 0; i < len / sizeof(gid_t); ++i) add(static_cast<uint32_t>(gs[i]));
+        return out;
+      }
+      if (errno != ERANGE || len / sizeof(gid_t) > 65536) break;
+      gs.resize(len / sizeof(gid_t) + 1);
+    }
+  }
+#else
+  (void)fd;
+#endif
+  std::ifstream f("/proc/" + std::to_string(cr.pid) + "/status");
+  std::string line;
+  std::vector<uint32_t> groups;
+  bool uid_ok = false, have_groups = false;
+  while (std::getline(f, line)) {
+    std::istringstream in(line.substr(line.find(':') == std::string::npos ? line.size() : line.find(':') + 1));
+    if (line.rfind("Uid:", 0) == 0) {
+      uint64_t real = 0, eff = 0;
+      uid_ok = static_cast<bool>(in >> real >> eff) && eff == cr.uid;
+    } else if (line.rfind("Groups:", 0) == 0) {
+      have_groups = true;
+      uint64_t g;
+      while (in >> g && groups.size() < 65536) groups.push_back(static_cast<uint32_t>(g));
+    }
+  }
+  if (uid_ok && have_groups)
+    for (uint32_t g : groups) add(g);
+  return out;
+}
+
+/// Runs `f`, turning any exception into a log line: nothing thrown may cross an Asio handler.
+template <class F>
+void guarded(const char* where, F&& f) noexcept {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    try {
+      spdlog::error("{}: {}", where, e.what());
+    } catch (...) {
+    }
+  } catch (...) {
+    try {
+      spdlog::error("{}: unknown exception", where);
+    } catch (...) {
+    }
+  }
+}
+
+/// At most one log line a second for a repeating event; counts the lines it held back.
+struct Throttle {
+  Clock::time_point last{};
+  uint64_t held = 0;
+  /// True when a line may be written now; `*held_back` = lines held back since the last one.
+  bool allow(uint64_t* held_back) {
+    const auto now = Clock::now();
+    if (last != Clock::time_point{} && now - last < std::chrono::seconds(1)) {
+      ++held;
+      return false;
+    }
+    last = now;
+    *held_back = std::exchange(held, 0);
+    return true;
+  }
+};
+
+/// Sends a small frame once without waiting (a just-accepted socket's buffer is empty): for
+/// refusals made before a session exists.
+void send_best_effort(int fd, const Status& st) {
+  const proto::Frame f = proto::encode(proto::ErrorMsg{st.code(), st.message()});
+  (void)::send(fd, f.data(), f.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
 }  // namespace
+
+/// Who a session acts as, settled at its Hello from its credentials (never from the claim alone).
+struct Identity {
+  std::string tenant;  ///< ClientChannel::tenant: the block namespace's tenant part
+  std::string owner;   ///< owner of the regions it creates and the key of its quotas
+  bool admin = false;  ///< sees and manages every tenant's regions, clients and blocks; no quotas
+};
 
 struct Daemon::Impl {
   struct Session;
@@ -65,6 +205,12 @@ struct Daemon::Impl {
     std::shared_ptr<Region> region;
     bool from_config = false;
     uint32_t holders = 0;
+    std::string owner;  ///< "" = shared by every tenant (config regions without a tenant)
+  };
+  /// Whose view a status reply is: nullptr = everything (in-process callers).
+  struct Viewer {
+    bool admin = false;
+    std::string owner;  ///< "" = sees shared regions only and no clients
   };
 
   config::Config cfg;
@@ -73,6 +219,8 @@ struct Daemon::Impl {
   local_stream::acceptor acceptor{io};
   asio::signal_set signals{io};
   asio::steady_timer watchdog{io};
+  asio::steady_timer sweep{io};         // handshake and send deadlines
+  asio::steady_timer accept_pause{io};  // back-off of the accept loop after EMFILE and the like
   std::chrono::microseconds watchdog_half{0};
   RingService rings{kSpin};
   std::unique_ptr<DataOps> data;            // after rings: its workers post to them
@@ -81,8 +229,15 @@ struct Daemon::Impl {
   std::function<Result<config::Config>()> on_hup;
   bool stopping = false;
   bool bound = false;
+  bool sweep_armed = false;
+  bool accept_pause_armed = false;
+  UniqueFd reserve_fd;  // given up at EMFILE so one pending connection can be accepted and shed
+  Throttle accept_log, refuse_log;
+  uint64_t shed = 0;  // connections accepted only to be closed at fd exhaustion
+  /// Where payload bytes land before they are appended to their session's frame (event loop only).
+  std::vector<uint8_t> scratch = std::vector<uint8_t>(kReadChunk);
 
-  mutable std::mutex mu;  // guards regions and sessions (status() reads them from any thread)
+  mutable std::mutex mu;  // guards regions, sessions and each session's hello/identity (status() reads them)
   std::map<uint32_t, RegionEntry> regions;
   std::map<uint32_t, std::shared_ptr<Session>> sessions;
   uint32_t next_region = 1;
@@ -90,116 +245,255 @@ struct Daemon::Impl {
 
   Status bind_socket();
   void accept();
+  void on_accept(local_stream::socket s);
+  void pause_accepting(const boost::system::error_code& ec);
+  void arm_sweep();
+  void sweep_once();
   void do_stop();
   void arm_watchdog();
   void do_reload(const config::Config& next);
-  bool allowed(uint32_t uid, uint32_t gid) const;
+  void recheck_sessions();
+  bool allowed(const Creds& c) const;
+  bool is_admin(const Creds& c) const;
+  Result<Identity> identify(const Creds& c, const std::string& claimed) const;
+  config::TenantQuota quota_for(const Identity& id) const;
+  Viewer viewer_for(const Creds& c) const;
   void release(Session& s);
-  proto::StatusReply snapshot() const;
-  Result<std::shared_ptr<Region>> add_region(const std::string& name, const KvCacheSpec& spec, bool from_config);
+  std::vector<std::shared_ptr<Session>> all_sessions() const;
+  proto::StatusReply snapshot(const Viewer* v) const;
+  Result<std::shared_ptr<Region>> add_region(const std::string& name, const KvCacheSpec& spec, bool from_config,
+                                             const std::string& owner);
 };
 
-/// One connected client. Lives while a read is pending (handlers hold a shared_ptr).
+/// One connected client. Lives while the registry or a pending handler holds it. Everything here
+/// runs on the event loop thread; `hello` and `ident` are also read by status() under `d.mu`.
 struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
   Session(Impl& d, local_stream::socket s) : d(d), sock(std::move(s)) {}
   Impl& d;
   local_stream::socket sock;
-  uint32_t id = 0, uid = 0, gid = 0, pid = 0;
-  std::string name;
+  uint32_t id = 0;
+  Creds creds;
+  std::string name, claimed;
+  Identity ident;
+  Clock::time_point accepted_at = Clock::now();
   bool hello = false, closed = false;
+  bool draining = false;         // refused or failed: no more reads, closed once the queue is sent
+  bool status_answered = false;  // answered a StatusRequest without a Hello (the CLI): no handshake deadline
   std::shared_ptr<ClientChannel> channel;
   std::set<uint32_t> held;
+
+  // Input: the header is read with recvmsg (it carries the fds), then the payload as it arrives.
   uint8_t hdr[proto::kHeaderBytes];
   size_t hdr_got = 0;
+  bool in_payload = false;
+  bool read_armed = false, read_paused = false;
   std::vector<UniqueFd> fds;  // descriptors that came with the current frame
   proto::Header header;
   std::vector<uint8_t> payload;
 
-  int fd() { return sock.native_handle(); }
+  // Output: frames waiting for the socket, written without ever blocking the loop.
+  struct Out {
+    proto::Frame bytes;
+    std::vector<UniqueFd> fds;  // our own duplicates: they ride with the first byte
+    size_t sent = 0;
+    Clock::time_point queued;
+  };
+  std::deque<Out> outq;
+  size_t out_bytes = 0;
+  bool write_armed = false;
 
-  void send(const proto::Frame& f, std::span<const int> fds = {}) {
+  int fd() { return sock.native_handle(); }
+  bool queue_full() const { return outq.size() >= kMaxQueuedFrames || out_bytes >= kMaxQueuedBytes; }
+
+  /// Queues `f` with duplicates of `borrowed` (so they stay valid until sent) and starts writing.
+  /// Fails only when no descriptor can be duplicated (the daemon is out of fds).
+  Status send(proto::Frame f, std::span<const int> borrowed = {}) {
+    if (closed) return Status::Ok();
+    Out o;
+    for (int b : borrowed) {
+      const int c = ::fcntl(b, F_DUPFD_CLOEXEC, 0);
+      if (c < 0)
+        return {ErrorCode::kResourceExhausted,
+                std::string("duplicating a descriptor to send: ") + std::strerror(errno)};
+      o.fds.emplace_back(c);
+    }
+    o.bytes = std::move(f);
+    o.queued = Clock::now();
+    out_bytes += o.bytes.size();
+    outq.push_back(std::move(o));
+    flush();
+    return Status::Ok();
+  }
+  void send_error(const Status& st) { (void)send(proto::encode(proto::ErrorMsg{st.code(), st.message()})); }
+
+  /// Writes what the socket takes now; the rest waits for it to become writable. A frame's fds
+  /// go with its first byte (as proto::send_frame sends them); a partial write keeps the rest.
+  void flush() {
+    while (!outq.empty() && !closed) {
+      Out& o = outq.front();
+      iovec iov{o.bytes.data() + o.sent, o.bytes.size() - o.sent};
+      msghdr mh{};
+      mh.msg_iov = &iov;
+      mh.msg_iovlen = 1;
+      alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
+      if (!o.fds.empty()) {
+        const size_t n = std::min<size_t>(o.fds.size(), proto::kMaxFds);
+        mh.msg_control = cbuf;
+        mh.msg_controllen = CMSG_SPACE(sizeof(int) * n);
+        cmsghdr* c = CMSG_FIRSTHDR(&mh);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * n);
+        for (size_t i = 0; i < n; ++i) {
+          const int f = o.fds[i].get();
+          std::memcpy(CMSG_DATA(c) + i * sizeof(int), &f, sizeof f);
+        }
+      }
+      const ssize_t r = ::sendmsg(fd(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return arm_write();
+        spdlog::debug("client {}: send failed: {}", id, std::strerror(errno));
+        return close();
+      }
+      o.fds.clear();  // the kernel holds its own references now
+      o.sent += static_cast<size_t>(r);
+      if (o.sent == o.bytes.size()) {
+        out_bytes -= o.bytes.size();
+        outq.pop_front();
+      }
+    }
     if (closed) return;
-    Status st = proto::send_frame(fd(), f, fds, 2000);
-    if (!st.ok()) {
-      spdlog::debug("client {}: send failed: {}", id, st.to_string());
-      close();
+    if (outq.empty() && draining) return close();
+    if (read_paused && !queue_full()) {
+      read_paused = false;
+      arm_read();
     }
   }
-  void send_error(const Status& st) { send(proto::encode(proto::ErrorMsg{st.code(), st.message()})); }
+
+  void arm_write() {
+    if (write_armed || closed) return;
+    write_armed = true;
+    d.arm_sweep();  // limits.send_timeout
+    sock.async_wait(local_stream::socket::wait_write, [self = shared_from_this()](boost::system::error_code ec) {
+      guarded("control socket write", [&] {
+        self->write_armed = false;
+        if (self->closed) return;
+        if (ec) return self->close();
+        self->flush();
+      });
+    });
+  }
 
   void close() {
     if (closed) return;
     closed = true;
     boost::system::error_code ec;
-    sock.close(ec);
+    sock.close(ec);  // pending waits complete with operation_aborted
+    outq.clear();
+    out_bytes = 0;
     d.release(*this);
   }
 
-  /// Waits for the next header. The header is read with recvmsg so that descriptors sent with a
-  /// frame's first byte (SCM_RIGHTS) are kept; Asio's reads would drop them. The payload follows
-  /// with an exact-size async_read.
-  void read_header() {
-    auto self = shared_from_this();
-    sock.async_wait(local_stream::socket::wait_read, [self](boost::system::error_code ec) {
-      if (ec) return self->close();
-      self->on_readable();
+  /// Sends `st` and closes once it is written (or limits.send_timeout passes); reads stop now.
+  void finish(const Status& st) {
+    draining = true;
+    send_error(st);
+    if (!closed && outq.empty()) close();
+  }
+
+  /// Waits for the socket to become readable, unless the output queue is full (then the client
+  /// must read its replies first; flush() resumes reading).
+  void arm_read() {
+    if (closed || draining || read_armed) return;
+    if (queue_full()) {
+      read_paused = true;
+      return;
+    }
+    read_armed = true;
+    sock.async_wait(local_stream::socket::wait_read, [self = shared_from_this()](boost::system::error_code ec) {
+      guarded("control socket read", [&] {
+        self->read_armed = false;
+        if (self->closed) return;
+        if (ec) return self->close();
+        self->on_readable();
+      });
     });
   }
 
+  /// Reads what has arrived of the current frame. The header is read with recvmsg so that
+  /// descriptors sent with a frame's first byte (SCM_RIGHTS) are kept; the payload follows in
+  /// pieces of at most kReadChunk, never past its length (the next frame's first byte may carry
+  /// descriptors), the buffer growing only by what arrived.
   void on_readable() {
-    while (hdr_got < proto::kHeaderBytes) {
-      iovec iov{hdr + hdr_got, proto::kHeaderBytes - hdr_got};
-      msghdr mh{};
-      mh.msg_iov = &iov;
-      mh.msg_iovlen = 1;
-      alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
-      mh.msg_control = cbuf;
-      mh.msg_controllen = sizeof cbuf;
-      const ssize_t r = ::recvmsg(fd(), &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return read_header();  // partial: wait
-      if (r <= 0) return close();
-      for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
-        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-        const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        for (size_t i = 0; i < k; ++i) {
-          int f;
-          std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
-          fds.emplace_back(f);
+    if (draining) return;
+    if (!in_payload) {
+      while (hdr_got < proto::kHeaderBytes) {
+        iovec iov{hdr + hdr_got, proto::kHeaderBytes - hdr_got};
+        msghdr mh{};
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        alignas(cmsghdr) char cbuf[CMSG_SPACE(sizeof(int) * proto::kMaxFds)];
+        mh.msg_control = cbuf;
+        mh.msg_controllen = sizeof cbuf;
+        const ssize_t r = ::recvmsg(fd(), &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return arm_read();  // partial: wait
+        if (r <= 0) return close();
+        for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+          if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+          const size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+          for (size_t i = 0; i < k; ++i) {
+            int f;
+            std::memcpy(&f, CMSG_DATA(c) + i * sizeof(int), sizeof f);
+            fds.emplace_back(f);
+          }
         }
+        if (mh.msg_flags & MSG_CTRUNC) return fail({ErrorCode::kProtocol, "too many file descriptors in one frame"});
+        if (fds.size() > static_cast<size_t>(proto::kMaxFds))
+          return fail({ErrorCode::kProtocol, "too many file descriptors in one frame"});
+        hdr_got += static_cast<size_t>(r);
       }
-      if (mh.msg_flags & MSG_CTRUNC) return fail({ErrorCode::kProtocol, "too many file descriptors in one frame"});
-      hdr_got += static_cast<size_t>(r);
+      hdr_got = 0;
+      auto h = proto::decode_header(hdr);
+      if (!h.ok()) return fail(h.status());
+      header = *h;
+      payload.clear();
+      in_payload = true;
     }
-    hdr_got = 0;
-    auto h = proto::decode_header(hdr);
-    if (!h.ok()) return fail(h.status());
-    header = *h;
-    payload.resize(h->length);
-    if (h->length == 0) return dispatch();
-    auto self = shared_from_this();
-    asio::async_read(sock, asio::buffer(payload), [self](boost::system::error_code ec, size_t) {
-      if (ec) return self->close();
-      self->dispatch();
-    });
+    while (payload.size() < header.length) {
+      const size_t want = std::min<size_t>(d.scratch.size(), header.length - payload.size());
+      const ssize_t r = ::recv(fd(), d.scratch.data(), want, MSG_DONTWAIT);
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return arm_read();
+      if (r <= 0) return close();
+      payload.insert(payload.end(), d.scratch.begin(), d.scratch.begin() + r);
+    }
+    in_payload = false;
+    dispatch();
   }
 
   /// A malformed message: tell the client why and disconnect it; the daemon serves on.
   void fail(const Status& st) {
-    spdlog::warn("client {} ({}): {}; disconnecting it", id, creds_text(uid, gid, pid), st.to_string());
-    send_error(st);
-    close();
+    spdlog::warn("client {} ({}): {}; disconnecting it", id, creds_text(creds), st.to_string());
+    finish(st);
   }
 
   void dispatch() {
-    Status st = handle();
+    Status st;
+    try {
+      st = handle();
+    } catch (const std::exception& e) {
+      st = Status(ErrorCode::kInternal, std::string("handling the request: ") + e.what());
+    }
     fds.clear();  // descriptors a message did not take are closed
+    if (payload.capacity() > kReadChunk) std::vector<uint8_t>().swap(payload);
     if (closed) return;
     if (!st.ok()) {
       if (st.code() == ErrorCode::kProtocol || st.code() == ErrorCode::kVersionMismatch) return fail(st);
       send_error(st);  // a request that failed: the connection stays usable
     }
-    if (!closed) read_header();
+    arm_read();
   }
 
   Status handle() {
@@ -207,7 +501,13 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     const uint32_t fm = header.field_mask;
     switch (type) {
       case proto::MsgType::kHello: return on_hello(fm);
-      case proto::MsgType::kStatusRequest: send(proto::encode(d.snapshot())); return Status::Ok();
+      case proto::MsgType::kStatusRequest: {
+        // Allowed before the Hello (the CLI), filtered by what the caller's credentials may see.
+        const Viewer v = hello ? Viewer{ident.admin, ident.owner} : d.viewer_for(creds);
+        KVFERRY_TRY(send(proto::encode(d.snapshot(&v))));
+        status_answered = true;
+        return Status::Ok();
+      }
       case proto::MsgType::kGoodbye: close(); return Status::Ok();
       default: break;
     }
@@ -240,43 +540,87 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     }
   }
 
+  /// A Hello that may not proceed: the client hears why, then the connection closes.
+  Status refuse(const Status& st) {
+    spdlog::info("client {} ({}): Hello refused: {}", id, creds_text(creds), st.to_string());
+    finish(st);
+    return Status::Ok();
+  }
+
   Status on_hello(uint32_t fm) {
     if (hello) return {ErrorCode::kProtocol, "a second Hello"};
     auto m = proto::decode_hello(payload, fm);
     if (!m.ok()) return m.status();
-    size_t engines = 0;
+    const std::string want = m->has_namespace ? m->tenant : std::string();
+    if (want.size() > kMaxClaimedTenant)
+      return refuse({ErrorCode::kInvalidArgument,
+                     "the Hello's tenant is longer than " + std::to_string(kMaxClaimedTenant) + " bytes"});
+    auto who = d.identify(creds, want);
+    if (!who.ok()) return refuse(who.status());
+    const config::TenantQuota quota = d.quota_for(*who);
+    size_t engines = 0, same = 0;
     {
       std::lock_guard<std::mutex> g(d.mu);
-      for (auto& [_, s] : d.sessions) engines += s->hello ? 1 : 0;
+      for (auto& [_, s] : d.sessions) {
+        if (!s->hello) continue;
+        ++engines;
+        same += s->ident.owner == who->owner && !s->ident.admin ? 1 : 0;
+      }
     }
     if (engines >= d.cfg.limits.max_clients)
-      return {ErrorCode::kResourceExhausted, "the daemon serves its limit of " +
-                                                 std::to_string(d.cfg.limits.max_clients) +
-                                                 " clients (limits.max_clients)"};
+      return refuse({ErrorCode::kResourceExhausted, "the daemon serves its limit of " +
+                                                        std::to_string(d.cfg.limits.max_clients) +
+                                                        " clients (limits.max_clients)"});
+    if (!who->admin && quota.clients > 0 && same >= quota.clients)
+      return refuse({ErrorCode::kResourceExhausted,
+                     "tenant '" + who->owner + "' has its quota of " + std::to_string(quota.clients) +
+                         " clients connected (quota.clients, default limits.tenant.clients)"});
     auto ch = ClientChannel::create(id, d.cfg.limits.ring_entries, kArenaBytes);
-    if (!ch.ok()) return ch.status().with_context("creating the client's rings");
-    channel = *ch;
-    if (m->has_namespace) {
-      channel->model = m->model;
-      channel->tenant = m->tenant;
-    }
-    name = m->client_name;
-    hello = true;
+    if (!ch.ok()) return refuse(ch.status().with_context("creating the client's rings"));
+    auto c = *ch;
+    c->model = m->has_namespace ? m->model : std::string();
+    c->tenant = who->tenant;
+    c->uid = creds.uid;
+    c->admin = who->admin;
+    c->quota = who->admin ? config::TenantQuota{} : quota;
     proto::Welcome w;
     w.client_id = id;
-    w.ring_entries = channel->geometry.entries;
-    w.ring_bytes = channel->bytes;
-    w.arena_bytes = channel->geometry.arena_bytes;
+    w.ring_entries = c->geometry.entries;
+    w.ring_bytes = c->bytes;
+    w.arena_bytes = c->geometry.arena_bytes;
     w.spin_us = static_cast<uint32_t>(kSpin.count());
     {
       std::lock_guard<std::mutex> g(d.mu);
-      for (auto& [_, e] : d.regions) w.regions.push_back(e.region->desc());
+      for (auto& [_, e] : d.regions)
+        if (visible(*who, e)) w.regions.push_back(e.region->desc());
     }
-    const int fds[3] = {channel->ring_fd.get(), channel->sq_efd.get(), channel->cq_efd.get()};
+    const int fds3[3] = {c->ring_fd.get(), c->sq_efd.get(), c->cq_efd.get()};
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      channel = c;
+      name = m->client_name;
+      claimed = want;
+      ident = *who;
+      hello = true;
+    }
     d.rings.add(channel);
-    spdlog::info("client {} '{}' connected ({})", id, name, creds_text(uid, gid, pid));
-    send(proto::encode(w), fds);
+    spdlog::info("client {} '{}' connected ({}), tenant '{}'{}", id, name, creds_text(creds), ident.tenant,
+                 ident.admin ? " (admin)" : "");
+    if (Status st = send(proto::encode(w), fds3); !st.ok()) {
+      close();  // no Welcome could go out: the client cannot use the session
+      return Status::Ok();
+    }
     return Status::Ok();
+  }
+
+  static bool visible(const Identity& who, const RegionEntry& e) {
+    return who.admin || e.owner.empty() || e.owner == who.owner;
+  }
+
+  Status denied_region(uint32_t rid, const std::string& rname) const {
+    return {ErrorCode::kPermissionDenied, "region " + std::to_string(rid) + " '" + rname +
+                                              "' belongs to another tenant than '" + ident.owner + "' (" +
+                                              creds_text(creds) + ")"};
   }
 
   Status send_region(const std::shared_ptr<Region>& r) {
@@ -285,12 +629,30 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     h.has_ipc_handle = r->ipc_handle(h.ipc_handle);
     const int fd = r->export_fd();
     if (fd >= 0) {
-      const int fds[1] = {fd};
-      send(proto::encode(h), fds);
-    } else {
-      send(proto::encode(h));
+      const int one[1] = {fd};
+      return send(proto::encode(h), one);
     }
-    return Status::Ok();
+    return send(proto::encode(h));
+  }
+
+  /// Holds region `rid` for this session and sends its handle; the hold is undone when the
+  /// handle cannot be queued.
+  Status hold_and_send(uint32_t rid, const std::shared_ptr<Region>& r) {
+    bool fresh = false;
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      auto it = d.regions.find(rid);
+      if (it == d.regions.end()) return {ErrorCode::kNotFound, "no region with id " + std::to_string(rid)};
+      fresh = held.insert(rid).second;
+      if (fresh) ++it->second.holders;
+    }
+    Status st = send_region(r);
+    if (!st.ok() && fresh) {
+      std::lock_guard<std::mutex> g(d.mu);
+      held.erase(rid);
+      if (auto it = d.regions.find(rid); it != d.regions.end()) --it->second.holders;
+    }
+    return st;
   }
 
   Status map_region(uint32_t rid) {
@@ -299,34 +661,67 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
       std::lock_guard<std::mutex> g(d.mu);
       auto it = d.regions.find(rid);
       if (it == d.regions.end()) return {ErrorCode::kNotFound, "no region with id " + std::to_string(rid)};
+      if (!visible(ident, it->second)) return denied_region(rid, it->second.region->desc().name);
       r = it->second.region;
-      if (held.insert(rid).second) ++it->second.holders;
     }
-    return send_region(r);
+    return hold_and_send(rid, r);
+  }
+
+  /// Regions and their bytes this session's owner may still add (admins: no quota).
+  Status check_region_quota(uint64_t bytes, const std::string& rname) const {
+    if (ident.admin) return Status::Ok();
+    const config::TenantQuota q = d.quota_for(ident);
+    uint64_t n = 0, used = 0;
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      for (auto& [_, e] : d.regions) {
+        if (e.from_config || e.owner != ident.owner) continue;
+        ++n;
+        used += e.region->desc().bytes;
+      }
+    }
+    if (q.regions > 0 && n + 1 > q.regions)
+      return {ErrorCode::kResourceExhausted, "region '" + rname + "': tenant '" + ident.owner + "' has its quota of " +
+                                                 std::to_string(q.regions) +
+                                                 " regions (quota.regions, default limits.tenant.regions)"};
+    if (q.region_bytes > 0 && (bytes > q.region_bytes || used > q.region_bytes - bytes))
+      return {ErrorCode::kResourceExhausted,
+              "region '" + rname + "': " + std::to_string(bytes) + " bytes over tenant '" + ident.owner +
+                  "''s quota of " + std::to_string(q.region_bytes) + " region bytes (" + std::to_string(used) +
+                  " in use; quota.region_bytes, default limits.tenant.region_bytes)"};
+    return Status::Ok();
   }
 
   Status create_region(const proto::CreateRegion& m) {
     {
-      std::lock_guard<std::mutex> g(d.mu);
-      for (auto& [rid, e] : d.regions) {
-        if (e.region->desc().name != m.name) continue;
-        const auto& s = e.region->desc().spec;
-        if (s.layers != m.spec.layers || s.blocks != m.spec.blocks || s.block_size != m.spec.block_size ||
-            s.format != m.spec.format || s.layout != m.spec.layout)
-          return {ErrorCode::kAlreadyExists, "region '" + m.name + "' exists with another spec"};
-        auto r = e.region;
-        if (held.insert(rid).second) ++e.holders;
-        return send_region(r);
+      std::shared_ptr<Region> r;
+      uint32_t rid = 0;
+      {
+        std::lock_guard<std::mutex> g(d.mu);
+        for (auto& [id2, e] : d.regions) {
+          if (e.region->desc().name != m.name) continue;
+          if (!visible(ident, e)) return denied_region(id2, m.name);
+          const auto& s = e.region->desc().spec;
+          if (s.layers != m.spec.layers || s.blocks != m.spec.blocks || s.block_size != m.spec.block_size ||
+              s.format != m.spec.format || s.layout != m.spec.layout)
+            return {ErrorCode::kAlreadyExists, "region '" + m.name + "' exists with another spec"};
+          r = e.region;
+          rid = id2;
+          break;
+        }
       }
+      if (r) return hold_and_send(rid, r);
     }
-    auto r = d.add_region(m.name, m.spec, false);
+    if (m.spec.validate().ok()) KVFERRY_TRY(check_region_quota(static_cast<uint64_t>(m.spec.region_bytes()), m.name));
+    auto r = d.add_region(m.name, m.spec, false, ident.owner);
     if (!r.ok()) return r.status();
-    {
+    const uint32_t rid = (*r)->desc().id;
+    Status st = hold_and_send(rid, *r);
+    if (!st.ok()) {
       std::lock_guard<std::mutex> g(d.mu);
-      held.insert((*r)->desc().id);
-      ++d.regions[(*r)->desc().id].holders;
+      if (auto it = d.regions.find(rid); it != d.regions.end() && it->second.holders == 0) d.regions.erase(it);
     }
-    return send_region(*r);
+    return st;
   }
 
   Status register_region(const proto::RegisterRegion& m) {
@@ -341,6 +736,9 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
         if (e.region->desc().name == m.name)
           return {ErrorCode::kAlreadyExists, "a region named '" + m.name + "' exists"};
     }
+    uint64_t bytes = m.alloc_bytes;
+    if (m.spec.validate().ok()) bytes = std::max(bytes, static_cast<uint64_t>(m.spec.region_bytes()));
+    KVFERRY_TRY(check_region_quota(bytes, m.name));
     uint32_t rid;
     {
       std::lock_guard<std::mutex> g(d.mu);
@@ -348,39 +746,117 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     }
     auto r = import_region(rid, m, want ? std::move(fds[0]) : UniqueFd());
     if (!r.ok()) return r.status();
-    {
-      std::lock_guard<std::mutex> g(d.mu);
-      d.regions[rid] = Impl::RegionEntry{*r, false, 1};
-      held.insert(rid);
-    }
-    spdlog::info("client {} registered region {} '{}': {} bytes on {}", id, rid, m.name, (*r)->desc().bytes,
-                 proto::backend_name(m.backend));
     proto::RegionHandle h;  // no fd back: the client has its buffer
     h.region = (*r)->desc();
-    send(proto::encode(h));
-    return Status::Ok();
+    {
+      std::lock_guard<std::mutex> g(d.mu);
+      d.regions[rid] = Impl::RegionEntry{*r, false, 1, ident.owner};
+      held.insert(rid);
+    }
+    spdlog::info("client {} registered region {} '{}' for '{}': {} bytes on {}", id, rid, m.name, ident.owner,
+                 (*r)->desc().bytes, proto::backend_name(m.backend));
+    return send(proto::encode(h));
   }
 
   Status debug_read(const proto::DebugRead& m) {
+    if (!d.cfg.daemon.debug_read)
+      return {ErrorCode::kUnsupported, "DebugRead is off on this daemon (daemon.debug_read: false)"};
     std::shared_ptr<Region> r;
     {
       std::lock_guard<std::mutex> g(d.mu);
       auto it = d.regions.find(m.region_id);
       if (it == d.regions.end()) return {ErrorCode::kNotFound, "no region with id " + std::to_string(m.region_id)};
+      if (!visible(ident, it->second)) return denied_region(m.region_id, it->second.region->desc().name);
       r = it->second.region;
     }
     std::vector<uint8_t> buf(m.bytes);
     KVFERRY_TRY(r->read(m.offset, buf));
-    send(proto::encode_debug_read_reply(buf));
-    return Status::Ok();
+    return send(proto::encode_debug_read_reply(buf));
   }
 };
 
-bool Daemon::Impl::allowed(uint32_t uid, uint32_t gid) const {
+bool Daemon::Impl::allowed(const Creds& c) const {
   const auto& u = cfg.daemon.allowed_uids;
   const auto& g = cfg.daemon.allowed_gids;
-  if (u.empty() && g.empty()) return uid == 0 || uid == ::getuid();
-  return std::find(u.begin(), u.end(), uid) != u.end() || std::find(g.begin(), g.end(), gid) != g.end();
+  if (u.empty() && g.empty()) return c.uid == 0 || c.uid == ::getuid();
+  return contains(u, c.uid) || any_of_in(c.groups, g);
+}
+
+bool Daemon::Impl::is_admin(const Creds& c) const {
+  return contains(cfg.daemon.admin_uids, c.uid) || any_of_in(c.groups, cfg.daemon.admin_gids);
+}
+
+Result<Identity> Daemon::Impl::identify(const Creds& c, const std::string& claimed) const {
+  Identity id;
+  id.admin = is_admin(c);
+  if (cfg.tenants.empty()) {
+    // One implicit tenant per uid; an admin acts as whatever tenant it names.
+    const std::string u = "uid:" + std::to_string(c.uid);
+    if (id.admin) {
+      id.tenant = claimed;
+      id.owner = claimed.empty() ? kAdminOwner : claimed;
+    } else {
+      id.tenant = claimed.empty() ? u : u + "/" + claimed;
+      id.owner = u;
+    }
+    return id;
+  }
+  auto member = [&](const config::TenantConfig& t) { return contains(t.uids, c.uid) || any_of_in(c.groups, t.gids); };
+  const config::TenantConfig* pick = nullptr;
+  if (claimed.empty()) {
+    for (const auto& t : cfg.tenants)
+      if (member(t)) {
+        pick = &t;
+        break;
+      }
+    if (!pick && !id.admin)
+      return Status(ErrorCode::kPermissionDenied,
+                    creds_text(c) + " belongs to no tenant (see tenants[].uids and tenants[].gids)");
+  } else {
+    for (const auto& t : cfg.tenants)
+      if (t.name == claimed) {
+        pick = &t;
+        break;
+      }
+    if (!id.admin && (!pick || !member(*pick))) {
+      std::string mine;
+      for (const auto& t : cfg.tenants)
+        if (member(t)) mine += (mine.empty() ? "" : ", ") + t.name;
+      return Status(ErrorCode::kPermissionDenied,
+                    creds_text(c) + " may not use tenant '" + claimed + "' (" +
+                        (mine.empty() ? "it belongs to no tenant" : "its tenants: " + mine) + ")");
+    }
+  }
+  id.tenant = pick ? pick->name : claimed;
+  id.owner = id.tenant.empty() ? kAdminOwner : id.tenant;
+  return id;
+}
+
+config::TenantQuota Daemon::Impl::quota_for(const Identity& id) const {
+  config::TenantQuota q;
+  for (const auto& t : cfg.tenants)
+    if (t.name == id.owner) q = t.quota;
+  const config::TenantQuota& def = cfg.limits.tenant;
+  if (!q.clients) q.clients = def.clients;
+  if (!q.regions) q.regions = def.regions;
+  if (!q.region_bytes) q.region_bytes = def.region_bytes;
+  if (!q.inflight_bytes) q.inflight_bytes = def.inflight_bytes;
+  if (!q.pinned_bytes) q.pinned_bytes = def.pinned_bytes ? def.pinned_bytes : cfg.host.capacity / 2;
+  return q;
+}
+
+Daemon::Impl::Viewer Daemon::Impl::viewer_for(const Creds& c) const {
+  auto who = identify(c, "");
+  if (!who.ok()) return Viewer{false, ""};
+  return Viewer{who->admin, who->owner};
+}
+
+std::vector<std::shared_ptr<Daemon::Impl::Session>> Daemon::Impl::all_sessions() const {
+  std::vector<std::shared_ptr<Session>> all;
+  std::lock_guard<std::mutex> g(mu);
+  all.reserve(sessions.size());
+  for (auto& [_, s] : sessions) all.push_back(s);
+  return all;
 }
 
 void Daemon::Impl::release(Session& s) {
@@ -401,7 +877,7 @@ void Daemon::Impl::release(Session& s) {
 }
 
 Result<std::shared_ptr<Region>> Daemon::Impl::add_region(const std::string& name, const KvCacheSpec& spec,
-                                                         bool from_config) {
+                                                         bool from_config, const std::string& owner) {
   uint32_t id;
   {
     std::lock_guard<std::mutex> g(mu);
@@ -410,23 +886,30 @@ Result<std::shared_ptr<Region>> Daemon::Impl::add_region(const std::string& name
   auto r = create_region(id, name, spec, backend, cfg.device.gpu);
   if (!r.ok()) return r.status();
   std::lock_guard<std::mutex> g(mu);
-  regions[id] = RegionEntry{*r, from_config, 0};
-  spdlog::info("region {} '{}': {} x {} blocks x {} tokens of {}, {} bytes on {}", id, name, spec.layers, spec.blocks,
-               spec.block_size, spec.format.name(), (*r)->desc().bytes, proto::backend_name((*r)->desc().backend));
+  regions[id] = RegionEntry{*r, from_config, 0, owner};
+  spdlog::info("region {} '{}': {} x {} blocks x {} tokens of {}, {} bytes on {}, {}", id, name, spec.layers,
+               spec.blocks, spec.block_size, spec.format.name(), (*r)->desc().bytes,
+               proto::backend_name((*r)->desc().backend), owner.empty() ? "shared" : "owned by '" + owner + "'");
   return r;
 }
 
-proto::StatusReply Daemon::Impl::snapshot() const {
+proto::StatusReply Daemon::Impl::snapshot(const Viewer* v) const {
   proto::StatusReply s;
   s.version = version();
   s.uptime_ms = static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count());
   s.pid = static_cast<uint32_t>(::getpid());
   s.backend = backend == RegionBackend::kCuda ? "cuda" : "cpu";
+  const bool all = !v || v->admin;
   std::lock_guard<std::mutex> g(mu);
-  for (auto& [_, e] : regions) s.regions.push_back({e.region->desc(), e.holders, e.from_config});
-  for (auto& [_, c] : sessions)
-    if (c->hello) s.clients.push_back({c->id, c->name, c->pid, c->uid, c->channel ? c->channel->ops.load() : 0});
+  for (auto& [_, e] : regions)
+    if (all || e.owner.empty() || e.owner == v->owner)
+      s.regions.push_back({e.region->desc(), e.holders, e.from_config});
+  for (auto& [_, c] : sessions) {
+    if (!c->hello) continue;
+    if (!all && (v->owner.empty() || c->ident.owner != v->owner)) continue;
+    s.clients.push_back({c->id, c->name, c->creds.pid, c->creds.uid, c->channel ? c->channel->ops.load() : 0});
+  }
   return s;
 }
 
@@ -459,48 +942,143 @@ Status Daemon::Impl::bind_socket() {
     if (::chown(path.c_str(), static_cast<uid_t>(-1), gr->gr_gid) != 0)
       return errno_status("chown(daemon.socket)", errno);
   }
+  reserve_fd.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   return Status::Ok();
 }
 
 void Daemon::Impl::accept() {
+  if (stopping) return;
   acceptor.async_accept([this](boost::system::error_code ec, local_stream::socket s) {
-    if (ec) {
-      if (ec != asio::error::operation_aborted && !stopping) {
-        spdlog::warn("accept: {}", ec.message());
-        accept();
-      }
-      return;
-    }
-    auto sess = std::make_shared<Session>(*this, std::move(s));
-    ucred cr{};
-    socklen_t len = sizeof cr;
-    if (::getsockopt(sess->fd(), SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0) {
-      spdlog::warn("SO_PEERCRED: {}", std::strerror(errno));
-      boost::system::error_code ig;
-      sess->sock.close(ig);
+    if (ec == asio::error::operation_aborted || stopping) return;
+    if (!ec) {
+      guarded("accept", [&] { on_accept(std::move(s)); });
       return accept();
     }
-    sess->uid = cr.uid;
-    sess->gid = cr.gid;
-    sess->pid = static_cast<uint32_t>(cr.pid);
-    if (!allowed(cr.uid, cr.gid)) {
-      Status st(ErrorCode::kPermissionDenied, creds_text(cr.uid, cr.gid, sess->pid) +
-                                                  " is not allowed to connect (see daemon.allowed_uids and "
-                                                  "daemon.allowed_gids)");
-      spdlog::warn("refused a connection: {}", st.message());
-      (void)proto::send_frame(sess->fd(), proto::encode(proto::ErrorMsg{st.code(), st.message()}), {}, 500);
-      boost::system::error_code ig;
-      sess->sock.close(ig);
-      return accept();
-    }
-    {
-      std::lock_guard<std::mutex> g(mu);
-      sess->id = next_client++;
-      sessions[sess->id] = sess;
-    }
-    sess->read_header();
-    accept();
+    if (ec.value() == ECONNABORTED || ec.value() == EINTR || ec.value() == EAGAIN) return accept();
+    guarded("accept", [&] { pause_accepting(ec); });
+    if (!accept_pause_armed) accept();  // the pause could not be armed: better a busy loop than none
   });
+}
+
+/// Out of descriptors (or another accept error): the pending connection cannot be taken, and
+/// accepting again at once would spin. The reserved fd is given up so that one pending
+/// connection can be accepted and closed at once (its client sees the close instead of waiting
+/// in the backlog), then taken back; accepting resumes after kAcceptBackoff. One log line a
+/// second at most. Connected clients are served all along.
+void Daemon::Impl::pause_accepting(const boost::system::error_code& ec) {
+  const bool out_of_fds = ec.value() == EMFILE || ec.value() == ENFILE;
+  if (out_of_fds) {
+    reserve_fd.reset();
+    const int c = ::accept4(acceptor.native_handle(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c >= 0) {
+      ::close(c);
+      ++shed;
+    }
+    reserve_fd.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  }
+  uint64_t held = 0;
+  if (accept_log.allow(&held))
+    spdlog::warn("accept: {}{}; {} connection(s) shed so far, {} similar line(s) held back; pausing accepts for {} ms",
+                 ec.message(), out_of_fds ? " (out of file descriptors)" : "", shed, held, kAcceptBackoff.count());
+  accept_pause.expires_after(kAcceptBackoff);
+  accept_pause_armed = true;
+  accept_pause.async_wait([this](boost::system::error_code e) {
+    accept_pause_armed = false;
+    if (!e && !stopping) accept();
+  });
+}
+
+void Daemon::Impl::on_accept(local_stream::socket s) {
+  auto sess = std::make_shared<Session>(*this, std::move(s));
+  ucred cr{};
+  socklen_t len = sizeof cr;
+  if (::getsockopt(sess->fd(), SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0) {
+    spdlog::warn("SO_PEERCRED: {}", std::strerror(errno));
+    boost::system::error_code ig;
+    sess->sock.close(ig);
+    return;
+  }
+  sess->creds.uid = cr.uid;
+  sess->creds.gid = cr.gid;
+  sess->creds.pid = static_cast<uint32_t>(cr.pid);
+  sess->creds.groups = peer_groups(sess->fd(), cr);
+  auto refuse = [&](const Status& st) {
+    uint64_t held = 0;
+    if (refuse_log.allow(&held))
+      spdlog::warn("refused a connection: {}{}", st.message(),
+                   held ? " (" + std::to_string(held) + " more refusals held back)" : std::string());
+    send_best_effort(sess->fd(), st);
+    boost::system::error_code ig;
+    sess->sock.close(ig);
+  };
+  if (!allowed(sess->creds))
+    return refuse(
+        {ErrorCode::kPermissionDenied,
+         creds_text(sess->creds) + " is not allowed to connect (see daemon.allowed_uids and daemon.allowed_gids)"});
+  size_t unauthenticated = 0;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    for (auto& [_, x] : sessions) unauthenticated += x->hello ? 0 : 1;
+  }
+  if (unauthenticated >= cfg.limits.max_unauthenticated)
+    return refuse({ErrorCode::kResourceExhausted,
+                   "the daemon holds " + std::to_string(unauthenticated) +
+                       " connections without a Hello (limits.max_unauthenticated); try again later"});
+  {
+    std::lock_guard<std::mutex> g(mu);
+    sess->id = next_client++;
+    sessions[sess->id] = sess;
+  }
+  sess->arm_read();
+  arm_sweep();  // limits.handshake_timeout
+}
+
+void Daemon::Impl::arm_sweep() {
+  if (sweep_armed || stopping) return;
+  sweep_armed = true;
+  sweep.expires_after(kSweepPeriod);
+  sweep.async_wait([this](boost::system::error_code ec) {
+    sweep_armed = false;
+    if (ec || stopping) return;
+    guarded("sweep", [&] { sweep_once(); });
+  });
+}
+
+/// Closes connections past their handshake deadline and sessions whose oldest reply has waited
+/// past limits.send_timeout; re-arms itself while any deadline is pending.
+void Daemon::Impl::sweep_once() {
+  const auto now = Clock::now();
+  size_t late = 0;
+  bool pending = false;
+  for (auto& s : all_sessions()) {
+    if (s->closed) continue;
+    if (!s->outq.empty()) {
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - s->outq.front().queued);
+      if (waited >= cfg.limits.send_timeout) {
+        spdlog::warn(
+            "client {} '{}' ({}): a reply waited {} ms unsent ({} queued; it does not read its socket); "
+            "disconnecting it (limits.send_timeout)",
+            s->id, s->name, creds_text(s->creds), waited.count(), s->outq.size());
+        s->close();
+        continue;
+      }
+      pending = true;
+    }
+    if (!s->hello && !s->status_answered && !s->draining) {
+      if (now - s->accepted_at >= cfg.limits.handshake_timeout) {
+        ++late;
+        spdlog::debug("client {} ({}): no Hello within limits.handshake_timeout; closing it", s->id,
+                      creds_text(s->creds));
+        s->close();
+        continue;
+      }
+      pending = true;
+    }
+  }
+  if (late)
+    spdlog::warn("closed {} connection(s) that did not complete the handshake within {} ms (limits.handshake_timeout)",
+                 late, cfg.limits.handshake_timeout.count());
+  if (pending) arm_sweep();
 }
 
 void Daemon::Impl::arm_watchdog() {
@@ -522,16 +1100,39 @@ void Daemon::Impl::do_stop() {
   acceptor.close(ec);
   signals.cancel(ec);
   watchdog.cancel();
+  sweep.cancel();
+  accept_pause.cancel();
   if (http) http->stop();
   if (data) data->stop();  // saves and loads already queued finish and post their completions
   rings.stop();
-  std::vector<std::shared_ptr<Session>> all;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    for (auto& [_, s] : sessions) all.push_back(s);
-  }
-  for (auto& s : all) s->close();
+  for (auto& s : all_sessions()) s->close();
   io.stop();
+}
+
+/// After a reload: a session whose credentials the allow-list no longer admits, or whose tenant
+/// mapping changed (tenants, admin lists), is closed. Its channel's tenant and admin flag are
+/// read by the ring thread without a lock, so they are never changed in place.
+void Daemon::Impl::recheck_sessions() {
+  for (auto& s : all_sessions()) {
+    if (s->closed) continue;
+    if (!allowed(s->creds)) {
+      spdlog::warn(
+          "client {} '{}' ({}): no longer allowed after the reload (daemon.allowed_uids, "
+          "daemon.allowed_gids); disconnecting it",
+          s->id, s->name, creds_text(s->creds));
+      s->close();
+      continue;
+    }
+    if (!s->hello) continue;
+    auto who = identify(s->creds, s->claimed);
+    if (who.ok() && who->tenant == s->ident.tenant && who->owner == s->ident.owner && who->admin == s->ident.admin)
+      continue;
+    spdlog::warn("client {} '{}' ({}): its tenant '{}'{} no longer holds after the reload ({}); disconnecting it",
+                 s->id, s->name, creds_text(s->creds), s->ident.tenant, s->ident.admin ? " (admin)" : "",
+                 who.ok() ? "it would now be tenant '" + who->tenant + "'" + (who->admin ? " (admin)" : "")
+                          : who.status().message());
+    s->close();
+  }
 }
 
 void Daemon::Impl::do_reload(const config::Config& next) {
@@ -557,12 +1158,21 @@ void Daemon::Impl::do_reload(const config::Config& next) {
   }
   cfg.daemon.allowed_uids = next.daemon.allowed_uids;
   cfg.daemon.allowed_gids = next.daemon.allowed_gids;
+  cfg.daemon.admin_uids = next.daemon.admin_uids;
+  cfg.daemon.admin_gids = next.daemon.admin_gids;
+  cfg.daemon.debug_read = next.daemon.debug_read;
+  cfg.tenants = next.tenants;
+  cfg.limits.tenant = next.limits.tenant;  // control-plane checks at once; channel quotas for new clients
+  cfg.limits.handshake_timeout = next.limits.handshake_timeout;
+  cfg.limits.max_unauthenticated = next.limits.max_unauthenticated;
+  cfg.limits.send_timeout = next.limits.send_timeout;
   if (cfg.daemon.socket_mode != next.daemon.socket_mode) {
     cfg.daemon.socket_mode = next.daemon.socket_mode;
     if (::chmod(cfg.daemon.socket.c_str(), cfg.daemon.socket_mode) != 0)
       spdlog::warn("reload: chmod of the socket failed: {}", std::strerror(errno));
   }
   apply_log_level(cfg.daemon.log_level);
+  recheck_sessions();
 }
 
 Daemon::Daemon(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -595,7 +1205,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
   spdlog::info("kvferryd {}: region backend {} ({})", version(),
                impl->backend == RegionBackend::kCuda ? "cuda" : "cpu (memfd)", cuda_summary());
   for (const auto& rc : cfg.regions) {
-    auto r = impl->add_region(rc.name, rc.spec, true);
+    auto r = impl->add_region(rc.name, rc.spec, true, rc.tenant);
     if (!r.ok()) return r.status().with_context("regions: '" + rc.name + "'");
   }
   impl->rings.set_handler(static_cast<uint16_t>(proto::Op::kPing), &op_ping);
@@ -669,7 +1279,7 @@ void Daemon::stop() {
 }
 
 void Daemon::reload(const config::Config& cfg) {
-  asio::post(impl_->io, [d = impl_.get(), cfg] { d->do_reload(cfg); });
+  asio::post(impl_->io, [d = impl_.get(), cfg] { guarded("reload", [&] { d->do_reload(cfg); }); });
 }
 
 void Daemon::handle_signals(std::function<Result<config::Config>()> on_hup) {
@@ -683,14 +1293,15 @@ void Daemon::handle_signals(std::function<Result<config::Config>()> on_hup) {
     void operator()(boost::system::error_code ec, int sig) const {
       if (ec) return;
       if (sig == SIGHUP) {
-        spdlog::info("SIGHUP: reloading the configuration");
-        if (d->on_hup) {
+        guarded("SIGHUP", [&] {
+          spdlog::info("SIGHUP: reloading the configuration");
+          if (!d->on_hup) return;
           auto next = d->on_hup();
           if (next.ok())
             d->do_reload(*next);
           else
             spdlog::error("reload failed, keeping the running configuration: {}", next.status().to_string());
-        }
+        });
         d->signals.async_wait(*this);
         return;
       }
@@ -701,7 +1312,7 @@ void Daemon::handle_signals(std::function<Result<config::Config>()> on_hup) {
   d.signals.async_wait(Waiter{&d});
 }
 
-proto::StatusReply Daemon::status() const { return impl_->snapshot(); }
+proto::StatusReply Daemon::status() const { return impl_->snapshot(nullptr); }
 const std::string& Daemon::socket_path() const { return impl_->cfg.daemon.socket; }
 std::string Daemon::metrics_text() const { return impl_->data ? impl_->data->render_metrics() : std::string(); }
 uint16_t Daemon::metrics_port() const { return impl_->http ? impl_->http->port() : 0; }

@@ -5,7 +5,12 @@
 //
 // Threads: run() drives a Boost.Asio event loop on the calling thread (accept, handshake, control
 // messages, timers); the RingService thread serves the rings. stop() and reload() may be called
-// from any thread.
+// from any thread. The loop never blocks on a client: replies wait in a bounded per-client queue
+// and are written as the socket takes them (see daemon/README.md, "The control socket").
+//
+// Tenancy: a client's tenant, admin flag and quotas are settled at its Hello from SO_PEERCRED and
+// the peer's supplementary groups (config: daemon.admin_*, tenants, limits.tenant), and written
+// into its ClientChannel for the data path.
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -51,15 +56,18 @@ class Daemon {
   Status run();
   /// Asks run() to drain and return (thread- and signal-handler-safe via the event loop).
   void stop();
-  /// Applies the reloadable keys of `cfg` (log level, allowed uids/gids, socket mode,
-  /// limits.max_clients and request_timeout, the host pool's watermarks, verify_on_load) and
-  /// logs the changed keys that need a restart. Thread-safe.
+  /// Applies the reloadable keys of `cfg` (log level, allowed uids/gids, admin uids/gids,
+  /// debug_read, tenants, socket mode, limits.max_clients, request_timeout, the tenant quotas and
+  /// the connection limits, the host pool's watermarks, verify_on_load), logs the changed keys
+  /// that need a restart, and closes the sessions the new allow-list or tenant mapping no longer
+  /// admits. Thread-safe.
   void reload(const config::Config& cfg);
   /// Handles SIGTERM/SIGINT (stop) and SIGHUP (calls `on_hup`, which returns the new config or
   /// an error to log) inside the event loop. Call before run().
   void handle_signals(std::function<Result<config::Config>()> on_hup);
 
-  /// A snapshot of version, uptime, regions and clients (as `kvferry status` shows it).
+  /// A snapshot of version, uptime, every region and every client (as `kvferry status` shows it
+  /// to an admin; a client that is not one sees only its own tenant's and the shared ones).
   proto::StatusReply status() const;
   const std::string& socket_path() const;
   /// The metrics in the Prometheus text format (what /metrics serves).
