@@ -4,9 +4,13 @@
 // same runs between the region and a pinned buffer, plus a pinned 1 GiB copy), and lookup
 // latency p50/p99 with 8 clients next to a ping through the same rings.
 #include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -146,6 +150,79 @@ std::pair<Pct, Pct> lookup_latency(const std::string& socket, uint32_t region, c
   }
   return {percentiles(all_lk), percentiles(all_pg)};
 }
+
+/// A hostile neighbour for the lookup rows: a client that floods the control socket with status
+/// requests and never reads the replies (reconnecting when the daemon drops it), and a client of
+/// another tenant that pins every block it stored, then unpins and pins them again, and keeps
+/// saves of its own queued. Runs until stop is set.
+class HostileNeighbour {
+ public:
+  HostileNeighbour(const std::string& socket, uint32_t region, int64_t blocks) {
+    threads_.emplace_back([this, socket] { non_reader(socket); });
+    threads_.emplace_back([this, socket, region, blocks] { pin_hog(socket, region, blocks); });
+  }
+  ~HostileNeighbour() {
+    stop_ = true;
+    for (auto& t : threads_) t.join();
+  }
+  uint64_t reconnects() const { return reconnects_; }
+  uint64_t pins() const { return pins_; }
+
+ private:
+  void non_reader(const std::string& socket) {
+    const auto frame = proto::encode_status_request();
+    while (!stop_) {
+      const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      int small = 4096;
+      ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+      sockaddr_un a{};
+      a.sun_family = AF_UNIX;
+      std::strncpy(a.sun_path, socket.c_str(), sizeof a.sun_path - 1);
+      if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+        ++reconnects_;
+        // Requests until the daemon stops taking them (or drops us); never a read.
+        for (int i = 0; i < 100000 && !stop_; ++i)
+          if (::send(fd, frame.data(), frame.size(), MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {
+            if (errno != EAGAIN) break;
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+      }
+      ::close(fd);
+    }
+  }
+  void pin_hog(const std::string& socket, uint32_t region, int64_t blocks) {
+    Client::Options o;
+    o.socket = socket;
+    o.name = "bench-pin-hog";
+    o.model = "bench";
+    o.tenant = "hog";
+    auto c = Client::connect(o);
+    if (!c.ok()) return;
+    std::vector<ops::Key> keys(static_cast<size_t>(blocks));
+    std::vector<int64_t> ids(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      keys[i] = {0xB0C0, i};
+      ids[i] = static_cast<int64_t>(i);
+    }
+    (void)(*c)->save(region, keys, ids);
+    uint64_t round = 0;
+    while (!stop_) {
+      auto p = (*c)->pin(region, keys, 1'000'000);
+      if (p.ok()) pins_ += p->done;
+      // A save of fresh keys queued behind the pins keeps the workers busy for this tenant.
+      std::vector<ops::Key> fresh(keys.size());
+      for (size_t i = 0; i < fresh.size(); ++i) fresh[i] = {0xF00D + round, i};
+      auto s = (*c)->submit_save(region, fresh, ids);
+      (void)(*c)->unpin(region, keys, 1'000'000);
+      if (s.ok()) (void)(*c)->wait_op(*s, 5'000'000);
+      (void)(*c)->evict(region, fresh, 0, 1'000'000);
+      ++round;
+    }
+  }
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> reconnects_{0}, pins_{0};
+  std::vector<std::thread> threads_;
+};
 
 /// One daemon configuration of the data path (the sweep compares several in one run).
 struct Variant {
@@ -379,6 +456,25 @@ int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& s
       auto [lk, pg] = lookup_latency(cfg.daemon.socket, last_region, k16, 8, iters);
       rep.add({"lookup 16 keys p50, 8 clients", lk.p50, "us", pg.p50, "ping p50 through the same rings", false, 0, ""});
       rep.add({"lookup 16 keys p99, 8 clients", lk.p99, "us", pg.p99, "ping p99 through the same rings", false, 0, ""});
+      // The same with a hostile neighbour (a non-reader and a pin hog of another tenant) next to
+      // a clean run taken right before it: the others' p99 stays within 1.5x (ratio >= 0.67).
+      auto [clean, clean_pg] = lookup_latency(cfg.daemon.socket, last_region, k16, 8, iters);
+      Pct hostile;
+      uint64_t reconnects = 0, pins = 0;
+      {
+        HostileNeighbour h(cfg.daemon.socket, last_region, std::min<int64_t>(64, max_blocks));
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        hostile = lookup_latency(cfg.daemon.socket, last_region, k16, 8, iters).first;
+        reconnects = h.reconnects();
+        pins = h.pins();
+      }
+      rep.add({"lookup 16 keys p99, 8 clients, hostile neighbour", hostile.p99, "us", clean.p99,
+               "the same without it, this run", false, 1.0 / 1.5, ""});
+      rep.add({"lookup 16 keys p50, 8 clients, hostile neighbour", hostile.p50, "us", clean.p50,
+               "the same without it, this run", false, 0, ""});
+      rep.note("hostile neighbour: a control-socket non-reader (" + std::to_string(reconnects) +
+               " connections, each dropped by the daemon when its replies stalled) and a pin hog of another tenant (" +
+               std::to_string(pins) + " pins, a save of its own queued each round)");
     }
   }
   (*d)->stop();
