@@ -631,6 +631,17 @@ const std::vector<Field>& table() {
         field("tiers.disk.queue_depth", KVF_MEMBER(disk.queue_depth), IntC<uint32_t>{1, 4096}, kRestart,
               "io_uring queue depth"),
         field("tiers.disk.direct_io", KVF_MEMBER(disk.direct_io), BoolC{}, kRestart, "open with O_DIRECT"),
+        field(
+            "tiers.disk.durability", KVF_MEMBER(disk.durability),
+            EnumC<DiskDurability>{
+                {{"none", DiskDurability::kNone}, {"batch", DiskDurability::kBatch}, {"each", DiskDurability::kEach}}},
+            kRestart, "none | batch (one fdatasync per batch) | each (one per block)"),
+        field("tiers.disk.io_engine", KVF_MEMBER(disk.io_engine),
+              EnumC<DiskIoEngine>{
+                  {{"auto", DiskIoEngine::kAuto}, {"uring", DiskIoEngine::kUring}, {"posix", DiskIoEngine::kPosix}}},
+              kRestart, "auto | uring | posix (the pread/pwrite pool)"),
+        field("tiers.disk.write_through", KVF_MEMBER(disk.write_through), BoolC{}, kRestart,
+              "saves also write to disk before they complete (else write-back on eviction)"),
         field("tiers.remote.listen", KVF_MEMBER(remote.listen), StrC{host_port_or_off}, kRestart,
               "host:port the remote tier listens on (\"\" = off)"),
         field("tiers.remote.peers", KVF_MEMBER(remote.peers), StrListC{host_port}, kRestart,

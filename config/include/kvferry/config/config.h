@@ -62,11 +62,27 @@ struct HostTierConfig {
   bool operator==(const HostTierConfig&) const = default;
 };
 
+/// When a block written to the disk tier is durable (tiers.disk.durability).
+enum class DiskDurability : uint8_t {
+  kNone,   ///< no fdatasync: a crash may lose recent blocks (never serves damaged ones)
+  kBatch,  ///< one fdatasync per submitted batch before its blocks become visible
+  kEach,   ///< one fdatasync per block
+};
+/// Which I/O engine the disk tier uses (tiers.disk.io_engine).
+enum class DiskIoEngine : uint8_t {
+  kAuto,   ///< io_uring where the kernel allows it, else pread/pwrite
+  kUring,  ///< io_uring (falls back with a log line where refused)
+  kPosix,  ///< the pread/pwrite thread pool, always
+};
+
 struct DiskTierConfig {
   std::string path;  ///< "" = disk tier off
   uint64_t capacity = 0;
   uint32_t queue_depth = 64;
   bool direct_io = true;
+  DiskDurability durability = DiskDurability::kBatch;
+  DiskIoEngine io_engine = DiskIoEngine::kAuto;
+  bool write_through = false;  ///< saves also write to disk before they complete
 
   bool operator==(const DiskTierConfig&) const = default;
 };
