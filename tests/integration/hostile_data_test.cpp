@@ -421,6 +421,54 @@ TEST(HostileData, NamespaceTableIsBoundedByWhatIsLive) {
   EXPECT_EQ(d.stop(), 0) << d.log();
 }
 
+// A pin hog fills its tenant's pinned-bytes quota and no further: another tenant still saves
+// into the pool; the hog's in-flight quota refuses a second big transfer while the first runs.
+TEST(HostileData, PinAndInflightQuotasHoldPerTenant) {
+  if (::getuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
+  // Blocks of 2 layers x 16 tokens x 1152 B = 36 KiB (a 40 KiB slot): 4 of them fit the quota.
+  DaemonProcess d(std::string("daemon:\n  allowed_uids: [0, 65534]\n") + kRegionYaml +
+                      "limits:\n  tenant:\n    pinned_bytes: 160KiB\n    inflight_bytes: 64KiB\n",
+                  {}, "cpu", {"--test-copy-delay-ms", "300"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto root = connect(d, "other");
+  ASSERT_TRUE(root);
+  ASSERT_NE(map_and_fill(*root, "r", 4), nullptr);
+  const int rc = run_in_child([&]() -> int {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) return 90;
+    Client::Options o;
+    o.socket = d.socket();
+    o.model = "m";
+    auto c = Client::connect(o);
+    if (!c.ok()) return 91;
+    const uint32_t r = *(*c)->find_region("r");
+    const auto keys = keys_for(8, 500);
+    std::vector<int64_t> ids(8);
+    std::iota(ids.begin(), ids.end(), 0);
+    // Two saves of 4 blocks (144 KiB each, over the 64 KiB quota alone: allowed as the only
+    // one); the second, submitted while the first is in flight, is refused at once.
+    auto first = (*c)->submit_save(r, std::span(keys).first(4), std::span<const int64_t>(ids).first(4));
+    auto second = (*c)->submit_save(r, std::span(keys).last(4), std::span<const int64_t>(ids).last(4));
+    if (!first.ok() || !second.ok()) return 92;
+    auto r2 = (*c)->wait_op(*second, 5'000'000);
+    if (!r2.ok() || r2->status != ErrorCode::kResourceExhausted) return 93;
+    auto r1 = (*c)->wait_op(*first, 10'000'000);
+    if (!r1.ok() || r1->done != 4) return 94;
+    if ((*c)->save(r, std::span(keys).last(4), std::span<const int64_t>(ids).last(4))->done != 4) return 95;
+    auto p = (*c)->pin(r, keys);
+    if (!p.ok()) return 96;
+    if (p->done != 4) return 97;  // four 40 KiB slots fit 160 KiB; the rest are refused
+    int refused = 0;
+    for (auto code : p->blocks) refused += code == ErrorCode::kResourceExhausted;
+    if (refused != 4) return 98;
+    return 0;
+  });
+  EXPECT_EQ(rc, 0) << d.log();
+  // The other tenant is not held back by the hog's pins or quota.
+  const uint32_t rid = *root->find_region("r");
+  EXPECT_EQ(root->save(rid, keys_for(4, 600), std::vector<int64_t>{10, 11, 12, 13})->done, 4u) << d.log();
+  EXPECT_EQ(d.stop(), 0) << d.log();
+}
+
 // A non-admin client (another uid) lists and evicts only its own tenant's blocks.
 TEST(HostileData, LsAndEvictAllStayWithinTheTenant) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";
