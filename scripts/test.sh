@@ -7,3 +7,5 @@ bash scripts/build.sh "$@"
 bash scripts/check-format.sh
 BUILD=${KVFERRY_BUILD_DIR:-build}
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)" --timeout 300
+# The Python package against the real daemon (a venv under the build folder, pinned packages).
+bash scripts/test-python.sh --no-build
