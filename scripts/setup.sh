@@ -12,7 +12,7 @@ PKGS=(
   libsystemd-dev systemd
   libspdlog-dev libfmt-dev libcli11-dev libxxhash-dev libnuma-dev
   clang-format clang llvm
-  iproute2 procps fio python3-venv
+  iproute2 procps fio python3-venv etcd-server
 )
 
 missing=()
