@@ -19,7 +19,7 @@ Result<uint64_t> BlockIndex::set_watermarks(double high, double low) {
   for (auto it = lru_.end(); it != lru_.begin() && static_cast<double>(pool_.used_bytes()) > low * cap;) {
     --it;
     auto e = map_.find(*it);
-    if (e == map_.end() || !evictable(e->second)) continue;
+    if (e == map_.end() || !room_evictable(e->second)) continue;
     auto after = std::next(it);  // erase invalidates it
     evicted_bytes_ += e->second.slot.bytes;
     erase_locked(e);
@@ -98,12 +98,22 @@ void BlockIndex::add_pins_locked(Entry& e, int64_t delta) {
   if (was != (e.pins > 0)) was ? --pinned_ : ++pinned_;
 }
 
+void BlockIndex::account_dirty_locked(const Entry& e, int64_t sign) {
+  if (e.state != State::kReady) return;
+  if (e.on_lower) on_lower_ = static_cast<uint64_t>(static_cast<int64_t>(on_lower_) + sign);
+  if (!e.on_lower && !e.droppable)
+    dirty_bytes_ =
+        static_cast<uint64_t>(static_cast<int64_t>(dirty_bytes_) + sign * static_cast<int64_t>(e.slot.bytes));
+}
+
 void BlockIndex::erase_locked(std::unordered_map<NsKey, Entry, NsKeyHash>::iterator it) {
+  account_dirty_locked(it->second, -1);
   if (it->second.state == State::kReady) {
     lru_.erase(it->second.lru);
     --ready_;
   } else {
     --writing_;
+    writing_bytes_ -= std::min(writing_bytes_, it->second.slot.bytes);
   }
   if (it->second.pins) --pinned_;
   pool_.release(it->second.slot);
@@ -126,7 +136,7 @@ bool BlockIndex::make_room_locked(uint64_t bytes) {
     if (it == lru_.begin()) return pool_.can_allocate(bytes);
     --it;
     auto e = map_.find(*it);
-    if (e == map_.end() || !evictable(e->second)) continue;
+    if (e == map_.end() || !room_evictable(e->second)) continue;
     const uint64_t b = e->second.slot.bytes;
     auto prev = it;
     ++prev;  // erase invalidates it; continue from the element after (already visited side)
@@ -161,18 +171,22 @@ Result<SaveReservation> BlockIndex::reserve(const NsKey& key, const BlockShape& 
   e.slot = *slot;
   map_.emplace(key, e);
   ++writing_;
+  writing_bytes_ += slot->bytes;
   if (key.ns < ns_.size()) ++ns_[key.ns].entries;
   return SaveReservation{key, *slot, pool_.data(*slot), bytes};
 }
 
-void BlockIndex::commit(const SaveReservation& r, uint64_t checksum) {
+void BlockIndex::commit(const SaveReservation& r, uint64_t checksum, bool on_lower) {
   std::lock_guard lk(mu_);
   auto it = map_.find(r.key);
   if (it == map_.end() || it->second.state != State::kWriting || it->second.slot.offset != r.slot.offset) return;
   it->second.meta.checksum = checksum;
   it->second.state = State::kReady;
+  it->second.on_lower = on_lower;
   --writing_;
+  writing_bytes_ -= std::min(writing_bytes_, it->second.slot.bytes);
   ++ready_;
+  account_dirty_locked(it->second, 1);
   lru_.push_front(r.key);
   it->second.lru = lru_.begin();
 }
@@ -198,6 +212,67 @@ void BlockIndex::release(const Hold& h) {
   std::lock_guard lk(mu_);
   auto it = map_.find(h.key);
   if (it != map_.end() && it->second.readers > 0) --it->second.readers;
+}
+
+std::vector<Hold> BlockIndex::take_dirty(uint64_t bytes) {
+  std::lock_guard lk(mu_);
+  std::vector<Hold> out;
+  uint64_t got = 0;
+  for (auto it = lru_.rbegin(); it != lru_.rend() && (got < bytes || out.empty()); ++it) {
+    auto e = map_.find(*it);
+    if (e == map_.end()) continue;
+    Entry& en = e->second;
+    if (!evictable(en) || en.on_lower || en.droppable || en.demoting) continue;
+    en.demoting = true;
+    ++en.readers;
+    got += en.slot.bytes;
+    out.push_back(Hold{e->first, en.slot, pool_.data(en.slot), en.meta});
+  }
+  return out;
+}
+
+void BlockIndex::end_demote(const Hold& h, bool stored) {
+  std::lock_guard lk(mu_);
+  auto it = map_.find(h.key);
+  if (it == map_.end() || !it->second.demoting) return;
+  Entry& e = it->second;
+  account_dirty_locked(e, -1);
+  e.demoting = false;
+  if (e.readers > 0) --e.readers;
+  (stored ? e.on_lower : e.droppable) = true;
+  account_dirty_locked(e, 1);
+}
+
+bool BlockIndex::set_on_lower(const NsKey& key, bool on_lower) {
+  std::lock_guard lk(mu_);
+  auto it = map_.find(key);
+  if (it == map_.end() || it->second.state != State::kReady) return false;
+  account_dirty_locked(it->second, -1);
+  it->second.on_lower = on_lower;
+  if (on_lower) it->second.droppable = false;
+  account_dirty_locked(it->second, 1);
+  return true;
+}
+
+uint64_t BlockIndex::demotion_needed(uint64_t bytes) const {
+  std::lock_guard lk(mu_);
+  if (!opts_.write_back) return 0;
+  const double low = opts_.low_watermark * static_cast<double>(pool_.capacity());
+  const double want = static_cast<double>(dirty_bytes_ + writing_bytes_ + bytes);
+  return want > low ? static_cast<uint64_t>(want - low) : 0;
+}
+
+std::optional<std::string> BlockIndex::namespace_name(NamespaceId id) const {
+  std::lock_guard lk(mu_);
+  if (id >= ns_.size() || !ns_[id].live) return std::nullopt;
+  return ns_[id].name;
+}
+
+std::optional<NamespaceId> BlockIndex::namespace_id(const std::string& name) const {
+  std::lock_guard lk(mu_);
+  auto it = ns_ids_.find(name);
+  if (it == ns_ids_.end()) return std::nullopt;
+  return it->second;
 }
 
 LookupResult BlockIndex::lookup(NamespaceId ns, std::span<const BlockKey> keys) {
@@ -337,6 +412,8 @@ IndexStats BlockIndex::stats() const {
   s.capacity_bytes = pool_.capacity();
   s.evictions = evictions_;
   s.evicted_bytes = evicted_bytes_;
+  s.on_lower = on_lower_;
+  s.dirty_bytes = dirty_bytes_;
   return s;
 }
 
@@ -352,7 +429,8 @@ std::vector<ListEntry> BlockIndex::list(const NamespaceFilter& filter, size_t li
     const bool known = k.ns < ns_.size() && ns_[k.ns].live;
     if (!known || !filter(k.ns, ns_[k.ns].name, ns_[k.ns].tenant)) continue;
     const Entry& e = map_.at(k);
-    out.push_back({ns_[k.ns].name, k.key, e.meta.shape.format.name(), e.meta.bytes, e.pins, "host"});
+    out.push_back({ns_[k.ns].name, k.key, e.meta.shape.format.name(), e.meta.bytes, e.pins,
+                   e.on_lower ? "host+" + opts_.lower_name : std::string("host")});
   }
   return out;
 }

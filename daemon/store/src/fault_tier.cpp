@@ -136,4 +136,60 @@ size_t FaultTier::poll(std::vector<TierCompletion>& out, size_t max, std::chrono
   return n;
 }
 
+Result<FaultTier::Knobs> parse_fault_spec(std::string_view spec) {
+  FaultTier::Knobs k;
+  auto bad = [&](std::string_view item, const char* why) {
+    return Result<FaultTier::Knobs>(ErrorCode::kInvalidArgument, "fault spec item '" + std::string(item) + "': " + why);
+  };
+  while (!spec.empty()) {
+    const size_t comma = spec.find(',');
+    const std::string_view item = spec.substr(0, comma);
+    spec = comma == std::string_view::npos ? std::string_view() : spec.substr(comma + 1);
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key(item.substr(0, eq));
+    const std::string val(eq == std::string_view::npos ? "" : item.substr(eq + 1));
+    char* end = nullptr;
+    auto num = [&](double* out) {
+      *out = std::strtod(val.c_str(), &end);
+      return !val.empty() && end && *end == 0;
+    };
+    double v = 0;
+    if (key == "reads_only") {
+      k.reads_only = true;
+    } else if (key == "writes_only") {
+      k.writes_only = true;
+    } else if (key == "errno") {
+      if (val == "EIO")
+        k.error_errno = EIO;
+      else if (val == "ENOSPC")
+        k.error_errno = ENOSPC;
+      else if (num(&v) && v > 0)
+        k.error_errno = static_cast<int>(v);
+      else
+        return bad(item, "expected EIO, ENOSPC or a positive number");
+    } else if (!num(&v) || v < 0) {
+      return bad(item, "expected key=non-negative number");
+    } else if (key == "rate") {
+      k.error_rate = v;
+    } else if (key == "nth") {
+      k.error_on_nth = static_cast<uint64_t>(v);
+    } else if (key == "short") {
+      k.short_rate = v;
+    } else if (key == "corrupt_read") {
+      k.corrupt_read_rate = v;
+    } else if (key == "corrupt_write") {
+      k.corrupt_write_rate = v;
+    } else if (key == "delay_us") {
+      k.delay = std::chrono::microseconds(static_cast<int64_t>(v));
+    } else if (key == "seed") {
+      k.seed = static_cast<uint64_t>(v);
+    } else {
+      return bad(item, "unknown key");
+    }
+  }
+  if ((k.error_rate > 0 || k.error_on_nth > 0) && k.error_errno == 0) k.error_errno = EIO;
+  return k;
+}
+
 }  // namespace kvferry::store

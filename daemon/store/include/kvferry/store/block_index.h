@@ -72,6 +72,8 @@ struct IndexStats {
   uint64_t capacity_bytes = 0;
   uint64_t evictions = 0;
   uint64_t evicted_bytes = 0;
+  uint64_t on_lower = 0;     ///< ready blocks that also have a copy on the lower tier
+  uint64_t dirty_bytes = 0;  ///< slot bytes of ready blocks eviction would lose (no lower copy)
 };
 
 /// Blocks pinned by the clients of one account (a tenant) count against its limit.
@@ -89,7 +91,7 @@ struct ListEntry {
   std::string format;
   uint64_t bytes = 0;
   uint32_t pins = 0;
-  std::string tier;  ///< "host"
+  std::string tier;  ///< "host", or "host+disk" when the lower tier holds a copy too
 };
 
 class BlockIndex {
@@ -98,6 +100,10 @@ class BlockIndex {
     double high_watermark = 0.95;   ///< evict when the pool is fuller than this fraction
     double low_watermark = 0.85;    ///< ... down to this fraction
     size_t max_namespaces = 65536;  ///< live namespaces at most (leased or holding blocks)
+    /// A lower tier sits below the pool (write-back): making room evicts only blocks that have a
+    /// copy there (or whose demotion failed); the caller demotes the others first (take_dirty).
+    bool write_back = false;
+    std::string lower_name = "disk";  ///< the lower tier's name, for ListEntry::tier
   };
 
   BlockIndex(HostPool& pool, Options opts);
@@ -123,14 +129,33 @@ class BlockIndex {
   /// Reserves a slot for a new block. kAlreadyExists when the key is stored or being written
   /// (the caller treats that as done); kResourceExhausted when nothing can be evicted.
   Result<SaveReservation> reserve(const NsKey& key, const BlockShape& shape);
-  /// Makes a written block visible with its checksum.
-  void commit(const SaveReservation& r, uint64_t checksum);
+  /// Makes a written block visible with its checksum; `on_lower`: the lower tier holds it too
+  /// (a promoted block), so eviction may drop it.
+  void commit(const SaveReservation& r, uint64_t checksum, bool on_lower = false);
   /// Drops a reservation (failed copy, client gone): the slot is freed, nothing becomes visible.
   void abort(const SaveReservation& r);
 
   /// Holds a stored block for reading; kNotFound on a miss.
   Result<Hold> acquire(const NsKey& key);
   void release(const Hold& h);
+
+  /// Write-back: holds the least recently used ready, unpinned, idle blocks that have no copy on
+  /// the lower tier, about `bytes` of slots of them (at least one when any), so the caller can
+  /// write them down; end_demote() each exactly once.
+  std::vector<Hold> take_dirty(uint64_t bytes);
+  /// Ends a demotion: `stored` = the lower tier holds the block now. Either way the block may be
+  /// evicted from now on (a failed demotion must not wedge the pool; the loss is the caller's to count).
+  void end_demote(const Hold& h, bool stored);
+  /// Records whether the lower tier holds a copy of a stored block (write-through, or the lower
+  /// tier dropped it). Returns false when the block is not stored.
+  bool set_on_lower(const NsKey& key, bool on_lower);
+  /// Slot bytes of dirty blocks to demote so that `bytes` more fit below the low watermark
+  /// without evicting a dirty block (0 when they fit already).
+  uint64_t demotion_needed(uint64_t bytes) const;
+  /// The name of a live namespace (nullopt when the id is not live).
+  std::optional<std::string> namespace_name(NamespaceId id) const;
+  /// The id of a live namespace by name (nullopt when none is live).
+  std::optional<NamespaceId> namespace_id(const std::string& name) const;
 
   /// Per-key presence and the longest prefix of hits, in key order.
   LookupResult lookup(NamespaceId ns, std::span<const BlockKey> keys);
@@ -172,6 +197,9 @@ class BlockIndex {
     Slot slot;
     uint32_t readers = 0;
     uint32_t pins = 0;
+    bool on_lower = false;           ///< the lower tier holds a copy
+    bool droppable = false;          ///< its demotion failed: evict it anyway
+    bool demoting = false;           ///< take_dirty() holds it
     std::list<NsKey>::iterator lru;  ///< valid while ready
   };
 
@@ -187,6 +215,11 @@ class BlockIndex {
   };
 
   bool evictable(const Entry& e) const { return e.state == State::kReady && e.readers == 0 && e.pins == 0; }
+  bool clean(const Entry& e) const { return !opts_.write_back || e.on_lower || e.droppable; }
+  /// make_room's test: evictable, and (write-back) nothing is lost by dropping it.
+  bool room_evictable(const Entry& e) const { return evictable(e) && clean(e); }
+  /// Keeps dirty_bytes_ in step around a change of `e`'s flags or state.
+  void account_dirty_locked(const Entry& e, int64_t sign);
   Result<NamespaceId> acquire_namespace_locked(const std::string& name, const std::string& tenant);
   void maybe_forget_namespace_locked(NamespaceId id);
   void add_pins_locked(Entry& e, int64_t delta);
@@ -212,6 +245,8 @@ class BlockIndex {
   uint64_t evictions_ = 0;
   uint64_t evicted_bytes_ = 0;
   uint64_t ready_ = 0, writing_ = 0, pinned_ = 0;  ///< IndexStats, kept up to date
+  uint64_t on_lower_ = 0, dirty_bytes_ = 0;        ///< over ready entries
+  uint64_t writing_bytes_ = 0;                     ///< slot bytes reserved, not yet committed
 };
 
 }  // namespace kvferry::store

@@ -91,4 +91,9 @@ class FaultTier final : public Tier {
   std::deque<Held> held_;
 };
 
+/// Parses a fault spec for tests (kvferryd --test-disk-faults): comma-separated items of
+/// `errno=EIO|ENOSPC|<n>`, `rate=F`, `nth=N`, `short=F`, `corrupt_read=F`, `corrupt_write=F`,
+/// `delay_us=N`, `seed=N`, `reads_only`, `writes_only`. E.g. "errno=EIO,rate=1,writes_only".
+Result<FaultTier::Knobs> parse_fault_spec(std::string_view spec);
+
 }  // namespace kvferry::store

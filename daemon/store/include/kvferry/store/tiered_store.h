@@ -1,0 +1,91 @@
+#pragma once
+// TieredStore: the host pool (G2, BlockIndex + OffloadService) over one lower tier (a Tier: the
+// disk, G3), as the daemon's data ops see it (DESIGN.md §4).
+//
+// The BlockIndex stays the index of the host pool; the lower tier keeps its own index of records
+// (namespace *name*, key, format, bytes, XXH3), which survives a restart. A block lives on the host,
+// on the lower tier, or on both (the index entry's on_lower flag). So:
+// - save: copies into host slots as before. Write-back (default): before a step of a save needs
+//   room, the least recently used host blocks without a lower copy are written down (demoted) and
+//   only then may their slots be reused; a save larger than the whole pool streams through it.
+//   Write-through: every saved block is also written down before the save completes.
+// - load: host misses that the lower tier holds are read into host slots (promoted, checksum
+//   verified by the tier), held, and then loaded like any host block (format conversion included).
+// - lookup, ls, evict see both tiers; a namespace is resolved by name, so a block written by a
+//   client long gone is found by any later client of the same namespace.
+// Errors of the lower tier fail its blocks only: a failed demotion lets the host drop the block
+// (counted), a failed promotion is that block's error (a miss for kNotFound); the host keeps
+// serving. Thread-safe: the data workers call save/load concurrently; lookup/ls/evict run on the
+// ring thread and never wait for I/O.
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvferry/store/block_index.h"
+#include "kvferry/store/metrics.h"
+#include "kvferry/store/offload.h"
+#include "kvferry/store/tier.h"
+
+namespace kvferry::store {
+
+class TieredStore {
+ public:
+  struct Options {
+    bool write_through = false;  ///< saves also write to the lower tier before they complete
+    bool checksums = true;       ///< the service hashes saves (else demotion hashes for the tier)
+    /// Largest step of a save or load through the pool, in bytes (0 = a quarter of the pool, so
+    /// two workers' steps and the blocks being demoted fit side by side).
+    uint64_t step_bytes = 0;
+  };
+  using Clock = std::chrono::steady_clock;
+
+  /// `index`, `svc` and `metrics` outlive the store. `lower` may be null (host only: every call
+  /// goes straight to the index and the service).
+  TieredStore(BlockIndex& index, OffloadService& svc, Registry& metrics, std::unique_ptr<Tier> lower, Options opts);
+  ~TieredStore();
+  TieredStore(const TieredStore&) = delete;
+  TieredStore& operator=(const TieredStore&) = delete;
+
+  /// The lower tier (nullptr when none).
+  Tier* lower() const { return lower_.get(); }
+
+  /// OffloadService::save through the tiers (see above). Per-block statuses.
+  std::vector<Status> save(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                           std::span<const int64_t> block_ids, Clock::time_point deadline);
+  /// OffloadService::load through the tiers. A block whose lower copy failed its checksum is
+  /// reported as kChecksumMismatch and dropped; one found nowhere is kNotFound.
+  std::vector<Status> load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                           std::span<const int64_t> block_ids, Clock::time_point deadline);
+
+  /// Presence on either tier and the longest prefix of hits.
+  LookupResult lookup(NamespaceId ns, std::span<const BlockKey> keys);
+  /// Drops a block from every tier. kOk when some tier dropped it, kBusy when it is in use
+  /// (pinned, read or written), kNotFound when no tier holds it.
+  Status evict(NamespaceId ns, const BlockKey& key);
+  /// Drops every idle block of the namespaces `filter(name, tenant)` accepts. Returns how many
+  /// (a block on both tiers counts once per tier it left).
+  uint64_t evict_all(const std::function<bool(const std::string& name, const std::string& tenant)>& filter);
+  /// Up to `limit` blocks of the accepted namespaces: host ones first (tier "host" or
+  /// "host+disk"), then the lower tier's own ("disk").
+  std::vector<ListEntry> list(const std::function<bool(const std::string& name, const std::string& tenant)>& filter,
+                              size_t limit) const;
+
+  /// The tenant part of a namespace name (model|family|tenant).
+  static std::string tenant_of(const std::string& ns_name);
+  /// The lower tier's record format for blocks of `shape` ("mla_fp8@61x64"), and back.
+  static std::string record_format(const BlockShape& shape);
+  static std::optional<BlockShape> shape_of(std::string_view record_format);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Tier> lower_;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvferry::store
