@@ -1215,6 +1215,7 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
     o.cuda = impl->backend == RegionBackend::kCuda;
     o.test_faults = opts.test_faults;
     o.test_copy_delay = opts.test_copy_delay;
+    o.test_disk_faults = opts.test_disk_faults;
     if (opts.data_workers > 0) o.workers = opts.data_workers;
     o.hash_threads = opts.hash_threads;
     o.pipeline_bytes = opts.pipeline_bytes;

@@ -19,9 +19,12 @@
 #include "kvferry/connector/ops.h"
 #include "kvferry/connector/protocol.h"
 #include "kvferry/store/block_index.h"
+#include "kvferry/store/disk_tier.h"
+#include "kvferry/store/fault_tier.h"
 #include "kvferry/store/host_pool.h"
 #include "kvferry/store/metrics.h"
 #include "kvferry/store/offload.h"
+#include "kvferry/store/tiered_store.h"
 
 namespace kvferry::daemon {
 
@@ -137,6 +140,50 @@ struct Transfer {
   std::string why;  // the first failure's message, for the debug log
 };
 
+/// Opens the disk tier of tiers.disk (wrapped in a FaultTier when a test asks), registers the
+/// host pool with it and rebuilds its index from the slot headers, logging the count and time.
+Result<std::unique_ptr<store::Tier>> open_disk_tier(const config::Config& cfg, const DataOps::Options& opts,
+                                                    store::HostPool& pool) {
+  store::DiskTier::Options o;
+  o.path = cfg.disk.path;
+  o.capacity = cfg.disk.capacity;
+  o.queue_depth = cfg.disk.queue_depth;
+  // Extents of an eighth of the tier (at most 256 MiB, at least one 4 MiB block and its header),
+  // so a small tier still holds a few size classes.
+  o.extent_bytes =
+      std::clamp<uint64_t>(cfg.disk.capacity / 8 / 4096 * 4096, (uint64_t{4} << 20) + 4096, uint64_t{256} << 20);
+  o.direct_io = cfg.disk.direct_io;
+  o.force_fallback = cfg.disk.io_engine == config::DiskIoEngine::kPosix;
+  o.durability = cfg.disk.durability == config::DiskDurability::kNone   ? store::Durability::kNone
+                 : cfg.disk.durability == config::DiskDurability::kEach ? store::Durability::kEach
+                                                                        : store::Durability::kBatch;
+  o.log = [](std::string_view line) { spdlog::warn("disk tier: {}", line); };
+  auto opened = store::DiskTier::open(o);
+  if (!opened.ok()) return opened.status().with_context("tiers.disk.path " + cfg.disk.path);
+  auto* dt = opened->get();
+  spdlog::info("disk tier: {} ({} MiB, {}, durability {}, {})", dt->file_path(), cfg.disk.capacity >> 20, dt->engine(),
+               cfg.disk.durability == config::DiskDurability::kNone   ? "none"
+               : cfg.disk.durability == config::DiskDurability::kEach ? "each"
+                                                                      : "batch",
+               cfg.disk.write_through ? "write-through" : "write-back");
+  std::unique_ptr<store::Tier> tier = std::move(*opened);
+  if (!opts.test_disk_faults.empty()) {
+    auto knobs = store::parse_fault_spec(opts.test_disk_faults);
+    if (!knobs.ok()) return knobs.status().with_context("--test-disk-faults");
+    spdlog::warn("test faults on the disk tier ({}): never in production", opts.test_disk_faults);
+    tier = std::make_unique<store::FaultTier>(std::move(tier), *knobs);
+  }
+  const iovec whole{pool.base(), static_cast<size_t>(pool.capacity())};
+  if (Status st = tier->register_buffers({&whole, 1}); !st.ok())
+    spdlog::warn("disk tier: the host pool could not be registered for I/O ({}); I/O pins pages per request",
+                 st.to_string());
+  const auto t0 = Clock::now();
+  auto n = tier->recover();
+  if (!n.ok()) return n.status().with_context("recovering the disk tier at " + cfg.disk.path);
+  spdlog::info("disk tier: recovered {} blocks in {:.3f} s", *n, seconds_since(t0));
+  return tier;
+}
+
 }  // namespace
 
 struct DataOps::Impl {
@@ -149,6 +196,7 @@ struct DataOps::Impl {
   std::shared_ptr<store::BlockIndex> index;
   store::Registry metrics;
   std::unique_ptr<store::OffloadService> svc;
+  std::unique_ptr<store::TieredStore> tiers;  // the host pool over the disk tier (when configured)
   std::unique_ptr<WorkerPool> workers;
   RingService* rings = nullptr;
   std::atomic<int64_t> request_timeout_ms{30000};
@@ -312,7 +360,7 @@ struct DataOps::Impl {
       const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next, end - t->next);
       const auto ids = std::span<const int64_t>(t->ids).subspan(t->next, end - t->next);
       const std::vector<Status> res =
-          t->load ? svc->load(acc, t->ns, keys, ids, t->deadline) : svc->save(acc, t->ns, keys, ids, t->deadline);
+          t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline) : tiers->save(acc, t->ns, keys, ids, t->deadline);
       for (const Status& r : res) {
         t->codes.push_back(r.code());
         if (t->why.empty() && !r.ok()) t->why = r.to_string();
@@ -363,7 +411,7 @@ struct DataOps::Impl {
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;
     const auto keys = block_keys(*in);
-    auto r = index->lookup(ns, keys);
+    auto r = tiers->lookup(ns, keys);
     std::vector<ErrorCode> codes(keys.size());
     uint64_t hits = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
@@ -407,10 +455,7 @@ struct DataOps::Impl {
     ClientChannel& c = *cp;
     if (req.args[0] & ops::kEvictAllNs) {
       // Every namespace the client may see: an admin's every one, anyone else's their tenant's.
-      out.result[0] = c.admin ? index->evict_all(std::nullopt)
-                              : index->evict_all([&c](store::NamespaceId, const std::string&, const std::string& t) {
-                                  return sees(c, t);
-                                });
+      out.result[0] = tiers->evict_all([&c](const std::string&, const std::string& t) { return sees(c, t); });
       observe(req.op, t0);
       return true;
     }
@@ -421,7 +466,9 @@ struct DataOps::Impl {
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;
     if (req.args[0] & ops::kEvictAll) {
-      out.result[0] = index->evict_all(ns);
+      const auto name = index->namespace_name(ns);
+      out.result[0] =
+          tiers->evict_all([&name](const std::string& n, const std::string&) { return name && n == *name; });
       observe(req.op, t0);
       return true;
     }
@@ -429,13 +476,8 @@ struct DataOps::Impl {
     std::vector<ErrorCode> codes(keys.size());
     uint64_t evicted = 0;
     for (size_t i = 0; i < keys.size(); ++i) {
-      if (index->evict(ns, std::span<const store::BlockKey>(&keys[i], 1)) == 1) {
-        codes[i] = ErrorCode::kOk;
-        ++evicted;
-      } else {
-        codes[i] = index->lookup(ns, std::span<const store::BlockKey>(&keys[i], 1)).present[0] ? ErrorCode::kBusy
-                                                                                               : ErrorCode::kNotFound;
-      }
+      codes[i] = tiers->evict(ns, keys[i]).code();
+      evicted += codes[i] == ErrorCode::kOk;
     }
     write_statuses(c, in->status_offset, codes, out);
     out.result[0] = evicted;
@@ -502,8 +544,9 @@ struct DataOps::Impl {
     }
     const uint64_t room = (c.ch.arena_bytes - req.arena_offset) / sizeof(ops::LsEntry);
     const uint64_t limit = std::min<uint64_t>(room, req.args[0] ? req.args[0] : room);
-    const auto list = index->list(
-        [&](store::NamespaceId id, const std::string&, const std::string& t) { return ns ? id == *ns : sees(c, t); },
+    const auto ns_name = ns ? index->namespace_name(*ns) : std::nullopt;
+    const auto list = tiers->list(
+        [&](const std::string& name, const std::string& t) { return ns ? ns_name && name == *ns_name : sees(c, t); },
         limit);
     for (size_t i = 0; i < list.size(); ++i) {
       ops::LsEntry e{};
@@ -512,7 +555,9 @@ struct DataOps::Impl {
       e.pins = list[i].pins;
       std::strncpy(e.ns, list[i].ns.c_str(), sizeof e.ns - 1);
       std::strncpy(e.format, list[i].format.c_str(), sizeof e.format - 1);
-      std::strncpy(e.tier, list[i].tier.c_str(), sizeof e.tier - 1);
+      // LsEntry::tier holds 7 characters: a block on the host and the disk reads "both".
+      const std::string tier = list[i].tier.size() < sizeof e.tier ? list[i].tier : std::string("both");
+      std::strncpy(e.tier, tier.c_str(), sizeof e.tier - 1);
       std::memcpy(c.ch.arena + req.arena_offset + i * sizeof e, &e, sizeof e);
     }
     out.arena_offset = req.arena_offset;
@@ -571,9 +616,20 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   impl->pool = std::move(*pool);
   spdlog::info("host pool: {} MiB ready in {:.2f} s ({}, NUMA node {})", impl->pool->capacity() >> 20,
                seconds_since(t0), impl->pool->pinned() ? "page-locked" : "pageable", cfg.host.numa_node);
+  if (!cfg.remote.listen.empty())
+    return Status(ErrorCode::kConfig, "tiers.remote.listen is '" + cfg.remote.listen +
+                                          "' but the remote tier (G4) is not built yet; remove tiers.remote.listen "
+                                          "(nothing would be served there)");
+  std::unique_ptr<store::Tier> disk;
+  if (!cfg.disk.path.empty()) {
+    auto t = open_disk_tier(cfg, impl->opts, *impl->pool);
+    if (!t.ok()) return t.status();
+    disk = std::move(*t);
+  }
   store::BlockIndex::Options io;
   io.high_watermark = cfg.host.high_watermark;
   io.low_watermark = cfg.host.low_watermark;
+  io.write_back = disk != nullptr;
   impl->index = std::make_shared<store::BlockIndex>(*impl->pool, io);
   store::OffloadService::Options so;
   so.checksum = cfg.integrity.checksum == config::Checksum::kXxh3;
@@ -586,6 +642,10 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   auto svc = store::OffloadService::create(*impl->index, impl->metrics, so);
   if (!svc.ok()) return svc.status().with_context("the offload service");
   impl->svc = std::move(*svc);
+  store::TieredStore::Options to;
+  to.write_through = cfg.disk.write_through;
+  to.checksums = so.checksum;
+  impl->tiers = std::make_unique<store::TieredStore>(*impl->index, *impl->svc, impl->metrics, std::move(disk), to);
 
   Impl& d = *impl;
   auto& m = d.metrics;
@@ -618,6 +678,34 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
              [idx] { return static_cast<double>(idx->stats().evictions); });
   m.gauge_fn("kvferry_namespaces", "Live block namespaces (leased by a client or holding blocks)", "",
              [idx] { return static_cast<double>(idx->namespaces()); });
+  if (store::Tier* t = d.tiers->lower()) {
+    const std::string l = "tier=\"" + std::string(t->name()) + "\"";
+    m.gauge_fn("kvferry_pool_used_bytes", "Host pool bytes in use", l,
+               [t] { return static_cast<double>(t->usage().used_bytes); });
+    m.gauge_fn("kvferry_pool_capacity_bytes", "Host pool capacity", l,
+               [t] { return static_cast<double>(t->usage().capacity_bytes); });
+    m.gauge_fn("kvferry_pool_occupancy_ratio", "Host pool bytes in use / capacity", l, [t] {
+      auto u = t->usage();
+      return u.capacity_bytes ? static_cast<double>(u.used_bytes) / static_cast<double>(u.capacity_bytes) : 0.0;
+    });
+    m.gauge_fn("kvferry_blocks_stored", "Blocks stored", l, [t] { return static_cast<double>(t->usage().blocks); });
+    m.gauge_fn("kvferry_blocks_pinned", "Blocks pinned by clients", l,
+               [t] { return static_cast<double>(t->usage().pinned); });
+    m.gauge_fn("kvferry_evictions", "Blocks evicted since start (monotonic)", l,
+               [t] { return static_cast<double>(t->health().evictions); });
+    m.gauge_fn("kvferry_tier_healthy", "1 while a lower tier works, 0 once degraded (an I/O error)", l,
+               [t] { return t->health().ok ? 1.0 : 0.0; });
+    m.gauge_fn("kvferry_tier_io_errors", "I/O errors of a lower tier since start (monotonic)", l,
+               [t] { return static_cast<double>(t->health().io_errors); });
+    m.gauge_fn("kvferry_tier_checksum_failures", "Blocks a lower tier dropped because their bytes no longer matched", l,
+               [t] { return static_cast<double>(t->health().checksum_failures); });
+    m.gauge_fn("kvferry_tier_bytes_written", "Bytes a lower tier wrote since start (monotonic)", l,
+               [t] { return static_cast<double>(t->health().bytes_written); });
+    m.gauge_fn("kvferry_tier_bytes_read", "Bytes a lower tier read since start (monotonic)", l,
+               [t] { return static_cast<double>(t->health().bytes_read); });
+  }
+  m.gauge_fn("kvferry_blocks_on_lower", "Host blocks that also have a copy on the lower tier", "tier=\"host\"",
+             [idx] { return static_cast<double>(idx->stats().on_lower); });
   auto clients = d.opts.clients;
   m.gauge_fn("kvferry_clients", "Connected clients", "",
              [clients] { return clients ? static_cast<double>(clients()) : 0.0; });
@@ -670,9 +758,19 @@ std::string DataOps::render_metrics() const { return impl_->metrics.render(); }
 bool DataOps::healthy(std::string* body) const {
   const auto s = impl_->index->stats();
   const bool ok = impl_->workers->running();
-  if (body)
-    *body = std::string(ok ? "ok" : "stopping") + ": " + std::to_string(s.entries) + " blocks, " +
+  if (body) {
+    *body = std::string(ok ? "ok" : "stopping") + ": host " + std::to_string(s.entries) + " blocks, " +
             std::to_string(s.used_bytes >> 20) + " of " + std::to_string(s.capacity_bytes >> 20) + " MiB\n";
+    // A degraded lower tier is reported, not fatal: the daemon serves on from the host.
+    if (const store::Tier* t = impl_->tiers->lower()) {
+      const auto u = t->usage();
+      const auto h = t->health();
+      *body += std::string(t->name()) + " " + (h.ok ? "ok" : "degraded") + ": " + std::to_string(u.blocks) +
+               " blocks, " + std::to_string(u.used_bytes >> 20) + " of " + std::to_string(u.capacity_bytes >> 20) +
+               " MiB, " + std::to_string(h.io_errors) + " I/O errors, " + std::to_string(h.checksum_failures) +
+               " checksum failures" + (h.ok ? std::string() : " (" + h.reason + ")") + "\n";
+    }
+  }
   return ok;
 }
 

@@ -30,14 +30,18 @@ class DataOps {
     int hash_threads = -1;                         ///< persistent hashing threads (-1 = the service's default)
     int64_t pipeline_bytes = -1;                   ///< copy/hash sub-batch bytes (-1 = the service's default)
     std::chrono::milliseconds test_copy_delay{0};  ///< tests only: a sleep before each sub-batch
+    /// Tests only: a FaultTier spec (store::parse_fault_spec) wrapped around the disk tier.
+    std::string test_disk_faults;
     /// Resolves a region id (nullptr when there is none).
     std::function<std::shared_ptr<Region>(uint32_t)> find_region;
     /// Connected clients (for the metrics).
     std::function<uint64_t()> clients;
   };
 
-  /// Creates the host pool (populated and pinned now, progress logged), the index and the
-  /// offload service from `cfg` (tiers.host, integrity).
+  /// Creates the host pool (populated and pinned now, progress logged), the index, the offload
+  /// service and, with tiers.disk.path set, the disk tier (recovered before this returns, its
+  /// block count and time logged) from `cfg` (tiers.host, tiers.disk, integrity). Refuses
+  /// tiers.remote.listen: the remote tier is not built yet.
   static Result<std::unique_ptr<DataOps>> create(const config::Config& cfg, Options opts);
   ~DataOps();
 

@@ -30,6 +30,9 @@ int main(int argc, char** argv) {
   app.add_option("--test-copy-delay-ms", test_copy_delay_ms,
                  "sleep this long before each copy sub-batch of a save or load (integration tests only)")
       ->check(CLI::Range(0, 60000));
+  std::string test_disk_faults;
+  app.add_option("--test-disk-faults", test_disk_faults,
+                 "wrap the disk tier in a fault injector, e.g. errno=EIO,rate=1,writes_only (integration tests only)");
   app.set_version_flag("--version", std::string("kvferryd ") + daemon::version());
   CLI11_PARSE(app, argc, argv);
 
@@ -65,6 +68,7 @@ int main(int argc, char** argv) {
   daemon::Daemon::Options dopts;
   dopts.test_faults = test_faults;
   dopts.test_copy_delay = std::chrono::milliseconds(test_copy_delay_ms);
+  dopts.test_disk_faults = test_disk_faults;
   if (test_copy_delay_ms > 0)
     spdlog::warn("--test-copy-delay-ms {}: copies are slowed down on purpose", test_copy_delay_ms);
   auto d = daemon::Daemon::create(*cfg, dopts);

@@ -40,6 +40,9 @@ class Daemon {
     /// Tests only: sleep this long before each copy sub-batch of a save or load (makes
     /// limits.request_timeout reachable on demand).
     std::chrono::milliseconds test_copy_delay{0};
+    /// Tests only: wrap the disk tier in a FaultTier with this spec (store::parse_fault_spec,
+    /// e.g. "errno=EIO,rate=1,writes_only"); "" = none.
+    std::string test_disk_faults;
     /// Data-path tuning (benchmarks): save/load workers (0 = 2), persistent hashing threads
     /// (-1 = default) and copy/hash sub-batch bytes (-1 = default, 0 = whole batches).
     int data_workers = 0;
