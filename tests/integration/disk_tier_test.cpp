@@ -1,0 +1,460 @@
+// The disk tier (G3) through kvferryd (its own process, CPU backend): a host pool much smaller
+// than the data, so blocks stream to disk and come back; kill -9 during saves and a restart on the
+// same slot file; a slot damaged on disk; a full disk, EIO and short I/O through the fault
+// wrapper (--test-disk-faults); the pread/pwrite engine; format conversion on a load from disk;
+// ls, /metrics and /healthz naming the tier.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "daemon_harness.h"
+#include "kvferry/connector/client.h"
+#include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/write.h"
+#include "kvferry/layouts/dtype.h"
+
+namespace kvferry {
+namespace {
+
+using testing::DaemonProcess;
+using testing::http_get;
+using testing::metric;
+using testing::metrics_port;
+using namespace std::chrono_literals;
+
+/// A directory for the slot file, outside any daemon's own temporary directory (a restarted
+/// daemon must find it), removed at the end.
+struct DiskDir {
+  std::string path = testing::make_temp_dir();
+  ~DiskDir() {
+    const std::string cmd = "rm -rf '" + path + "'";
+    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", path.c_str());
+  }
+  std::string slots() const { return path + "/kvferry-g3.slots"; }
+};
+
+/// Whether `dir` takes O_DIRECT (tmpfs does not): the tests then keep direct_io on.
+bool supports_direct(const std::string& dir) {
+  const std::string p = dir + "/.odirect-probe";
+  int fd = ::open(p.c_str(), O_CREAT | O_RDWR | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd >= 0) ::close(fd);
+  ::unlink(p.c_str());
+  return fd >= 0;
+}
+
+/// The config of a daemon with a `host` pool over a disk tier of `disk` at `dir`.
+std::string tier_yaml(const std::string& dir, const std::string& host, const std::string& disk,
+                      const std::string& more = "") {
+  return "tiers:\n  host:\n    capacity: " + host + "\n  disk:\n    path: " + dir + "\n    capacity: " + disk +
+         "\n    direct_io: " + (supports_direct(dir) ? "true" : "false") + "\n" + more;
+}
+
+std::unique_ptr<Client> connect(const DaemonProcess& d, const std::string& model = "m") {
+  Client::Options o;
+  o.socket = d.socket();
+  o.name = "disk-tier-test";
+  o.model = model;
+  auto c = Client::connect(o);
+  EXPECT_TRUE(c.ok()) << c.status().to_string() << "\n" << d.log();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+struct Region {
+  uint32_t id = 0;
+  KvCacheSpec spec;
+  uint8_t* base = nullptr;
+  uint8_t* block(int64_t b) const { return base + spec.page_offset(0, b); }
+};
+
+/// 64 blocks of 4 layers x 64 tokens (144 KiB of mla_fp8, 288 KiB of mla_bf16), block-major.
+KvCacheSpec spec_of(EntryFormat f, int64_t blocks = 64) { return {4, blocks, 64, f, Layout::kBlockMajor}; }
+
+Region create(Client& c, const std::string& name, const KvCacheSpec& spec) {
+  Region r;
+  auto id = c.create_region(name, spec);
+  EXPECT_TRUE(id.ok()) << id.status().to_string();
+  if (!id.ok()) return r;
+  r.id = *id;
+  r.spec = spec;
+  auto b = c.map_region(*id);
+  EXPECT_TRUE(b.ok());
+  r.base = b.ok() ? static_cast<uint8_t*>(*b) : nullptr;
+  return r;
+}
+
+void fill_bytes(Region& r, uint64_t seed) {
+  std::mt19937_64 rng(seed * 7919 + 1);
+  for (int64_t i = 0; i + 8 <= r.spec.region_bytes(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(r.base + i, &v, 8);
+  }
+}
+
+void fill_mla(Region& r, uint32_t seed) {
+  const int64_t tokens = r.spec.blocks * r.spec.block_size;
+  std::vector<int64_t> slots(static_cast<size_t>(tokens));
+  std::iota(slots.begin(), slots.end(), 0);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  for (int64_t l = 0; l < r.spec.layers; ++l) {
+    std::vector<uint16_t> kv(static_cast<size_t>(tokens * 512)), pe(static_cast<size_t>(tokens * 64));
+    for (auto& v : kv) v = float_to_bf16(u(rng));
+    for (auto& v : pe) v = float_to_bf16(u(rng));
+    kernels::WriteMlaParams p;
+    p.kv_c = kv.data();
+    p.k_pe = pe.data();
+    p.slots = slots.data();
+    p.tokens = tokens;
+    p.cache = {r.base, r.spec.region_bytes(), r.spec.layer_view(l)};
+    p.mode = r.spec.format.kind == FormatKind::kMlaFp8 ? kernels::MlaWriteMode::kFp8 : kernels::MlaWriteMode::kCopy;
+    ASSERT_TRUE(kernels::write_mla_cpu(p).ok());
+  }
+}
+
+std::vector<ops::Key> keys_for(int64_t n, uint64_t round) {
+  std::vector<ops::Key> k;
+  for (int64_t i = 0; i < n; ++i)
+    k.push_back({0xD15C000000000000ull ^ round, static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + 1});
+  return k;
+}
+
+std::vector<int64_t> iota_ids(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+std::vector<uint8_t> snapshot(const Region& r) { return {r.base, r.base + r.spec.region_bytes()}; }
+
+bool block_equal(const Region& r, int64_t b, const std::vector<uint8_t>& ref) {
+  return std::memcmp(r.block(b), ref.data() + r.spec.page_offset(0, b), static_cast<size_t>(r.spec.block_bytes())) == 0;
+}
+
+struct Tally {
+  int exact = 0, miss = 0, other = 0, wrong = 0;
+};
+
+/// Loads round `k`'s keys into `r` (block i <- key i) and checks every block against `ref`: a
+/// block is exact, a miss or another error; never wrong bytes reported as ok.
+Tally load_and_check(Client& c, Region& r, uint64_t k, const std::vector<uint8_t>& ref) {
+  Tally t;
+  std::memset(r.base, 0xEE, static_cast<size_t>(r.spec.region_bytes()));
+  const int64_t n = r.spec.blocks;
+  auto ld = c.load(r.id, keys_for(n, k), iota_ids(n));
+  EXPECT_TRUE(ld.ok()) << ld.status().to_string();
+  if (!ld.ok()) return t;
+  for (int64_t i = 0; i < n; ++i) {
+    const ErrorCode e = ld->blocks[static_cast<size_t>(i)];
+    if (e == ErrorCode::kOk)
+      block_equal(r, i, ref) ? ++t.exact : ++t.wrong;
+    else if (e == ErrorCode::kNotFound)
+      ++t.miss;
+    else
+      ++t.other;
+  }
+  return t;
+}
+
+/// Offsets of the slot headers in a slot file (4 KiB pages that start with the slot magic).
+std::vector<uint64_t> slot_headers(const std::string& file) {
+  std::vector<uint64_t> out;
+  int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  std::vector<char> page(4096);
+  struct stat st {};
+  ::fstat(fd, &st);
+  for (off_t off = 0; off + 4096 <= st.st_size; off += 4096) {
+    if (::pread(fd, page.data(), 4096, off) != 4096) break;
+    if (std::memcmp(page.data(), "KVFG3SLT", 8) == 0) out.push_back(static_cast<uint64_t>(off));
+  }
+  ::close(fd);
+  return out;
+}
+
+class DiskTierIt : public ::testing::TestWithParam<const char*> {};
+
+// Six rounds of 64 blocks (9 MiB each) through an 8 MiB host pool: every block comes back exact
+// (from the host or the disk), and ls, /metrics and /healthz show the disk.
+TEST_P(DiskTierIt, RoundTripThroughHostAndDisk) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "256MiB", std::string("    io_engine: ") + GetParam() + "\n"), {}, "cpu",
+                  {"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region r = create(*c, "rt", spec_of(EntryFormat::mla_fp8()));
+  constexpr int kRounds = 6;
+  std::vector<std::vector<uint8_t>> refs;
+  for (int k = 0; k < kRounds; ++k) {
+    fill_bytes(r, static_cast<uint64_t>(k));
+    refs.push_back(snapshot(r));
+    auto sv = c->save(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+    ASSERT_TRUE(sv.ok());
+    ASSERT_EQ(sv->done, r.spec.blocks) << static_cast<int>(sv->status) << "\n" << d.log();
+  }
+  if (std::string(GetParam()) == "posix") EXPECT_NE(d.log().find("pread/pwrite"), std::string::npos) << d.log();
+  // Every key is found (lookup sees both tiers).
+  for (int k = 0; k < kRounds; ++k) {
+    auto lk = c->lookup(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)));
+    ASSERT_TRUE(lk.ok());
+    EXPECT_EQ(lk->result[0], static_cast<uint64_t>(r.spec.blocks)) << "round " << k;
+  }
+  auto ls = c->ls(0);
+  ASSERT_TRUE(ls.ok());
+  int on_disk = 0;
+  for (const auto& e : *ls) on_disk += std::string(e.tier) == "disk";
+  EXPECT_GT(on_disk, 64) << "most blocks live on the disk only";
+  for (int k = 0; k < kRounds; ++k) {
+    const Tally t = load_and_check(*c, r, static_cast<uint64_t>(k), refs[static_cast<size_t>(k)]);
+    EXPECT_EQ(t.wrong, 0);
+    EXPECT_EQ(t.exact, r.spec.blocks) << "round " << k << ": " << t.miss << " misses, " << t.other << " errors\n"
+                                      << d.log();
+  }
+  const uint16_t port = metrics_port(d.log());
+  ASSERT_NE(port, 0);
+  const std::string m = http_get(port, "/metrics");
+  EXPECT_GT(metric(m, "kvferry_blocks_saved_total{tier=\"disk\"}"), 0) << m;
+  EXPECT_GT(metric(m, "kvferry_blocks_loaded_total{tier=\"disk\"}"), 0) << m;
+  EXPECT_GT(metric(m, "kvferry_blocks_stored{tier=\"disk\"}"), 0) << m;
+  EXPECT_GT(metric(m, "kvferry_pool_used_bytes{tier=\"disk\"}"), 0) << m;
+  EXPECT_EQ(metric(m, "kvferry_pool_capacity_bytes{tier=\"disk\"}") > 0, true) << m;
+  EXPECT_EQ(metric(m, "kvferry_tier_healthy{tier=\"disk\"}"), 1) << m;
+  const std::string h = http_get(port, "/healthz");
+  EXPECT_NE(h.find("disk ok"), std::string::npos) << h;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, DiskTierIt, ::testing::Values("auto", "posix"));
+
+// kill -9 while a save is in flight, restart on the same slot file: every save that completed
+// (write-through, durability batch) loads back exact; the one in flight is absent or exact.
+TEST(DiskTierRestart, KillDuringSavesThenRecover) {
+  DiskDir dir;
+  const std::string yaml = tier_yaml(dir.path, "8MiB", "256MiB", "    write_through: true\n");
+  std::vector<std::vector<uint8_t>> refs;
+  constexpr int kDone = 5;
+  {
+    DaemonProcess d(yaml);
+    ASSERT_TRUE(d.ready()) << d.log();
+    auto c = connect(d);
+    ASSERT_TRUE(c);
+    Region r = create(*c, "kill", spec_of(EntryFormat::mla_fp8()));
+    for (int k = 0; k <= kDone; ++k) {
+      fill_bytes(r, static_cast<uint64_t>(100 + k));
+      refs.push_back(snapshot(r));
+      if (k == kDone) break;
+      auto sv = c->save(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+      ASSERT_TRUE(sv.ok());
+      ASSERT_EQ(sv->done, r.spec.blocks) << d.log();
+    }
+    // The last round is in flight when the daemon dies.
+    auto id = c->submit_save(r.id, keys_for(r.spec.blocks, kDone), iota_ids(r.spec.blocks));
+    ASSERT_TRUE(id.ok());
+    std::this_thread::sleep_for(3ms);
+    d.stop(SIGKILL);
+  }
+  DaemonProcess d(yaml);
+  ASSERT_TRUE(d.ready()) << d.log();
+  EXPECT_NE(d.log().find("disk tier: recovered"), std::string::npos) << d.log();
+  auto c = connect(d);  // another client, another connection: the namespace is found by name
+  ASSERT_TRUE(c);
+  Region r = create(*c, "after", spec_of(EntryFormat::mla_fp8()));
+  for (int k = 0; k < kDone; ++k) {
+    const Tally t = load_and_check(*c, r, static_cast<uint64_t>(k), refs[static_cast<size_t>(k)]);
+    EXPECT_EQ(t.wrong, 0);
+    EXPECT_EQ(t.exact, r.spec.blocks) << "completed round " << k << ": " << t.miss << " misses, " << t.other
+                                      << " errors\n"
+                                      << d.log();
+  }
+  const Tally t = load_and_check(*c, r, kDone, refs[kDone]);
+  EXPECT_EQ(t.wrong, 0);
+  EXPECT_EQ(t.other, 0);
+  EXPECT_EQ(t.exact + t.miss, r.spec.blocks);
+}
+
+// Garbage written into the data of every slot on disk: the checksum catches it on the load, the
+// block is reported (kChecksumMismatch) and dropped, and the next load is a plain miss.
+TEST(DiskTierDamage, CorruptSlotIsCaughtAndDropped) {
+  DiskDir dir;
+  const std::string yaml = tier_yaml(dir.path, "8MiB", "256MiB", "    write_through: true\n");
+  {
+    DaemonProcess d(yaml);
+    ASSERT_TRUE(d.ready()) << d.log();
+    auto c = connect(d);
+    ASSERT_TRUE(c);
+    Region r = create(*c, "dmg", spec_of(EntryFormat::mla_fp8(), 16));
+    fill_bytes(r, 7);
+    auto sv = c->save(r.id, keys_for(16, 7), iota_ids(16));
+    ASSERT_TRUE(sv.ok());
+    ASSERT_EQ(sv->done, 16u);
+    d.stop();
+  }
+  const auto headers = slot_headers(dir.slots());
+  ASSERT_EQ(headers.size(), 16u);
+  int fd = ::open(dir.slots().c_str(), O_WRONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const char garbage[16] = "garbage-garbage";
+  for (uint64_t h : headers)
+    ASSERT_EQ(::pwrite(fd, garbage, sizeof garbage, static_cast<off_t>(h + 4096 + 1000)),
+              static_cast<ssize_t>(sizeof garbage));
+  ::fsync(fd);
+  ::close(fd);
+  DaemonProcess d(yaml, {}, "cpu", {"--metrics-listen", "127.0.0.1:0"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region r = create(*c, "dmg2", spec_of(EntryFormat::mla_fp8(), 16));
+  auto ld = c->load(r.id, keys_for(16, 7), iota_ids(16));
+  ASSERT_TRUE(ld.ok());
+  EXPECT_EQ(ld->done, 0u);
+  for (ErrorCode e : ld->blocks) EXPECT_EQ(e, ErrorCode::kChecksumMismatch);
+  auto again = c->load(r.id, keys_for(16, 7), iota_ids(16));
+  ASSERT_TRUE(again.ok());
+  for (ErrorCode e : again->blocks) EXPECT_EQ(e, ErrorCode::kNotFound);
+  const std::string m = http_get(metrics_port(d.log()), "/metrics");
+  EXPECT_EQ(metric(m, "kvferry_tier_checksum_failures{tier=\"disk\"}"), 16) << m;
+  EXPECT_EQ(metric(m, "kvferry_blocks_stored{tier=\"disk\"}"), 0) << m;
+}
+
+/// Saves `rounds` rounds through a small pool and loads them back: no wrong bytes ever.
+Tally churn(DaemonProcess& d, int rounds, uint64_t salt) {
+  Tally all;
+  auto c = connect(d);
+  if (!c) return all;
+  Region r = create(*c, "churn", spec_of(EntryFormat::mla_fp8()));
+  std::vector<std::vector<uint8_t>> refs;
+  for (int k = 0; k < rounds; ++k) {
+    fill_bytes(r, salt + static_cast<uint64_t>(k));
+    refs.push_back(snapshot(r));
+    auto sv = c->save(r.id, keys_for(r.spec.blocks, salt + static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+    EXPECT_TRUE(sv.ok());
+  }
+  for (int k = 0; k < rounds; ++k) {
+    const Tally t = load_and_check(*c, r, salt + static_cast<uint64_t>(k), refs[static_cast<size_t>(k)]);
+    all.exact += t.exact;
+    all.miss += t.miss;
+    all.other += t.other;
+    all.wrong += t.wrong;
+  }
+  return all;
+}
+
+// A disk tier smaller than the data: it evicts its oldest blocks; the newest come back exact, the
+// oldest are misses, nothing is wrong.
+TEST(DiskTierFaults, FullDiskEvictsOldest) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "24MiB"));
+  ASSERT_TRUE(d.ready()) << d.log();
+  const Tally t = churn(d, 6, 1000);
+  EXPECT_EQ(t.wrong, 0);
+  EXPECT_GT(t.exact, 64) << d.log();
+  EXPECT_GT(t.miss, 64) << d.log();
+}
+
+// ENOSPC from the device on some writes: the tier evicts and retries once; blocks that still
+// fail leave the host unsaved (misses), nothing is wrong.
+TEST(DiskTierFaults, EnospcRetriesThenFailsPerBlock) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "256MiB"), {}, "cpu",
+                  {"--metrics-listen", "127.0.0.1:0", "--test-disk-faults", "errno=ENOSPC,rate=0.3,writes_only"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  const Tally t = churn(d, 5, 2000);
+  EXPECT_EQ(t.wrong, 0);
+  EXPECT_GT(t.exact, 64);
+  const std::string m = http_get(metrics_port(d.log()), "/metrics");
+  EXPECT_GT(metric(m, "kvferry_tier_space_retries_total{tier=\"disk\"}"), 0) << m;
+}
+
+// EIO on every write: demotions fail, the tier reads degraded in /healthz and /metrics, saves
+// keep succeeding on the host, and what is still on the host loads exact.
+TEST(DiskTierFaults, EioDegradesAndHostServesOn) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "256MiB"), {}, "cpu",
+                  {"--metrics-listen", "127.0.0.1:0", "--test-disk-faults", "errno=EIO,rate=1,writes_only"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  EXPECT_NE(d.log().find("never in production"), std::string::npos);
+  const Tally t = churn(d, 4, 3000);
+  EXPECT_EQ(t.wrong, 0);
+  EXPECT_EQ(t.other, 0);
+  EXPECT_GT(t.exact, 0);
+  EXPECT_GT(t.miss, 0);
+  const uint16_t port = metrics_port(d.log());
+  const std::string m = http_get(port, "/metrics");
+  EXPECT_EQ(metric(m, "kvferry_tier_healthy{tier=\"disk\"}"), 0) << m;
+  EXPECT_GT(metric(m, "kvferry_tier_write_failures_total{tier=\"disk\"}"), 0) << m;
+  const std::string h = http_get(port, "/healthz");
+  EXPECT_NE(h.find("200"), std::string::npos) << h;
+  EXPECT_NE(h.find("disk degraded"), std::string::npos) << h;
+  // Still serving: a fresh save and load on the host.
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region r = create(*c, "after-eio", spec_of(EntryFormat::mla_fp8(), 8));
+  fill_bytes(r, 99);
+  const auto ref = snapshot(r);
+  ASSERT_EQ(c->save(r.id, keys_for(8, 99), iota_ids(8))->done, 8u);
+  const Tally t2 = load_and_check(*c, r, 99, ref);
+  EXPECT_EQ(t2.exact, 8);
+}
+
+// Short reads and writes: the blocks they hit fail (or are misses), nothing is wrong.
+TEST(DiskTierFaults, ShortIoFailsBlocksNeverWrongBytes) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "256MiB"), {}, "cpu", {"--test-disk-faults", "short=0.3,seed=5"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  const Tally t = churn(d, 5, 4000);
+  EXPECT_EQ(t.wrong, 0);
+  EXPECT_GT(t.exact, 64);
+  EXPECT_GT(t.other + t.miss, 0);
+}
+
+// Blocks saved from an mla_fp8 region and pushed to disk load into an mla_fp8_ds region,
+// converted on the way (576 -> 656), as from the host.
+TEST(DiskTierConvert, LoadFromDiskConvertsFormat) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "256MiB"));
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region a = create(*c, "fp8", spec_of(EntryFormat::mla_fp8(), 16));
+  Region b = create(*c, "fp8ds", spec_of(EntryFormat::mla_fp8_ds(), 16));
+  fill_mla(a, 42);
+  const auto keys = keys_for(16, 42);
+  ASSERT_EQ(c->save(a.id, keys, iota_ids(16))->done, 16u);
+  std::vector<uint8_t> want(static_cast<size_t>(b.spec.region_bytes()), 0);
+  ASSERT_TRUE(kernels::convert_blocks_cpu(a.base, a.spec, iota_ids(16), want.data(), b.spec, iota_ids(16)).ok());
+  // Push them out of the host pool with other blocks (write-back demotes them to disk).
+  Region f = create(*c, "filler", spec_of(EntryFormat::mla_fp8()));
+  for (int k = 0; k < 4; ++k) {
+    fill_bytes(f, 500 + static_cast<uint64_t>(k));
+    ASSERT_EQ(c->save(f.id, keys_for(64, 500 + static_cast<uint64_t>(k)), iota_ids(64))->done, 64u);
+  }
+  auto ls = c->ls(a.id);
+  ASSERT_TRUE(ls.ok());
+  int disk_only = 0;
+  for (const auto& e : *ls)
+    for (const auto& k : keys) disk_only += e.key.hi == k.hi && e.key.lo == k.lo && std::string(e.tier) == "disk";
+  EXPECT_GT(disk_only, 0) << "the fp8 blocks were pushed to disk";
+  auto ld = c->load(b.id, keys, iota_ids(16));
+  ASSERT_TRUE(ld.ok());
+  EXPECT_EQ(ld->done, 16u) << d.log();
+  for (int64_t i = 0; i < 16; ++i)
+    EXPECT_EQ(
+        std::memcmp(b.block(i), want.data() + b.spec.page_offset(0, i), static_cast<size_t>(b.spec.block_bytes())), 0)
+        << "block " << i;
+}
+
+// tiers.remote.listen is refused at start with a message saying why.
+TEST(DiskTierConfig, RemoteListenIsAStartError) {
+  DaemonProcess d("tiers:\n  host:\n    capacity: 64MiB\n  remote:\n    listen: 127.0.0.1:7999\n");
+  EXPECT_FALSE(d.ready());
+  EXPECT_NE(d.log().find("remote tier (G4) is not built yet"), std::string::npos) << d.log();
+}
+
+}  // namespace
+}  // namespace kvferry
