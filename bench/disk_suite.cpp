@@ -1,19 +1,28 @@
 // kvferry-bench disk: the disk tier (G3) writing and reading blocks of 256 KiB, 1 MiB and 4 MiB
 // next to fio (io_uring, O_DIRECT, iodepth 32, bs = the tier's slot size) on the same file system
 // in the same run. The tier is driven directly (host buffers stand in for host-pool slots, one
-// registered chunk); the daemon's path through it is measured once it is integrated.
+// registered chunk), then through an in-process kvferryd whose 256 MiB host pool is far too small
+// for the data (saves write through to disk; loads promote from disk), each daemon round next to
+// a fio round (medians of 3, interleaved: the disk is noisy); and the start of a daemon on a disk
+// tier holding 100 000 blocks (index rebuild).
 // Arguments after --: the directory to use (default ./kvferry-bench-disk, removed afterwards).
 #include <sys/uio.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench.h"
+#include "kvferry/connector/client.h"
+#include "kvferry/daemon/daemon.h"
 #include "kvferry/store/disk_tier.h"
 
 namespace kvferry::bench {
@@ -93,6 +102,144 @@ Run run_tier(store::DiskTier& t, uint64_t block, uint64_t nblocks, uint8_t* pool
   return r;
 }
 
+double median3(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+/// An in-process kvferryd (CPU backend) with a host pool of `pool` bytes over a disk tier at `dir`.
+struct InProcess {
+  config::Config cfg;
+  std::unique_ptr<daemon::Daemon> d;
+  std::thread runner;
+  std::unique_ptr<Client> c;
+  double create_s = 0;
+  InProcess(const std::string& dir, uint64_t pool, uint64_t disk, bool write_through) {
+    cfg.daemon.socket = "/tmp/kvferry-bench-disk-" + std::to_string(::getpid()) + ".sock";
+    cfg.daemon.metrics_listen = "";
+    cfg.device.backend = config::Backend::kCpu;
+    cfg.host.capacity = pool;
+    cfg.disk.path = std::filesystem::absolute(dir).string();
+    cfg.disk.capacity = disk;
+    cfg.disk.write_through = write_through;
+    const auto t0 = Clock::now();
+    auto r = daemon::Daemon::create(cfg, daemon::Daemon::Options{});
+    create_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (!r.ok()) {
+      std::fprintf(stderr, "disk bench: %s\n", r.status().to_string().c_str());
+      return;
+    }
+    d = std::move(*r);
+    runner = std::thread([this] { (void)d->run(); });
+    Client::Options o;
+    o.socket = cfg.daemon.socket;
+    o.name = "bench-disk";
+    o.model = "bench";
+    for (int i = 0; i < 300 && !c; ++i) {
+      auto cr = Client::connect(o);
+      if (cr.ok())
+        c = std::move(*cr);
+      else
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+  ~InProcess() {
+    c.reset();
+    if (d) d->stop();
+    if (runner.joinable()) runner.join();
+  }
+  bool ok() const { return c != nullptr; }
+};
+
+std::vector<ops::Key> bench_keys(int64_t n, uint64_t round) {
+  std::vector<ops::Key> k(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) k[static_cast<size_t>(i)] = {0xB0000000ull + round, static_cast<uint64_t>(i) + 1};
+  return k;
+}
+
+/// Saves and loads `n` blocks of `block` bytes through the daemon, 3 rounds each next to fio.
+int daemon_rows(const std::string& dir, uint64_t block, int64_t n, Report& rep) {
+  namespace fs = std::filesystem;
+  const uint64_t pool = uint64_t{256} << 20;
+  const uint64_t total = block * static_cast<uint64_t>(n);
+  fs::remove(dir + "/kvferry-g3.slots");
+  InProcess p(dir, pool, total + total / 4 + (uint64_t{512} << 20), true);
+  if (!p.ok()) return 1;
+  // mha:bf16:1x128 is 512 B per token; 64-token pages of 32 KiB; layers make up the block.
+  const KvCacheSpec spec{static_cast<int64_t>(block / (32 << 10)), n, 64, EntryFormat::mha(1, 128, DType::kBF16),
+                         Layout::kBlockMajor};
+  auto rid = p.c->create_region("disk-bench", spec);
+  if (!rid.ok()) return std::fprintf(stderr, "disk bench: %s\n", rid.status().to_string().c_str()), 1;
+  auto base = p.c->map_region(*rid);
+  if (!base.ok()) return 1;
+  auto* b = static_cast<uint8_t*>(*base);
+  for (int64_t i = 0; i + 8 <= spec.region_bytes(); i += 8) {
+    const uint64_t v = (static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull) | 1;
+    std::memcpy(b + i, &v, 8);
+  }
+  std::vector<int64_t> ids(static_cast<size_t>(n));
+  std::iota(ids.begin(), ids.end(), 0);
+  const uint64_t slot = store::DiskTier::slot_bytes_for(block);
+  std::vector<double> sw, lw, fw, fr;
+  int rc = 0;
+  for (int round = 0; round < 3; ++round) {
+    fw.push_back(fio_bw(dir, "write", slot, static_cast<uint64_t>(n) * slot));
+    const auto keys = bench_keys(n, static_cast<uint64_t>(round) + block);
+    auto t0 = Clock::now();
+    auto sv = p.c->save(*rid, keys, ids, 600'000'000);
+    sw.push_back(static_cast<double>(total) / std::chrono::duration<double>(Clock::now() - t0).count());
+    if (!sv.ok() || sv->done != static_cast<uint32_t>(n)) {
+      std::fprintf(stderr, "disk bench: save: %u of %lld\n", sv.ok() ? sv->done : 0u, (long long)n);
+      rc = 1;
+    }
+    fr.push_back(fio_bw(dir, "read", slot, static_cast<uint64_t>(n) * slot));
+    fs::remove(dir + "/fio.dat");
+    t0 = Clock::now();
+    auto ld = p.c->load(*rid, keys, ids, 600'000'000);
+    lw.push_back(static_cast<double>(total) / std::chrono::duration<double>(Clock::now() - t0).count());
+    if (!ld.ok() || ld->done != static_cast<uint32_t>(n)) {
+      std::fprintf(stderr, "disk bench: load: %u of %lld\n", ld.ok() ? ld->done : 0u, (long long)n);
+      rc = 1;
+    }
+  }
+  const std::string tag = std::to_string(block >> 10) + "KiB x " + std::to_string(n) + " kvferryd";
+  rep.add({"save " + tag, median3(sw) / 1e9, "GB/s", median3(fw) / 1e9, "fio io_uring qd32 bs=slot write", true, 0.9,
+           "write-through, 256 MiB host pool, XXH3"});
+  rep.add({"load " + tag, median3(lw) / 1e9, "GB/s", median3(fr) / 1e9, "fio io_uring qd32 bs=slot read", true, 0.9,
+           "promoted from disk, XXH3 verified"});
+  return rc;
+}
+
+/// Fills a disk tier with 100 000 small blocks through a daemon, then times a daemon's start on it.
+int restart_row(const std::string& dir, int64_t n, Report& rep) {
+  namespace fs = std::filesystem;
+  fs::remove(dir + "/kvferry-g3.slots");
+  const uint64_t block = 4096;  // one layer of 8 tokens of mha:bf16:1x128
+  const uint64_t disk = static_cast<uint64_t>(n) * store::DiskTier::slot_bytes_for(block) + (uint64_t{512} << 20);
+  {
+    InProcess p(dir, uint64_t{64} << 20, disk, true);
+    if (!p.ok()) return 1;
+    const int64_t per = 4096;
+    const KvCacheSpec spec{1, per, 8, EntryFormat::mha(1, 128, DType::kBF16), Layout::kBlockMajor};
+    auto rid = p.c->create_region("restart", spec);
+    if (!rid.ok()) return 1;
+    std::vector<int64_t> ids(static_cast<size_t>(per));
+    std::iota(ids.begin(), ids.end(), 0);
+    for (int64_t at = 0; at < n; at += per) {
+      const int64_t m = std::min(per, n - at);
+      std::vector<ops::Key> keys(static_cast<size_t>(m));
+      for (int64_t i = 0; i < m; ++i) keys[static_cast<size_t>(i)] = {0xFEED, static_cast<uint64_t>(at + i) + 1};
+      auto sv = p.c->save(*rid, keys, std::span<const int64_t>(ids).first(static_cast<size_t>(m)), 600'000'000);
+      if (!sv.ok() || sv->done != static_cast<uint32_t>(m)) return 1;
+    }
+  }
+  InProcess p(dir, uint64_t{64} << 20, disk, true);
+  if (!p.ok()) return 1;
+  rep.add({"restart with " + std::to_string(n) + " blocks on disk", p.create_s, "s", 0, "", false, 0,
+           "daemon create: host pool + disk tier recovery (slot headers read)"});
+  return 0;
+}
+
 int run_disk(const Options& opts) {
   namespace fs = std::filesystem;
   const std::string dir = opts.args.empty() ? std::string("kvferry-bench-disk") : opts.args[0];
@@ -141,7 +288,14 @@ int run_disk(const Options& opts) {
                fallback ? 0 : 0.9, "XXH3 verified"});
     }
     fs::remove(dir + "/kvferry-g3.slots");
+    // Through the daemon: 4096 blocks, at most max_total bytes (this machine's disk and memory).
+    const int64_t n = static_cast<int64_t>(std::min<uint64_t>(4096, max_total / block));
+    if (daemon_rows(dir, block, n, rep) != 0) rc = 1;
   }
+  if (restart_row(dir, opts.quick ? 20000 : 100000, rep) != 0) rc = 1;
+  rep.note("kvferryd rows: at most " + std::to_string(max_total >> 20) +
+           " MiB per size (4096 blocks up to 1 MiB; fewer of 4 MiB), host pool 256 MiB, CPU backend, medians of 3 "
+           "rounds, each next to a fio round on the same file system");
   std::free(pool);
   if (opts.args.empty()) fs::remove_all(dir);
   const int frc = rep.finish(opts);
