@@ -70,6 +70,20 @@ else
   ctest --test-dir $BUILD -L "unit|integration" -j 8 --output-on-failure --timeout 300 >"$OUTDIR/ctest-cpu.log" 2>&1 || rc=1
   grep -E "\*\*\*Failed|tests passed|tests failed" "$OUTDIR/ctest-cpu.log" | tail -20
 fi
+# The Python package on this machine's CUDA backend (torch views, save/load), when python3 is
+# there. Test-only wheels it lacks can be carried in .dev/whl (pytest and its dependencies, numpy).
+if [ -z "$TESTS" ] && command -v python3 >/dev/null; then
+  stamp "python package tests"
+  PYDEPS=/tmp/kvferry-pydeps
+  if ls .dev/whl/*.whl >/dev/null 2>&1; then
+    python3 -c "import numpy" 2>/dev/null && WHL=$(ls .dev/whl/*.whl | grep -v numpy) || WHL=$(ls .dev/whl/*.whl)
+    python3 -m pip install --quiet --no-index --no-deps --target "$PYDEPS" $WHL >"$OUTDIR/pip.log" 2>&1 || true
+  fi
+  (cd $BUILD && PYTHONPATH="$PYDEPS:$OLDPWD/python" KVFERRYD="$PWD/bin/kvferryd" \
+    KVFERRY_LIBRARY="$PWD/lib/libkvferry.so" python3 -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests") \
+    >"$OUTDIR/pytest.log" 2>&1 || rc=1
+  tail -15 "$OUTDIR/pytest.log"
+fi
 SUITES=$($BUILD/bin/kvferry-bench --list 2>/dev/null)
 [ -n "$ONLY" ] && SUITES=$(echo "$ONLY" | tr , ' ')
 for s in $SUITES; do

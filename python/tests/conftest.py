@@ -37,7 +37,7 @@ os.environ.setdefault("KVFERRY_LIBRARY", _find("KVFERRY_LIBRARY", "build*/lib/li
 class Daemon:
     """kvferryd in its own process; stop()/kill() end it (bounded)."""
 
-    def __init__(self, extra_yaml: str = "", args=(), capacity: str = "64MiB"):
+    def __init__(self, extra_yaml: str = "", args=(), capacity: str = "64MiB", backend: str = "cpu"):
         self.dir = tempfile.mkdtemp(prefix="kvferry-py-")
         self.socket = os.path.join(self.dir, "kvferry.sock")
         self.config = os.path.join(self.dir, "kvferry.yaml")
@@ -45,7 +45,7 @@ class Daemon:
         with open(self.config, "w") as f:
             f.write(
                 f"daemon:\n  socket: {self.socket}\n  socket_mode: 0666\n  log_level: info\n  metrics_listen: \"\"\n  debug_read: true\n"
-                f"device:\n  backend: cpu\n"
+                f"device:\n  backend: {backend}\n"
             )
             if "tiers:" not in extra_yaml:
                 f.write(f"tiers:\n  host:\n    capacity: {capacity}\n")

@@ -146,12 +146,6 @@ def test_torch_views_when_torch_is_there(client):
     assert r.layer_view(1)[2, 0, 0] == np.frombuffer(torch.tensor([1.5], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes(), np.uint16)[0]
 
 
-def test_cuda_backend_views_skip_without_a_gpu():
-    torch = pytest.importorskip("torch", reason="torch is not installed: the CUDA views need it (run on a GPU machine)")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: the CUDA-backend views are tested on the GPU machine")
-
-
 # ---- data ops ---------------------------------------------------------------------------------
 
 
