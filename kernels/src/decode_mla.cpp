@@ -275,7 +275,8 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   double best_cost = 1e30;
   for (int32_t s = 1; s <= cap; ++s) {
     const int64_t ctas = static_cast<int64_t>(p.batch) * groups * s;
-    const double waves = static_cast<double>((ctas + slots - 1) / slots);
+    const int64_t whole_waves = (ctas + slots - 1) / slots;
+    const double waves = static_cast<double>(whole_waves);
     const double cost = waves / s + 0.01 * s;  // wave time falls as 1/s; each split adds merge work
     if (cost < best_cost) {
       best_cost = cost;

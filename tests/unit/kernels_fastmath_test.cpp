@@ -31,7 +31,8 @@ double check_quant(float s, const std::vector<float>& xs) {
                          << " s bits 0x" << float_bits(s);
     if (got != want) return -1.0;
   }
-  return static_cast<double>(claimed) / static_cast<double>(xs.size() / 2);
+  const size_t pairs = xs.size() / 2;
+  return static_cast<double>(claimed) / static_cast<double>(pairs);
 }
 
 TEST(KernelsFastMath, QuantisedNaNIsTheSameOnHostAndDevice) {

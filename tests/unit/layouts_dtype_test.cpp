@@ -109,6 +109,9 @@ TEST(BF16, RoundsToNearestEvenAndKeepsNaN) {
 }
 
 TEST(FP16, MatchesTheCompilersConversionExhaustivelyAndOnRandomFloats) {
+#ifndef __FLT16_MANT_DIG__  // g++ 12 has _Float16 on x86-64; clang 14 (which clang-tidy uses) has not
+  GTEST_SKIP() << "this compiler has no _Float16 to compare with";
+#else
   for (uint32_t h = 0; h < 0x10000; ++h) {
     _Float16 ref;
     const uint16_t hb = static_cast<uint16_t>(h);
@@ -131,6 +134,7 @@ TEST(FP16, MatchesTheCompilersConversionExhaustivelyAndOnRandomFloats) {
     std::memcpy(&rb, &ref, 2);
     ASSERT_EQ(float_to_fp16(f), rb) << "f = " << f;
   }
+#endif
 }
 
 }  // namespace

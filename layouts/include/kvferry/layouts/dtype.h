@@ -23,11 +23,11 @@ enum class DType : uint8_t {
 
 KVFERRY_HOST_DEVICE constexpr int64_t dtype_size(DType t) {
   switch (t) {
-    case DType::kU8: return 1;
+    case DType::kU8:
     case DType::kFP8E4M3: return 1;
-    case DType::kBF16: return 2;
+    case DType::kBF16:
     case DType::kFP16: return 2;
-    case DType::kFP32: return 4;
+    case DType::kFP32:
     case DType::kI32: return 4;
     case DType::kI64: return 8;
   }

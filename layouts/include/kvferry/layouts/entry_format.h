@@ -69,7 +69,7 @@ struct EntryFormat {
   /// Elements of `dtype` in the last dim of a per-layer view (one entry; for MHA one head).
   KVFERRY_HOST_DEVICE int64_t entry_elems() const {
     switch (kind) {
-      case FormatKind::kMlaBf16: return kMlaDim;
+      case FormatKind::kMlaBf16:
       case FormatKind::kMlaFp8: return kMlaDim;
       case FormatKind::kMlaFp8Ds: return kMlaDsBytes;
       case FormatKind::kIndexerFp8: return kIndexerBytes;
@@ -93,8 +93,8 @@ struct EntryFormat {
   /// Alignment in bytes that entries (and so pages and block strides) keep.
   KVFERRY_HOST_DEVICE int64_t alignment() const {
     switch (kind) {
-      case FormatKind::kMlaBf16: return 16;
-      case FormatKind::kMlaFp8: return 16;
+      case FormatKind::kMlaBf16:
+      case FormatKind::kMlaFp8:
       case FormatKind::kMlaFp8Ds: return 16;
       case FormatKind::kIndexerFp8: return 4;
       case FormatKind::kMha: return dtype_size(dtype);

@@ -147,8 +147,9 @@ Status to_status(const Result<T>& r) {
 
 #define KVFERRY_CONCAT_INNER_(a, b) a##b
 #define KVFERRY_CONCAT_(a, b) KVFERRY_CONCAT_INNER_(a, b)
-/// `KVFERRY_ASSIGN_OR_RETURN(auto x, make_x());` binds the value or returns the error.
+/// `KVFERRY_ASSIGN_OR_RETURN(auto x, make_x());` binds the value or returns the error (`lhs` may
+/// declare, so it takes no parentheses).
 #define KVFERRY_ASSIGN_OR_RETURN(lhs, expr)                                                                   \
   auto KVFERRY_CONCAT_(kvferry_res_, __LINE__) = (expr);                                                      \
   if (!KVFERRY_CONCAT_(kvferry_res_, __LINE__).ok()) return KVFERRY_CONCAT_(kvferry_res_, __LINE__).status(); \
-  lhs = std::move(KVFERRY_CONCAT_(kvferry_res_, __LINE__)).value()
+  lhs = std::move(KVFERRY_CONCAT_(kvferry_res_, __LINE__)).value()  // NOLINT(bugprone-macro-parentheses)
