@@ -1,8 +1,14 @@
-# The remote tier's building blocks (issue 38): placement and member records (unit), membership in
-# a real etcd started by the test, the UCX transport between processes on loopback (integration).
+# The remote tier's building blocks (issue 38): placement, member records and the control-message
+# format (unit), membership in a real etcd started by the test, and the UCX transport between two
+# processes on loopback and across a network namespace (integration).
 kvferry_add_gtest(remote_unit_test LABEL unit
-  SOURCES unit/placement_test.cpp
+  SOURCES unit/placement_test.cpp unit/remote_wire_test.cpp
   LIBS kvferry::store)
 kvferry_add_gtest(membership_integration_test LABEL integration TIMEOUT 120
   SOURCES integration/membership_test.cpp
   LIBS kvferry::store)
+if(KVFERRY_WITH_UCX)
+  kvferry_add_gtest(ucx_transport_integration_test LABEL integration TIMEOUT 120
+    SOURCES integration/ucx_transport_test.cpp
+    LIBS kvferry::store)
+endif()
