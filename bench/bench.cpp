@@ -102,10 +102,9 @@ int Report::finish(const Options& opts) const {
   return out.good() ? 0 : 1;
 }
 
-}  // namespace kvferry::bench
+namespace {
 
-int main(int argc, char** argv) {
-  using namespace kvferry::bench;
+int run(int argc, char** argv) {
   CLI::App app{"kvferry-bench: measures each kvferry capability against a limit measured in the same run"};
   std::string suite;
   Options opts;
@@ -135,4 +134,17 @@ int main(int argc, char** argv) {
     return 2;
   }
   return it->second.fn(opts);
+}
+
+}  // namespace
+}  // namespace kvferry::bench
+
+// A suite that throws (out of memory, a thread that cannot start) ends the run with its message.
+int main(int argc, char** argv) {
+  try {
+    return kvferry::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvferry-bench: %s\n", e.what());
+    return 1;
+  }
 }

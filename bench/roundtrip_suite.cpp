@@ -127,6 +127,7 @@ std::pair<Pct, Pct> lookup_latency(const std::string& socket, uint32_t region, c
   }
   std::vector<std::vector<double>> lk(clients), pg(clients);
   std::vector<std::thread> ts;
+  ts.reserve(clients);
   for (int k = 0; k < clients; ++k)
     ts.emplace_back([&, k] {
       Client& c = *cs[k];
