@@ -470,7 +470,7 @@ Config everything_changed() {
   c.tenants.push_back({"team-a", {1000, 1001}, {}, {1, 2, 3ull << 30, 4096, 5}});
   c.tenants.push_back({"team.b", {}, {2000}, {}});
   c.host = {(3ull << 30) + 4096, 1, 0.7, 0.123456789};
-  c.disk = {"/var/lib/kv", 1000000007ull, 32, false};
+  c.disk = {"/var/lib/kv", 1000000007ull, 32, false, DiskDurability::kEach, DiskIoEngine::kPosix, true};
   c.remote = {"0.0.0.0:1", {"a:2", "[::1]:3"}, "rc,sm"};
   c.integrity = {Checksum::kNone, false};
   c.limits = {3,
