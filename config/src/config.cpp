@@ -385,6 +385,7 @@ struct RegionsC {
                                                                                                           rc.tenant));
         } else {
           std::vector<std::string> known;
+          known.reserve(kSub.size());
           for (const std::string& s : kSub) known.push_back(at + "." + s);
           return ctx.fail(kv.first, "", "unknown key '" + sub + "'" + suggestion(sub, known));
         }
@@ -465,6 +466,7 @@ struct QuotaC {
         KVFERRY_TRY(SizeC{}.parse(ctx, sub, v, q.inflight_bytes));
       } else {
         std::vector<std::string> known;
+        known.reserve(keys().size());
         for (const std::string& s : keys()) known.push_back(std::string(key) + "." + s);
         return ctx.fail(kv.first, "", "unknown key '" + sub + "'" + suggestion(sub, known));
       }
@@ -502,6 +504,7 @@ struct TenantsC {
           KVFERRY_TRY(QuotaC{}.parse(ctx, sub, v, tc.quota));
         } else {
           std::vector<std::string> known;
+          known.reserve(kSub.size());
           for (const std::string& s : kSub) known.push_back(at + "." + s);
           return ctx.fail(kv.first, "", "unknown key '" + sub + "'" + suggestion(sub, known));
         }

@@ -438,6 +438,7 @@ TEST(HostileControl, HalfSentFramesCostNoMemory) {
   proto::encode_header(h, hb);
   std::vector<uint8_t> part(1000, 0x5a);
   std::vector<UniqueFd> conns;
+  conns.reserve(500);
   for (int i = 0; i < 500; ++i) {
     const int fd = connect_raw(d.socket());
     ASSERT_GE(fd, 0) << "connection " << i;
@@ -473,6 +474,7 @@ TEST(HostileControl, UnauthenticatedConnectionsAreCapped) {
   auto engine = connect_as(d.socket(), "", "engine");  // a Hello'd client does not count
   ASSERT_TRUE(engine.ok());
   std::vector<UniqueFd> idle;
+  idle.reserve(8);
   for (int i = 0; i < 8; ++i) idle.emplace_back(connect_raw(d.socket()));
   ASSERT_TRUE(wait_until([&] { return count_lines(d.log(), "client") >= 1; }, 2s));
   std::this_thread::sleep_for(200ms);  // the daemon has accepted the eight
