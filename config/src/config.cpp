@@ -667,7 +667,7 @@ const std::vector<Field>& table() {
               "watchdog interval (0s = WATCHDOG_USEC from systemd)"),
         field("limits.handshake_timeout", KVF_MEMBER(limits.handshake_timeout),
               MillisC{std::chrono::milliseconds(10), std::chrono::minutes(10)}, kReload,
-              "a connection without a Hello (or an answered status request) this long after accept is closed"),
+              "a connection without a Hello is closed this long after accept (or its last status reply)"),
         field("limits.max_unauthenticated", KVF_MEMBER(limits.max_unauthenticated), IntC<uint32_t>{1, 65536}, kReload,
               "connections without a completed Hello at most; more are closed at once"),
         field("limits.send_timeout", KVF_MEMBER(limits.send_timeout),

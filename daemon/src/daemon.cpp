@@ -275,10 +275,12 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
   Creds creds;
   std::string name, claimed;
   Identity ident;
-  Clock::time_point accepted_at = Clock::now();
+  /// Start of the handshake deadline: the accept, renewed by each StatusRequest answered before
+  /// a Hello (so `kvferry status` completes, and an idle or half-sent status-only connection
+  /// still goes after limits.handshake_timeout).
+  Clock::time_point deadline_from = Clock::now();
   bool hello = false, closed = false;
-  bool draining = false;         // refused or failed: no more reads, closed once the queue is sent
-  bool status_answered = false;  // answered a StatusRequest without a Hello (the CLI): no handshake deadline
+  bool draining = false;  // refused or failed: no more reads, closed once the queue is sent
   std::shared_ptr<ClientChannel> channel;
   std::set<uint32_t> held;
 
@@ -505,7 +507,7 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
         // Allowed before the Hello (the CLI), filtered by what the caller's credentials may see.
         const Viewer v = hello ? Viewer{ident.admin, ident.owner} : d.viewer_for(creds);
         KVFERRY_TRY(send(proto::encode(d.snapshot(&v))));
-        status_answered = true;
+        if (!hello) deadline_from = Clock::now();
         return Status::Ok();
       }
       case proto::MsgType::kGoodbye: close(); return Status::Ok();
@@ -1064,8 +1066,8 @@ void Daemon::Impl::sweep_once() {
       }
       pending = true;
     }
-    if (!s->hello && !s->status_answered && !s->draining) {
-      if (now - s->accepted_at >= cfg.limits.handshake_timeout) {
+    if (!s->hello && !s->draining) {
+      if (now - s->deadline_from >= cfg.limits.handshake_timeout) {
         ++late;
         spdlog::debug("client {} ({}): no Hello within limits.handshake_timeout; closing it", s->id,
                       creds_text(s->creds));

@@ -132,8 +132,8 @@ struct LimitsConfig {
   /// Default quotas of every tenant (and of every uid where no tenant is configured); here 0 means
   /// no limit, except pinned_bytes: 0 = half of tiers.host.capacity.
   TenantQuota tenant{.clients = 16, .regions = 16, .region_bytes = 0, .pinned_bytes = 0, .inflight_bytes = 0};
-  /// A connection that has not completed its Hello (nor been answered a StatusRequest) this long
-  /// after it was accepted is closed.
+  /// A connection without a Hello is closed this long after it was accepted or last answered a
+  /// StatusRequest (`kvferry status` connects, asks and leaves well within it).
   std::chrono::milliseconds handshake_timeout{5000};
   /// Connections without a completed Hello at most; more are closed at once.
   uint32_t max_unauthenticated = 64;
