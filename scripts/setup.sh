@@ -11,7 +11,7 @@ PKGS=(
   libyaml-cpp-dev libgtest-dev libgmock-dev
   libsystemd-dev systemd
   libspdlog-dev libfmt-dev libcli11-dev libxxhash-dev libnuma-dev
-  clang-format clang llvm
+  clang-format clang clang-tidy llvm
   iproute2 procps fio python3-venv etcd-server
 )
 

@@ -9,3 +9,8 @@ BUILD=${KVFERRY_BUILD_DIR:-build}
 ctest --test-dir "$BUILD" --output-on-failure -j "$(nproc)" --timeout 300
 # The Python package against the real daemon (a venv under the build folder, pinned packages).
 bash scripts/test-python.sh --no-build
+# Unit + integration under AddressSanitizer + UndefinedBehaviorSanitizer, the threaded tests under
+# ThreadSanitizer (CPU-only builds in build-asan/ and build-tsan/), then clang-tidy over the
+# C++ files that changed.
+bash scripts/test-sanitizers.sh
+bash scripts/tidy.sh

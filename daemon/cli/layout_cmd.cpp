@@ -1,6 +1,7 @@
 // `kvferry layout`: prints how a KV cache spec maps to bytes (per-layer views, a block's byte
 // runs, coalesced runs), the same arithmetic the daemon and the kernels use.
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -78,7 +79,7 @@ int run_layout(const LayoutArgs& a) {
 }  // namespace
 
 void add_layout_command(CLI::App& app, std::function<int()>* run) {
-  auto* args = new LayoutArgs();  // lives as long as the app (the process)
+  auto args = std::make_shared<LayoutArgs>();  // the app and the run callback share it
   CLI::App* sub = app.add_subcommand("layout", "print how a KV cache spec maps to bytes (no daemon needed)");
   sub->add_option("--layers", args->layers, "attention layers sharing the allocation")->capture_default_str();
   sub->add_option("--blocks", args->blocks, "blocks (pages) in the region")->capture_default_str();

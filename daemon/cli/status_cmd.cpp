@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include "commands.h"
@@ -115,7 +116,7 @@ std::string default_socket() {
 }
 
 void add_status_command(CLI::App& app, std::function<int()>* run, const std::string* socket_path) {
-  auto* args = new StatusArgs();  // lives as long as the app (the process)
+  auto args = std::make_shared<StatusArgs>();  // the app and the run callback share it
   CLI::App* sub = app.add_subcommand("status", "version, uptime, regions and clients of a running kvferryd");
   sub->add_flag("--json", args->json, "print JSON");
   sub->callback(

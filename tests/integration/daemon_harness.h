@@ -2,6 +2,7 @@
 // Test harness: runs kvferryd as a separate process with a config in a temporary directory,
 // and offers bounded waits. Every wait in these tests has a deadline.
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -108,6 +109,15 @@ class DaemonProcess {
   }
   ~DaemonProcess() {
     if (pid_ > 0 && !stopped_) stop();
+    // A sanitizer build of kvferryd reports into its log (and aborts): that fails the test even
+    // when the test did not look at how the daemon ended.
+    const std::string l = log();
+    for (const char* mark :
+         {"ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "WARNING: ThreadSanitizer"})
+      if (l.find(mark) != std::string::npos) {
+        ADD_FAILURE() << "kvferryd's log has a sanitizer report:\n" << l;
+        break;
+      }
     std::string cmd = "rm -rf '" + dir_ + "'";
     if (std::system(cmd.c_str()) != 0) {
     }

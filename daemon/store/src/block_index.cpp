@@ -1,10 +1,11 @@
 #include "kvferry/store/block_index.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace kvferry::store {
 
-BlockIndex::BlockIndex(HostPool& pool, Options opts) : pool_(pool), opts_(opts) {}
+BlockIndex::BlockIndex(HostPool& pool, Options opts) : pool_(pool), opts_(std::move(opts)) {}
 
 Result<uint64_t> BlockIndex::set_watermarks(double high, double low) {
   if (!(low >= 0.0 && low < high && high <= 1.0))
@@ -305,13 +306,15 @@ Status BlockIndex::pin(const NsKey& key, ClientId client, const PinAccount& acco
     uint64_t& used = account_bytes_[c.account.id];
     const uint64_t b = it->second.slot.bytes;
     if (c.account.limit_bytes && used + b > c.account.limit_bytes) {
+      // The message first: the erases below may free `c` and `used`.
+      Status refused(ErrorCode::kResourceExhausted, "pinning block " + key.key.hex() + " (" + std::to_string(b) +
+                                                        " bytes) would pass the pinned-bytes quota of " +
+                                                        std::to_string(c.account.limit_bytes) + " (" +
+                                                        std::to_string(used) + " pinned)");
       c.keys.erase(p);
       if (used == 0) account_bytes_.erase(c.account.id);
       if (c.keys.empty()) client_pins_.erase(client);
-      return {ErrorCode::kResourceExhausted, "pinning block " + key.key.hex() + " (" + std::to_string(b) +
-                                                 " bytes) would pass the pinned-bytes quota of " +
-                                                 std::to_string(c.account.limit_bytes) + " (" + std::to_string(used) +
-                                                 " pinned)"};
+      return refused;
     }
     used += b;
   }
