@@ -202,9 +202,22 @@ TEST(HostileData, RewritingSlotsAndArenaAfterSubmitNeverCrashes) {
   ASSERT_GT(submitted, 100u);
   ASSERT_TRUE(alive(d)) << "the daemon died under rewritten slots\n" << d.log();
 
-  // Everyone else is still served, byte for byte.
-  auto c = connect(d);
+  // Everyone else is still served, byte for byte. The hostile client goes first, and the work
+  // it had queued (saves that churn the pool, loads into the shared region) drains.
+  raw.reset();
+  auto c = connect(d, "good");
   ASSERT_TRUE(c);
+  uint64_t last = ~uint64_t{0};
+  ASSERT_TRUE(wait_until(
+      [&] {
+        auto s = c->stats(1'000'000);
+        if (!s.ok()) return false;
+        const uint64_t now = s->blocks_saved + s->blocks_loaded + s->writing;
+        const bool still = now == last && s->writing == 0;
+        last = now;
+        return still;
+      },
+      10s));
   uint8_t* base = map_and_fill(*c, "r", 11);
   ASSERT_NE(base, nullptr);
   const auto region = *c->find_region("r");
