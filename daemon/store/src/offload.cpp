@@ -561,7 +561,8 @@ std::vector<Status> OffloadService::save(const RegionAccess& region, NamespaceId
 }
 
 std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
-                                         std::span<const int64_t> block_ids, Clock::time_point deadline) {
+                                         std::span<const int64_t> block_ids, Clock::time_point deadline,
+                                         std::span<const uint8_t> verified) {
   const auto t0 = Clock::now();
   Impl& d = *impl_;
   std::vector<Status> res(keys.size());
@@ -605,7 +606,8 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
       for (size_t i = subs[k].first; i < subs[k].second; ++i) bst[direct[i]] = st;
   };
   auto check = [&](size_t j) {  // a damaged copy is reported and dropped, never copied
-    if (verify && block_checksum(holds[j].data, holds[j].meta.bytes) != holds[j].meta.checksum) bad[j] = 1;
+    if (!verify || (which[j] < verified.size() && verified[which[j]])) return;
+    if (block_checksum(holds[j].data, holds[j].meta.bytes) != holds[j].meta.checksum) bad[j] = 1;
   };
   auto runs_of = [&](size_t j, std::vector<CopyRun>* runs, size_t floor) {
     push_block_runs(runs, region.spec, block_ids[which[j]], static_cast<int64_t>(holds[j].slot.offset), false, floor);

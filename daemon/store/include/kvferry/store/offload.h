@@ -75,8 +75,12 @@ class OffloadService {
   /// kUnsupported (no conversion between the stored and the region's format), ...
   /// Past `deadline`, the blocks whose copy has not started fail with kTimeout and their target
   /// blocks are left untouched.
+  /// `verified` (empty, or one flag per key): 1 = the caller holds this block and its bytes were
+  /// checked against the stored checksum after they last landed in the slot (a promotion the
+  /// lower tier verified), so they are not hashed again; every other block is verified as usual.
   std::vector<Status> load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
-                           std::span<const int64_t> block_ids, Clock::time_point deadline = kNoDeadline);
+                           std::span<const int64_t> block_ids, Clock::time_point deadline = kNoDeadline,
+                           std::span<const uint8_t> verified = {});
 
   /// integrity.verify_on_load may change at run time (SIGHUP).
   void set_verify_on_load(bool on);
