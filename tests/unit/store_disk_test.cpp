@@ -17,11 +17,13 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <vector>
 
 #include "kvferry/store/disk_tier.h"
 #include "kvferry/store/fault_tier.h"
+#include "kvferry/store/tiered_store.h"
 
 #ifndef KVFERRY_DISK_TEST_ROOT
 #define KVFERRY_DISK_TEST_ROOT "."
@@ -632,6 +634,207 @@ TEST_P(DiskTierTest, RecoveryOfManySmallSlotsIsBoundedAndPrinted) {
 
 INSTANTIATE_TEST_SUITE_P(Engines, DiskTierTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? std::string("fallback") : std::string("uring"); });
+
+// ---- TieredStore: the host pool over the disk tier, pipelined in steps ----
+
+/// A host region (CPU backend) of `blocks` blocks of 8 layers x 16 tokens of mla_fp8 (72 KiB),
+/// filled with a seeded non-zero pattern.
+struct TierRegion {
+  TierRegion(int64_t blocks, uint64_t seed)
+      : spec{8, blocks, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor},
+        bytes(static_cast<size_t>(spec.region_bytes())) {
+    fill(bytes.data(), bytes.size(), seed);
+  }
+  RegionAccess access() { return {bytes.data(), spec, false}; }
+  const uint8_t* block(int64_t b) const { return bytes.data() + spec.page_offset(0, b); }
+  KvCacheSpec spec;
+  std::vector<uint8_t> bytes;
+};
+
+/// A 4 MiB host pool over `lower`, with steps of 512 KiB (7 blocks), so a request of dozens of
+/// blocks runs many steps with the lower tier's I/O in flight across them.
+struct Tiers {
+  Registry metrics;
+  std::unique_ptr<HostPool> pool;
+  std::unique_ptr<BlockIndex> index;
+  std::unique_ptr<OffloadService> svc;
+  std::unique_ptr<TieredStore> store;
+  Tier* lower = nullptr;
+  NamespaceId ns = 0;
+
+  Tiers(std::unique_ptr<Tier> t, bool write_through, bool trust, uint64_t pool_bytes = 4 * MiB) {
+    HostPool::Options o;
+    o.capacity = pool_bytes;
+    o.chunk_bytes = 1 * MiB;
+    o.pin = false;
+    pool = std::move(HostPool::create(o)).value();
+    BlockIndex::Options io;
+    io.write_back = true;
+    index = std::make_unique<BlockIndex>(*pool, io);
+    svc = std::move(OffloadService::create(*index, metrics, {})).value();
+    const iovec whole{pool->base(), static_cast<size_t>(pool->capacity())};
+    EXPECT_TRUE(t->register_buffers({&whole, 1}).ok());
+    TieredStore::Options so;
+    so.write_through = write_through;
+    so.trust_lower_reads = trust;
+    so.step_bytes = 512 * KiB;
+    lower = t.get();
+    store = std::make_unique<TieredStore>(*index, *svc, metrics, std::move(t), so);
+    ns = index->intern_namespace("m|mla|t");
+  }
+  uint64_t counter(const std::string& series) const {
+    const std::string text = metrics.render();
+    const size_t at = text.find(series + " ");
+    return at == std::string::npos ? 0 : std::strtoull(text.c_str() + at + series.size() + 1, nullptr, 10);
+  }
+};
+
+std::vector<BlockKey> tier_keys(size_t n, uint64_t salt) {
+  std::vector<BlockKey> k(n);
+  for (size_t i = 0; i < n; ++i) k[i] = {salt, i * 2654435761u + 1};
+  return k;
+}
+
+constexpr auto kNever = OffloadService::kNoDeadline;
+
+// Saves of 96 blocks (6.75 MiB) through a 4 MiB pool and loads back into other block ids, byte
+// for byte, in write-back and write-through mode, with and without trusting the tier's read
+// checks; then a save and a load told to yield at every step return prefixes that the rest
+// completes.
+TEST_P(DiskTierTest, TieredStorePipelinedStepsRoundTripByteForByte) {
+  for (bool wt : {false, true}) {
+    for (bool trust : {false, true}) {
+      SCOPED_TRACE(std::string(wt ? "write-through" : "write-back") + (trust ? ", trusted reads" : ""));
+      fs::remove(dir_ + "/kvferry-g3.slots");
+      OPEN_OR_SKIP(disk, options());
+      Tiers t(std::move(disk), wt, trust);
+      const int64_t n = 96;
+      TierRegion src(n, 11 + wt * 2 + trust), dst(n, 99);
+      const auto keys = tier_keys(n, 1000 + wt * 2 + trust);
+      std::vector<int64_t> from(n), to(n);
+      std::iota(from.begin(), from.end(), 0);
+      for (int64_t i = 0; i < n; ++i) to[i] = n - 1 - i;
+      auto sv = t.store->save(src.access(), t.ns, keys, from, kNever);
+      ASSERT_EQ(sv.size(), static_cast<size_t>(n));
+      for (size_t i = 0; i < sv.size(); ++i) ASSERT_TRUE(sv[i].ok()) << i << ": " << sv[i].to_string();
+      // Write-through: every block is on disk once its save completed. Write-back: every block
+      // is on the host or on disk (the pool keeps the newest).
+      for (size_t i = 0; i < keys.size(); ++i) {
+        const bool on_disk = t.lower->lookup("m|mla|t", keys[i]).has_value();
+        if (wt) {
+          EXPECT_TRUE(on_disk) << i;
+        }
+        if (!on_disk) {
+          EXPECT_TRUE(t.index->lookup(t.ns, {&keys[i], 1}).present[0]) << i;
+        }
+      }
+      auto ld = t.store->load(dst.access(), t.ns, keys, to, kNever);
+      ASSERT_EQ(ld.size(), static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_TRUE(ld[i].ok()) << i << ": " << ld[i].to_string();
+        EXPECT_EQ(std::memcmp(dst.block(to[i]), src.block(i), static_cast<size_t>(src.spec.block_bytes())), 0)
+            << "block " << i;
+      }
+      const uint64_t trusted = t.counter("kvferry_tier_verified_promotions_total{tier=\"disk\"}");
+      if (trust)
+        EXPECT_GT(trusted, 0u);
+      else
+        EXPECT_EQ(trusted, 0u);
+      EXPECT_EQ(t.index->stats().writing, 0u);
+
+      // Turns: yield at every step boundary once 100 KiB are done.
+      const auto more = tier_keys(40, 5000 + wt * 2 + trust);
+      std::vector<int64_t> ids(40);
+      std::iota(ids.begin(), ids.end(), 0);
+      TieredStore::Turn turn;
+      turn.bytes = 100 * KiB;
+      turn.yield = [] { return true; };
+      size_t done = 0, calls = 0;
+      while (done < more.size()) {
+        auto r = t.store->save(src.access(), t.ns, std::span(more).subspan(done), std::span(ids).subspan(done), kNever,
+                               turn);
+        ASSERT_FALSE(r.empty());
+        for (const Status& st : r) EXPECT_TRUE(st.ok()) << st.to_string();
+        done += r.size();
+        ++calls;
+      }
+      EXPECT_GT(calls, 2u);
+      done = calls = 0;
+      while (done < more.size()) {
+        auto r = t.store->load(dst.access(), t.ns, std::span(more).subspan(done), std::span(ids).subspan(done), kNever,
+                               turn);
+        ASSERT_FALSE(r.empty());
+        for (const Status& st : r) EXPECT_TRUE(st.ok()) << st.to_string();
+        done += r.size();
+        ++calls;
+      }
+      EXPECT_GT(calls, 2u);
+      for (int64_t i = 0; i < 40; ++i)
+        EXPECT_EQ(std::memcmp(dst.block(i), src.block(i), static_cast<size_t>(src.spec.block_bytes())), 0) << i;
+      EXPECT_EQ(t.index->stats().writing, 0u);
+    }
+  }
+}
+
+// A promoted block is not hashed again when the tier checked it, but a slot damaged on disk is
+// still caught (by the tier), reported once and dropped; its neighbours load byte for byte.
+TEST_P(DiskTierTest, TieredStoreTrustedPromotionStillCatchesADamagedSlot) {
+  OPEN_OR_SKIP(disk, options());
+  DiskTier* dt = disk.get();
+  Tiers t(std::move(disk), true, true);
+  const int64_t n = 24;
+  TierRegion src(n, 5), dst(n, 6);
+  const auto keys = tier_keys(n, 77);
+  std::vector<int64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (const Status& s : t.store->save(src.access(), t.ns, keys, ids, kNever)) ASSERT_TRUE(s.ok()) << s.to_string();
+  t.index->evict_all(std::nullopt);  // every block now lives on disk only
+  const uint64_t off = dt->slot_of("m|mla|t", keys[9])->first + DiskTier::kHeaderBytes + 4000;
+  {
+    const int fd = ::open(dt->file_path().c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    const char garbage[] = "garbage over a promoted block";
+    ASSERT_EQ(::pwrite(fd, garbage, sizeof garbage, static_cast<off_t>(off)), static_cast<ssize_t>(sizeof garbage));
+    ::fsync(fd);
+    ::close(fd);
+  }
+  auto ld = t.store->load(dst.access(), t.ns, keys, ids, kNever);
+  ASSERT_EQ(ld.size(), static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (i == 9) {
+      EXPECT_EQ(ld[i].code(), ErrorCode::kChecksumMismatch) << ld[i].to_string();
+      continue;
+    }
+    ASSERT_TRUE(ld[i].ok()) << i << ": " << ld[i].to_string();
+    EXPECT_EQ(std::memcmp(dst.block(i), src.block(i), static_cast<size_t>(src.spec.block_bytes())), 0) << i;
+  }
+  EXPECT_EQ(t.counter("kvferry_tier_verified_promotions_total{tier=\"disk\"}"), static_cast<uint64_t>(n - 1));
+  EXPECT_EQ(t.store->load(dst.access(), t.ns, {&keys[9], 1}, {&ids[9], 1}, kNever)[0].code(), ErrorCode::kNotFound);
+}
+
+// A tier that does not check its reads (here: one whose reads get corrupted after they landed)
+// is not trusted: the load's own checksum catches the damage and drops the block.
+TEST_P(DiskTierTest, TieredStoreUntrustedReadsAreVerifiedByTheLoad) {
+  OPEN_OR_SKIP(disk, options());
+  auto ft = std::make_unique<FaultTier>(std::move(disk), FaultTier::Knobs{});
+  FaultTier* f = ft.get();
+  Tiers t(std::move(ft), true, false);
+  const int64_t n = 8;
+  TierRegion src(n, 8), dst(n, 9);
+  const auto keys = tier_keys(n, 88);
+  std::vector<int64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  for (const Status& s : t.store->save(src.access(), t.ns, keys, ids, kNever)) ASSERT_TRUE(s.ok()) << s.to_string();
+  t.index->evict_all(std::nullopt);
+  FaultTier::Knobs k;
+  k.corrupt_read_rate = 1;
+  f->set_knobs(k);
+  auto ld = t.store->load(dst.access(), t.ns, keys, ids, kNever);
+  ASSERT_EQ(ld.size(), static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    EXPECT_EQ(ld[i].code(), ErrorCode::kChecksumMismatch) << i << ": " << ld[i].to_string();
+  EXPECT_EQ(f->counts().corrupted_reads, static_cast<uint64_t>(n));
+}
 
 }  // namespace
 }  // namespace kvferry::store

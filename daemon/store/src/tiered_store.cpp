@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -17,6 +18,27 @@ uint64_t slot_bytes_of(uint64_t bytes) {
 struct BlockKeyHash {
   size_t operator()(const BlockKey& k) const { return std::hash<uint64_t>()(k.hi * 0x9E3779B97F4A7C15ull ^ k.lo); }
 };
+
+/// Runs `fn(begin, count)` over [0, n) in turns of about `turn.bytes`, stopping after a turn once
+/// `turn.yield()` says so. Returns the statuses of the blocks done (a prefix).
+template <class Fn>
+std::vector<Status> run_turns(size_t n, uint64_t block_bytes, const TieredStore::Turn& turn, Fn&& fn) {
+  const size_t per = static_cast<size_t>(std::max<uint64_t>(1, turn.bytes / block_bytes));
+  std::vector<Status> res;
+  res.reserve(n);
+  for (size_t b = 0; b < n;) {
+    const size_t m = std::min(per, n - b);
+    for (Status& s : fn(b, m)) res.push_back(std::move(s));
+    b += m;
+    if (b < n && turn.yield && turn.yield()) break;
+  }
+  return res;
+}
+
+/// Steps whose lower-tier I/O runs while the worker copies the next (save) or the previous
+/// (load) one: two keep the device's queue full across one step's fdatasync and the worker's
+/// hiccups on a busy host.
+constexpr size_t kStepsInFlight = 2;
 
 bool has_duplicates(std::span<const BlockKey> keys) {
   std::unordered_set<BlockKey, BlockKeyHash> seen;
@@ -69,15 +91,50 @@ struct TieredStore::Impl {
                                 "tier=\"disk\"")),
         space_retries(m.counter("kvferry_tier_space_retries_total",
                                 "Writes retried after evicting the lower tier's oldest blocks (full device)",
-                                "tier=\"disk\"")) {
-    if (opts.step_bytes == 0) opts.step_bytes = std::max<uint64_t>(index.pool().capacity() / 4, 1);
+                                "tier=\"disk\"")),
+        trusted_reads(m.counter("kvferry_tier_verified_promotions_total",
+                                "Promoted blocks whose bytes the lower tier checked (XXH3) as they landed, so the "
+                                "load did not hash them again",
+                                "tier=\"disk\"")),
+        save_phase(m, "save"),
+        load_phase(m, "load") {
+    if (opts.step_bytes == 0)
+      opts.step_bytes = std::clamp<uint64_t>(index.pool().capacity() / 8, 1, uint64_t{32} << 20);
   }
+
+  /// Where a data worker's time goes in saves and loads through the tiers (microseconds): `host`
+  /// in the offload service (copies and hashes), `lower_wait` blocked on the lower tier's I/O,
+  /// `demote` writing host blocks down before a step could start, `total` the whole call.
+  struct Phases {
+    Counter *host, *lower_wait, *demote, *total;
+    Phases(Registry& m, const char* op) {
+      auto c = [&](const char* phase) {
+        return &m.counter("kvferry_tier_phase_microseconds_total",
+                          "Time data workers spent per phase of saves and loads through the tiers (host: copies "
+                          "and hashes; lower_wait: blocked on the lower tier; demote: writing blocks down before "
+                          "a step could start)",
+                          std::string("tier=\"disk\",op=\"") + op + "\",phase=\"" + phase + "\"");
+      };
+      host = c("host");
+      lower_wait = c("lower_wait");
+      demote = c("demote");
+      total = c("total");
+    }
+  };
+  /// Adds the microseconds since `t0` to `c` when destroyed.
+  struct Timed {
+    Counter& c;
+    Clock::time_point t0 = Clock::now();
+    ~Timed() { c.add(static_cast<uint64_t>(std::chrono::duration<double, std::micro>(Clock::now() - t0).count())); }
+  };
 
   BlockIndex& index;
   OffloadService& svc;
   Tier* lower;
   Options opts;
-  Counter &saved_blocks, &saved_bytes, &loaded_blocks, &loaded_bytes, &write_failures, &read_failures, &space_retries;
+  Counter &saved_blocks, &saved_bytes, &loaded_blocks, &loaded_bytes, &write_failures, &read_failures, &space_retries,
+      &trusted_reads;
+  Phases save_phase, load_phase;
 
   // Completions of the shared tier are routed by cookie: whichever caller polls files them for
   // every waiter (two workers poll one tier).
@@ -87,16 +144,36 @@ struct TieredStore::Impl {
   std::unordered_map<uint64_t, TierCompletion> done;
   std::atomic<uint64_t> next_cookie{1};
 
-  /// Submits `reqs` (cookies assigned here) and waits for all of their completions, in order.
-  std::vector<TierCompletion> run(std::vector<TierRequest>& reqs) {
+  /// A batch submitted to the lower tier whose completions have not been collected yet.
+  struct Flight {
+    std::vector<TierRequest> reqs;  ///< cookies first .. first + size - 1
+    uint64_t first = 0;
+    Status refused;  ///< submit() itself failed: every request completes with it
+  };
+
+  /// Submits `reqs` (cookies assigned here) without waiting.
+  Flight start(std::vector<TierRequest> reqs) {
+    Flight f;
+    f.reqs = std::move(reqs);
+    if (f.reqs.empty()) return f;
+    f.first = next_cookie.fetch_add(f.reqs.size());
+    for (size_t i = 0; i < f.reqs.size(); ++i) f.reqs[i].cookie = f.first + i;
+    f.refused = lower->submit(f.reqs);
+    return f;
+  }
+
+  /// Waits for every completion of `f`, in request order.
+  std::vector<TierCompletion> collect(const Flight& f, Counter& waited) {
+    const auto& reqs = f.reqs;
     std::vector<TierCompletion> out(reqs.size());
     if (reqs.empty()) return out;
-    const uint64_t first = next_cookie.fetch_add(reqs.size());
-    for (size_t i = 0; i < reqs.size(); ++i) reqs[i].cookie = first + i;
-    if (Status st = lower->submit(reqs); !st.ok()) {
-      for (size_t i = 0; i < reqs.size(); ++i) out[i] = TierCompletion{reqs[i].cookie, reqs[i].op, st, reqs[i].record};
+    if (!f.refused.ok()) {
+      for (size_t i = 0; i < reqs.size(); ++i)
+        out[i] = TierCompletion{reqs[i].cookie, reqs[i].op, f.refused, reqs[i].record};
       return out;
     }
+    Timed t{waited};
+    const uint64_t first = f.first;
     size_t have = 0;
     std::vector<uint8_t> got(reqs.size(), 0);
     std::unique_lock lk(pmu);
@@ -127,6 +204,11 @@ struct TieredStore::Impl {
     return out;
   }
 
+  /// Submits `reqs` and waits for all of their completions, in order.
+  std::vector<TierCompletion> run(std::vector<TierRequest> reqs, Counter& waited) {
+    return collect(start(std::move(reqs)), waited);
+  }
+
   /// The lower tier dropped these on its own (to make room): their host copies, if any, are the
   /// only ones now.
   void note_victims() {
@@ -134,9 +216,12 @@ struct TieredStore::Impl {
       if (auto id = index.namespace_id(v.ns)) index.set_on_lower(NsKey{*id, v.key}, false);
   }
 
-  /// Writes blocks down; a full tier evicts its oldest blocks and the writes are retried once.
-  std::vector<TierCompletion> write(std::vector<TierRequest>& reqs) {
-    auto out = run(reqs);
+  /// Writes blocks down (write_finish() collects them); a full tier evicts its oldest blocks and
+  /// the writes are retried once.
+  Flight write_start(std::vector<TierRequest> reqs) { return start(std::move(reqs)); }
+  std::vector<TierCompletion> write_finish(const Flight& f, Counter& waited) {
+    const auto& reqs = f.reqs;
+    auto out = collect(f, waited);
     std::vector<size_t> again;
     uint64_t need = 0;
     for (size_t i = 0; i < out.size(); ++i)
@@ -150,7 +235,7 @@ struct TieredStore::Impl {
         if (auto id = index.namespace_id(v.ns)) index.set_on_lower(NsKey{*id, v.key}, false);
       std::vector<TierRequest> retry;
       for (size_t i : again) retry.push_back(reqs[i]);
-      auto out2 = run(retry);
+      auto out2 = run(std::move(retry), waited);
       for (size_t j = 0; j < again.size(); ++j) out[again[j]] = std::move(out2[j]);
     }
     note_victims();
@@ -178,33 +263,52 @@ struct TieredStore::Impl {
     return r;
   }
 
-  /// Writes about `bytes` of the least recently used dirty host blocks down, so their slots may
-  /// be reused. Returns the slot bytes it made evictable.
-  uint64_t demote(uint64_t bytes) {
-    auto holds = index.take_dirty(bytes);
-    if (holds.empty()) return 0;
+  /// A demotion under way: host blocks held while their writes run.
+  struct Demotion {
+    std::vector<Hold> holds;
+    std::vector<uint8_t> named;  ///< per hold: its namespace is live (it has a request in `f`)
+    Flight f;
+  };
+
+  /// Starts writing about `bytes` of the least recently used dirty host blocks down, so their
+  /// slots may be reused once demote_finish() has run.
+  Demotion demote_start(uint64_t bytes) {
+    Demotion d;
+    d.holds = index.take_dirty(bytes);
+    if (d.holds.empty()) return d;
     std::vector<TierRequest> reqs;
-    std::vector<uint8_t> named(holds.size(), 0);
-    reqs.reserve(holds.size());
-    for (size_t i = 0; i < holds.size(); ++i) {
-      auto name = index.namespace_name(holds[i].key.ns);
+    d.named.assign(d.holds.size(), 0);
+    reqs.reserve(d.holds.size());
+    for (size_t i = 0; i < d.holds.size(); ++i) {
+      auto name = index.namespace_name(d.holds[i].key.ns);
       if (!name) continue;
-      named[i] = 1;
-      reqs.push_back(write_request(holds[i], *name));
+      d.named[i] = 1;
+      reqs.push_back(write_request(d.holds[i], *name));
     }
-    auto out = write(reqs);
+    d.f = write_start(std::move(reqs));
+    return d;
+  }
+  /// Waits for a demotion and lets its blocks be evicted. Returns the slot bytes it made evictable.
+  uint64_t demote_finish(Demotion& d, Counter& waited) {
+    if (d.holds.empty()) return 0;
+    auto out = write_finish(d.f, waited);
     uint64_t freed = 0;
-    for (size_t i = 0, j = 0; i < holds.size(); ++i) {
-      const bool ok = named[i] && out[j].status.ok();
-      if (named[i]) ++j;
-      index.end_demote(holds[i], ok);
-      freed += holds[i].slot.bytes;
+    for (size_t i = 0, j = 0; i < d.holds.size(); ++i) {
+      const bool ok = d.named[i] && out[j].status.ok();
+      if (d.named[i]) ++j;
+      index.end_demote(d.holds[i], ok);
+      freed += d.holds[i].slot.bytes;
     }
+    d.holds.clear();
     return freed;
   }
+  uint64_t demote(uint64_t bytes, Counter& waited) {
+    Demotion d = demote_start(bytes);
+    return demote_finish(d, waited);
+  }
 
-  void make_room(uint64_t bytes) {
-    if (uint64_t need = index.demotion_needed(bytes)) demote(need);
+  void make_room(uint64_t bytes, Counter& waited) {
+    if (uint64_t need = index.demotion_needed(bytes)) demote(need, waited);
   }
 };
 
@@ -215,146 +319,280 @@ TieredStore::TieredStore(BlockIndex& index, OffloadService& svc, Registry& metri
 TieredStore::~TieredStore() = default;
 
 std::vector<Status> TieredStore::save(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
-                                      std::span<const int64_t> block_ids, Clock::time_point deadline) {
+                                      std::span<const int64_t> block_ids, Clock::time_point deadline,
+                                      const Turn& turn) {
   Impl& d = *impl_;
-  if (!lower_ || keys.size() != block_ids.size()) return d.svc.save(region, ns, keys, block_ids, deadline);
-  const auto name = d.index.namespace_name(ns);
-  const uint64_t slot = slot_bytes_of(static_cast<uint64_t>(region.spec.block_bytes()));
-  size_t per = static_cast<size_t>(std::max<uint64_t>(1, d.opts.step_bytes / slot));
+  if (keys.size() != block_ids.size()) return d.svc.save(region, ns, keys, block_ids, deadline);
+  const uint64_t bb = std::max<uint64_t>(1, static_cast<uint64_t>(region.spec.block_bytes()));
+  const uint64_t slot = slot_bytes_of(bb);
   // The service refuses a key named twice only within one call: such a request runs whole.
-  if (keys.size() > per && has_duplicates(keys)) per = keys.size();
+  const bool whole = keys.size() > 1 && has_duplicates(keys);
+  if (!lower_) {
+    if (whole || turn.bytes == 0) return d.svc.save(region, ns, keys, block_ids, deadline);
+    return run_turns(keys.size(), bb, turn, [&](size_t b, size_t n) {
+      return d.svc.save(region, ns, keys.subspan(b, n), block_ids.subspan(b, n), deadline);
+    });
+  }
+  Impl::Timed total{*d.save_phase.total};
+  const auto name = d.index.namespace_name(ns);
+  const size_t per = whole ? keys.size() : static_cast<size_t>(std::max<uint64_t>(1, d.opts.step_bytes / slot));
   std::vector<Status> res(keys.size());
-  for (size_t b = 0; b < keys.size(); b += per) {
+  // Write-through: the writes of step k run while step k+1 copies and hashes. Write-back: the
+  // room step k+1 needs is written down while step k copies.
+  struct Writes {
+    Impl::Flight f;
+    std::vector<Hold> holds;
+    std::vector<size_t> at;  // index into keys per hold
+  };
+  std::deque<Writes> writes;
+  Impl::Demotion ahead;
+  auto finish_writes = [&](Writes& w) {
+    auto out = d.write_finish(w.f, *d.save_phase.lower_wait);
+    for (size_t j = 0; j < w.holds.size(); ++j) {
+      if (out[j].status.ok())
+        d.index.set_on_lower(w.holds[j].key, true);
+      else
+        res[w.at[j]] = out[j].status.with_context("write-through to the " + std::string(lower_->name()) + " tier");
+      d.index.release(w.holds[j]);
+    }
+  };
+  auto drain = [&] {  // returns whether anything was in flight
+    const bool any = !writes.empty() || !ahead.holds.empty();
+    for (; !writes.empty(); writes.pop_front()) finish_writes(writes.front());
+    d.demote_finish(ahead, *d.save_phase.lower_wait);
+    return any;
+  };
+  size_t b = 0;
+  uint64_t done_bytes = 0;
+  while (b < keys.size()) {
     const size_t n = std::min(per, keys.size() - b);
-    d.make_room(n * slot);
-    auto r = d.svc.save(region, ns, keys.subspan(b, n), block_ids.subspan(b, n), deadline);
-    // The pool was full of blocks still being written down elsewhere: demote more, retry once.
+    const size_t n_next = std::min(per, keys.size() - b - n);
+    d.demote_finish(ahead, *d.save_phase.lower_wait);
+    d.make_room(n * slot, *d.save_phase.demote);
+    if (!d.opts.write_through && n_next > 0)
+      if (uint64_t need = d.index.demotion_needed((n + n_next) * slot)) ahead = d.demote_start(need);
+    std::vector<Status> r;
+    {
+      Impl::Timed t{*d.save_phase.host};
+      r = d.svc.save(region, ns, keys.subspan(b, n), block_ids.subspan(b, n), deadline);
+    }
+    // The pool was full of blocks still being written down: let this call's I/O finish, demote
+    // more, and retry once.
     std::vector<size_t> again;
     for (size_t i = 0; i < n; ++i)
       if (r[i].code() == ErrorCode::kResourceExhausted) again.push_back(i);
-    if (!again.empty() && d.demote(again.size() * slot) > 0) {
-      std::vector<BlockKey> k2;
-      std::vector<int64_t> i2;
-      for (size_t i : again) {
-        k2.push_back(keys[b + i]);
-        i2.push_back(block_ids[b + i]);
-      }
-      auto r2 = d.svc.save(region, ns, k2, i2, deadline);
-      for (size_t j = 0; j < again.size(); ++j) r[again[j]] = r2[j];
-    }
-    if (d.opts.write_through && name) {
-      std::vector<Hold> holds;
-      std::vector<size_t> at;
-      std::vector<TierRequest> reqs;
-      for (size_t i = 0; i < n; ++i) {
-        if (!r[i].ok()) continue;
-        auto h = d.index.acquire(NsKey{ns, keys[b + i]});
-        if (!h.ok()) continue;  // evicted already (a tiny pool): it was demoted on the way out
-        holds.push_back(*h);
-        at.push_back(i);
-        reqs.push_back(d.write_request(*h, *name));
-      }
-      auto out = d.write(reqs);
-      for (size_t j = 0; j < holds.size(); ++j) {
-        if (out[j].status.ok())
-          d.index.set_on_lower(holds[j].key, true);
-        else
-          r[at[j]] = out[j].status.with_context("write-through to the " + std::string(lower_->name()) + " tier");
-        d.index.release(holds[j]);
+    if (!again.empty()) {
+      const bool drained = drain();
+      if (d.demote(again.size() * slot, *d.save_phase.demote) > 0 || drained) {
+        std::vector<BlockKey> k2;
+        std::vector<int64_t> i2;
+        for (size_t i : again) {
+          k2.push_back(keys[b + i]);
+          i2.push_back(block_ids[b + i]);
+        }
+        std::vector<Status> r2;
+        {
+          Impl::Timed t{*d.save_phase.host};
+          r2 = d.svc.save(region, ns, k2, i2, deadline);
+        }
+        for (size_t j = 0; j < again.size(); ++j) r[again[j]] = r2[j];
       }
     }
     for (size_t i = 0; i < n; ++i) res[b + i] = std::move(r[i]);
+    if (d.opts.write_through && name) {
+      Writes w;
+      std::vector<TierRequest> reqs;
+      for (size_t i = 0; i < n; ++i) {
+        if (!res[b + i].ok()) continue;
+        auto h = d.index.acquire(NsKey{ns, keys[b + i]});
+        if (!h.ok()) continue;  // evicted already (a tiny pool): it was demoted on the way out
+        w.holds.push_back(*h);
+        w.at.push_back(b + i);
+        reqs.push_back(d.write_request(*h, *name));
+      }
+      w.f = d.write_start(std::move(reqs));
+      writes.push_back(std::move(w));
+      for (; writes.size() > kStepsInFlight; writes.pop_front()) finish_writes(writes.front());
+    }
+    b += n;
+    done_bytes += n * bb;
+    if (b < keys.size() && turn.bytes > 0 && done_bytes >= turn.bytes && turn.yield && turn.yield()) break;
   }
+  drain();
+  res.resize(b);
   return res;
 }
 
 std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
-                                      std::span<const int64_t> block_ids, Clock::time_point deadline) {
+                                      std::span<const int64_t> block_ids, Clock::time_point deadline,
+                                      const Turn& turn) {
   Impl& d = *impl_;
-  if (!lower_ || keys.size() != block_ids.size()) return d.svc.load(region, ns, keys, block_ids, deadline);
-  const auto name = d.index.namespace_name(ns);
-  if (!name) return d.svc.load(region, ns, keys, block_ids, deadline);
-  const uint64_t slot = slot_bytes_of(static_cast<uint64_t>(region.spec.block_bytes()));
-  size_t per = static_cast<size_t>(std::max<uint64_t>(1, d.opts.step_bytes / slot));
+  if (keys.size() != block_ids.size()) return d.svc.load(region, ns, keys, block_ids, deadline);
+  const uint64_t bb = std::max<uint64_t>(1, static_cast<uint64_t>(region.spec.block_bytes()));
+  const uint64_t slot = slot_bytes_of(bb);
   // The service refuses a target block named twice only within one call: such a request runs whole.
+  bool whole = false;
   {
     std::unordered_set<int64_t> seen;
-    for (int64_t b : block_ids)
-      if (!seen.insert(b).second) {
-        per = keys.size();
+    seen.reserve(block_ids.size());
+    for (int64_t id : block_ids)
+      if (!seen.insert(id).second) {
+        whole = true;
         break;
       }
   }
-  std::vector<Status> res(keys.size());
-  for (size_t b = 0; b < keys.size(); b += per) {
-    const size_t n = std::min(per, keys.size() - b);
-    const auto ks = keys.subspan(b, n);
-    const auto present = d.index.lookup(ns, ks).present;
-    // Promote the host misses the lower tier holds: read into reserved host slots, commit (as
-    // blocks with a lower copy), and hold them until the service has loaded them.
-    std::vector<size_t> at;
+  const auto name = lower_ ? d.index.namespace_name(ns) : std::nullopt;
+  if (!lower_ || !name) {
+    if (whole || turn.bytes == 0) return d.svc.load(region, ns, keys, block_ids, deadline);
+    return run_turns(keys.size(), bb, turn, [&](size_t b, size_t n) {
+      return d.svc.load(region, ns, keys.subspan(b, n), block_ids.subspan(b, n), deadline);
+    });
+  }
+  Impl::Timed total{*d.load_phase.total};
+  const size_t per = whole ? keys.size() : static_cast<size_t>(std::max<uint64_t>(1, d.opts.step_bytes / slot));
+  // One step of a load: its host blocks held (so promotions of later steps cannot evict them), its
+  // lower-tier blocks read into reserved host slots (promoted), then all of it loaded into the
+  // region. The reads of step k+1 run while step k is copied.
+  struct Reads {
+    Impl::Flight f;
+    std::vector<size_t> at;  // index in the step per request
     std::vector<SaveReservation> resv;
-    std::vector<TierRequest> reqs;
-    std::vector<Status> promo(n);
+  };
+  struct Step {
+    size_t b = 0, n = 0;
+    std::vector<Hold> holds;
+    std::vector<Status> promo;
+    std::vector<uint8_t> verified;                         // promoted, and the tier checked the bytes
+    std::vector<std::pair<size_t, BlockRecord>> deferred;  // on the lower tier, no slot reserved yet
+    std::vector<Reads> reads;
+  };
+  // Reserves slots for the step's lower-tier blocks and submits their reads. A step read ahead
+  // stops at the first block the pool has no room for (the current step gets the room first);
+  // the rest are read when it becomes current.
+  auto read_lower = [&](Step& p, bool early) {
+    if (p.deferred.empty()) return;
     uint64_t want = 0;
-    std::vector<std::pair<size_t, BlockRecord>> found;
-    for (size_t i = 0; i < n; ++i) {
-      if (present[i]) continue;
-      auto rec = lower_->lookup(*name, ks[i]);
-      if (!rec) continue;
-      want += slot_bytes_of(rec->bytes);
-      found.emplace_back(i, std::move(*rec));
-    }
-    if (!found.empty()) d.make_room(want);
-    for (auto& [i, rec] : found) {
+    for (const auto& [i, rec] : p.deferred) want += slot_bytes_of(rec.bytes);
+    d.make_room(want, *d.load_phase.demote);
+    Reads rd;
+    std::vector<TierRequest> reqs;
+    size_t k = 0;
+    for (; k < p.deferred.size(); ++k) {
+      const size_t i = p.deferred[k].first;
+      const BlockRecord& rec = p.deferred[k].second;
+      const BlockKey& key = keys[p.b + i];
       auto shape = shape_of(rec.format);
       if (!shape || static_cast<uint64_t>(shape->bytes()) != rec.bytes) {
-        promo[i] = Status(ErrorCode::kDataLoss, "the " + std::string(lower_->name()) + " tier's record of block " +
-                                                    ks[i].hex() + " names an unknown format '" + rec.format + "'");
+        p.promo[i] = Status(ErrorCode::kDataLoss, "the " + std::string(lower_->name()) + " tier's record of block " +
+                                                      key.hex() + " names an unknown format '" + rec.format + "'");
         continue;
       }
-      auto r = d.index.reserve(NsKey{ns, ks[i]}, *shape);
-      if (!r.ok() && r.status().code() == ErrorCode::kResourceExhausted && d.demote(slot_bytes_of(rec.bytes)) > 0)
-        r = d.index.reserve(NsKey{ns, ks[i]}, *shape);
+      auto r = d.index.reserve(NsKey{ns, key}, *shape);
+      if (!r.ok() && r.status().code() == ErrorCode::kResourceExhausted) {
+        if (early) break;
+        if (d.demote(slot_bytes_of(rec.bytes), *d.load_phase.demote) > 0) r = d.index.reserve(NsKey{ns, key}, *shape);
+      }
       if (!r.ok()) {
-        if (r.status().code() != ErrorCode::kAlreadyExists) promo[i] = r.status();  // saved meanwhile: fine
+        if (r.status().code() != ErrorCode::kAlreadyExists) p.promo[i] = r.status();  // saved meanwhile: fine
         continue;
       }
       TierRequest q;
       q.op = TierOp::kRead;
       q.record.ns = *name;
-      q.record.key = ks[i];
+      q.record.key = key;
       q.buf = r->data;
       q.buf_bytes = r->slot.bytes;
       reqs.push_back(std::move(q));
-      resv.push_back(*r);
-      at.push_back(i);
+      rd.resv.push_back(*r);
+      rd.at.push_back(i);
     }
-    std::vector<Hold> holds;
-    if (!reqs.empty()) {
-      auto out = d.run(reqs);
+    p.deferred.erase(p.deferred.begin(), p.deferred.begin() + static_cast<std::ptrdiff_t>(k));
+    if (reqs.empty()) return;
+    rd.f = d.start(std::move(reqs));
+    p.reads.push_back(std::move(rd));
+  };
+  size_t next = 0;  // first key of the next step to start
+  auto start_step = [&](bool early) {
+    Step p;
+    p.b = next;
+    p.n = std::min(per, keys.size() - next);
+    next += p.n;
+    p.promo.resize(p.n);
+    p.verified.assign(p.n, 0);
+    if (Clock::now() < deadline) {  // past it, the service reports every block as timed out
+      for (size_t i = 0; i < p.n; ++i) {
+        const BlockKey& key = keys[p.b + i];
+        if (auto h = d.index.acquire(NsKey{ns, key}); h.ok()) {
+          p.holds.push_back(*h);
+          continue;
+        }
+        if (auto rec = lower_->lookup(*name, key)) p.deferred.emplace_back(i, std::move(*rec));
+      }
+      read_lower(p, early);
+    }
+    return p;
+  };
+  // Waits for the step's reads and makes the promoted blocks visible (held).
+  auto finish_reads = [&](Step& p) {
+    read_lower(p, false);
+    for (Reads& rd : p.reads) {
+      auto out = d.collect(rd.f, *d.load_phase.lower_wait);
       for (size_t j = 0; j < out.size(); ++j) {
-        const size_t i = at[j];
-        if (out[j].status.ok() && out[j].record.bytes == resv[j].bytes) {
-          d.index.commit(resv[j], out[j].record.checksum, true);
-          auto h = d.index.acquire(resv[j].key);
-          if (h.ok()) holds.push_back(*h);
+        const size_t i = rd.at[j];
+        if (out[j].status.ok() && out[j].record.bytes == rd.resv[j].bytes) {
+          d.index.commit(rd.resv[j], out[j].record.checksum, true);
+          if (auto h = d.index.acquire(rd.resv[j].key); h.ok()) {
+            p.holds.push_back(*h);
+            p.verified[i] = d.opts.trust_lower_reads ? 1 : 0;
+          }
           d.loaded_blocks.add();
           d.loaded_bytes.add(out[j].record.bytes);
           continue;
         }
-        d.index.abort(resv[j]);
+        d.index.abort(rd.resv[j]);
         if (out[j].status.code() == ErrorCode::kNotFound) continue;  // dropped meanwhile: a miss
         d.read_failures.add();
-        promo[i] = out[j].status.ok() ? Status(ErrorCode::kDataLoss, "size changed on the lower tier")
-                                      : out[j].status.with_context("block " + ks[i].hex() + " from the " +
-                                                                   std::string(lower_->name()) + " tier");
+        p.promo[i] = out[j].status.ok() ? Status(ErrorCode::kDataLoss, "size changed on the lower tier")
+                                        : out[j].status.with_context("block " + keys[p.b + i].hex() + " from the " +
+                                                                     std::string(lower_->name()) + " tier");
       }
     }
-    auto r = d.svc.load(region, ns, ks, block_ids.subspan(b, n), deadline);
-    for (const Hold& h : holds) d.index.release(h);
-    for (size_t i = 0; i < n; ++i) res[b + i] = promo[i].ok() ? std::move(r[i]) : std::move(promo[i]);
+    p.reads.clear();
+  };
+  auto release = [&](Step& p) {
+    for (const Hold& h : p.holds) d.index.release(h);
+    p.holds.clear();
+  };
+  std::vector<Status> res(keys.size());
+  std::deque<Step> steps;
+  size_t b = 0;
+  uint64_t done_bytes = 0;
+  while (b < keys.size()) {
+    if (steps.empty()) steps.push_back(start_step(false));
+    while (next < keys.size() && steps.size() < 1 + kStepsInFlight) steps.push_back(start_step(true));
+    Step& p = steps.front();
+    finish_reads(p);
+    uint64_t trusted = 0;
+    for (uint8_t v : p.verified) trusted += v;
+    d.trusted_reads.add(trusted);
+    std::vector<Status> r;
+    {
+      Impl::Timed t{*d.load_phase.host};
+      r = d.svc.load(region, ns, keys.subspan(p.b, p.n), block_ids.subspan(p.b, p.n), deadline, p.verified);
+    }
+    release(p);
+    for (size_t i = 0; i < p.n; ++i) res[p.b + i] = p.promo[i].ok() ? std::move(r[i]) : std::move(p.promo[i]);
+    b += p.n;
+    done_bytes += p.n * bb;
+    steps.pop_front();
+    if (b < keys.size() && turn.bytes > 0 && done_bytes >= turn.bytes && turn.yield && turn.yield()) break;
   }
+  // A step read ahead of a yield: its blocks stay promoted on the host for the next call.
+  for (Step& p : steps) {
+    finish_reads(p);
+    release(p);
+  }
+  res.resize(b);
   return res;
 }
 

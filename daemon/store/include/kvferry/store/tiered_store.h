@@ -11,6 +11,12 @@
 //   Write-through: every saved block is also written down before the save completes.
 // - load: host misses that the lower tier holds are read into host slots (promoted, checksum
 //   verified by the tier), held, and then loaded like any host block (format conversion included).
+// - pipelining: a save or load moves in steps (Options::step_bytes). The lower tier's I/O of one
+//   step overlaps the host work of the next: a write-through step's writes run while the next step
+//   copies and hashes, a write-back step's room for the next step is written down while it copies,
+//   and a load reads the next step's blocks while the previous one is copied into the region. A
+//   call returns only once all of its I/O has completed, so what a completed save promises (its
+//   blocks on the lower tier under write-through) is as before.
 // - lookup, ls, evict see both tiers; a namespace is resolved by name, so a block written by a
 //   client long gone is found by any later client of the same namespace.
 // Errors of the lower tier fail its blocks only: a failed demotion lets the host drop the block
@@ -34,15 +40,31 @@
 
 namespace kvferry::store {
 
+/// How far one save or load call goes before it gives its worker back: past `bytes` of blocks,
+/// at the first step boundary where `yield()` returns true, the call waits for its I/O and
+/// returns the statuses of the blocks it did (a prefix); the caller calls again with the rest.
+/// Default: the whole request.
+struct TransferTurn {
+  uint64_t bytes = 0;           ///< 0 = never yield
+  std::function<bool()> yield;  ///< asked at step boundaries once `bytes` are done
+};
+
 class TieredStore {
  public:
   struct Options {
     bool write_through = false;  ///< saves also write to the lower tier before they complete
     bool checksums = true;       ///< the service hashes saves (else demotion hashes for the tier)
-    /// Largest step of a save or load through the pool, in bytes (0 = a quarter of the pool, so
-    /// two workers' steps and the blocks being demoted fit side by side).
+    /// Largest step of a save or load through the pool, in bytes (0 = an eighth of the pool, at
+    /// most 32 MiB: a worker holds up to three steps at once, the one copying and the ones whose
+    /// I/O is in flight, so two workers' pipelines fit side by side).
     uint64_t step_bytes = 0;
+    /// The lower tier checks every read's bytes against the record's XXH3 as they land before it
+    /// reports kOk (DiskTier does; a test wrapper that corrupts reads does not): a promoted block
+    /// is then not hashed again on its way to the region. Blocks that were already on the host are
+    /// always verified (integrity.verify_on_load).
+    bool trust_lower_reads = false;
   };
+  using Turn = TransferTurn;
   using Clock = std::chrono::steady_clock;
 
   /// `index`, `svc` and `metrics` outlive the store. `lower` may be null (host only: every call
@@ -55,13 +77,15 @@ class TieredStore {
   /// The lower tier (nullptr when none).
   Tier* lower() const { return lower_.get(); }
 
-  /// OffloadService::save through the tiers (see above). Per-block statuses.
+  /// OffloadService::save through the tiers (see above). Per-block statuses, one per key unless
+  /// `turn` made the call stop early (then a prefix).
   std::vector<Status> save(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
-                           std::span<const int64_t> block_ids, Clock::time_point deadline);
+                           std::span<const int64_t> block_ids, Clock::time_point deadline, const Turn& turn = {});
   /// OffloadService::load through the tiers. A block whose lower copy failed its checksum is
-  /// reported as kChecksumMismatch and dropped; one found nowhere is kNotFound.
+  /// reported as kChecksumMismatch and dropped; one found nowhere is kNotFound. A prefix when
+  /// `turn` made the call stop early.
   std::vector<Status> load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
-                           std::span<const int64_t> block_ids, Clock::time_point deadline);
+                           std::span<const int64_t> block_ids, Clock::time_point deadline, const Turn& turn = {});
 
   /// Presence on either tier and the longest prefix of hits.
   LookupResult lookup(NamespaceId ns, std::span<const BlockKey> keys);
