@@ -346,31 +346,31 @@ struct DataOps::Impl {
     return false;
   }
 
-  /// Runs one step of a transfer on a worker: up to kFairStepBytes of blocks, then either the
-  /// next step at once or, when another tenant waits, at the back of this tenant's queue.
+  /// Runs one turn of a transfer on a worker: all of it, or, once kFairStepBytes are done and
+  /// another tenant waits, the blocks up to the next step boundary; the rest goes to the back of
+  /// this tenant's queue. The store keeps its lower tier's I/O in flight across its own steps
+  /// within a turn, so a transfer nobody waits behind runs as one pipeline.
   void step(const std::shared_ptr<Transfer>& t) {
     const store::RegionAccess acc{t->region->base(), t->region->desc().spec, t->region->on_device()};
-    const uint64_t bb = std::max<uint64_t>(1, static_cast<uint64_t>(acc.spec.block_bytes()));
     const size_t n = t->keys.size();
-    size_t per_step = static_cast<size_t>(std::max<uint64_t>(1, kFairStepBytes / bb));
+    store::TieredStore::Turn turn;
     // The service refuses a destination named twice only within one call: such a request runs whole.
-    if (t->next == 0 && n > per_step && has_duplicate_destinations(*t)) per_step = n;
-    for (;;) {
-      const size_t end = std::min(n, t->next + per_step);
-      const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next, end - t->next);
-      const auto ids = std::span<const int64_t>(t->ids).subspan(t->next, end - t->next);
-      const std::vector<Status> res =
-          t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline) : tiers->save(acc, t->ns, keys, ids, t->deadline);
-      for (const Status& r : res) {
-        t->codes.push_back(r.code());
-        if (t->why.empty() && !r.ok()) t->why = r.to_string();
-      }
-      t->next = end;
-      if (t->next >= n) break;
-      if (workers->others_waiting(t->client->tenant)) {
-        workers->post(t->client->tenant, [this, t] { step(t); });
-        return;
-      }
+    if (!(t->next == 0 && has_duplicate_destinations(*t))) {
+      turn.bytes = kFairStepBytes;
+      turn.yield = [this, &t] { return workers->others_waiting(t->client->tenant); };
+    }
+    const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next);
+    const auto ids = std::span<const int64_t>(t->ids).subspan(t->next);
+    const std::vector<Status> res = t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline, turn)
+                                            : tiers->save(acc, t->ns, keys, ids, t->deadline, turn);
+    for (const Status& r : res) {
+      t->codes.push_back(r.code());
+      if (t->why.empty() && !r.ok()) t->why = r.to_string();
+    }
+    t->next += res.size();
+    if (t->next < n && !res.empty()) {
+      workers->post(t->client->tenant, [this, t] { step(t); });
+      return;
     }
     finish(*t);
   }
@@ -645,6 +645,8 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   store::TieredStore::Options to;
   to.write_through = cfg.disk.write_through;
   to.checksums = so.checksum;
+  // The disk tier checks every read's XXH3 itself; a test wrapper may corrupt bytes after it.
+  to.trust_lower_reads = impl->opts.test_disk_faults.empty();
   impl->tiers = std::make_unique<store::TieredStore>(*impl->index, *impl->svc, impl->metrics, std::move(disk), to);
 
   Impl& d = *impl;
