@@ -3,9 +3,12 @@
 // in the same run. The tier is driven directly (host buffers stand in for host-pool slots, one
 // registered chunk), then through an in-process kvferryd whose 256 MiB host pool is far too small
 // for the data (saves write through to disk; loads promote from disk), each daemon round next to
-// a fio round (medians of 3, interleaved: the disk is noisy); and the start of a daemon on a disk
-// tier holding 100 000 blocks (index rebuild).
-// Arguments after --: the directory to use (default ./kvferry-bench-disk, removed afterwards).
+// a fio round (medians of 3, interleaved: the disk is noisy), in write-back (the default) and
+// write-through mode, with where the worker's time went; and the start of a daemon on a disk tier
+// holding 100 000 blocks (index rebuild).
+// Arguments after --: the directory to use (default ./kvferry-bench-disk, removed afterwards);
+// --daemon-only (skip the bare tier and restart rows), --mode=back|through, --rounds=N,
+// --sizes=256,1024 (KiB), --durability=none|batch|each (the daemon rows' tiers.disk.durability).
 #include <sys/uio.h>
 
 #include <algorithm>
@@ -114,7 +117,8 @@ struct InProcess {
   std::thread runner;
   std::unique_ptr<Client> c;
   double create_s = 0;
-  InProcess(const std::string& dir, uint64_t pool, uint64_t disk, bool write_through) {
+  InProcess(const std::string& dir, uint64_t pool, uint64_t disk, bool write_through,
+            config::DiskDurability durability = config::DiskDurability::kBatch) {
     cfg.daemon.socket = "/tmp/kvferry-bench-disk-" + std::to_string(::getpid()) + ".sock";
     cfg.daemon.metrics_listen = "";
     cfg.device.backend = config::Backend::kCpu;
@@ -122,6 +126,7 @@ struct InProcess {
     cfg.disk.path = std::filesystem::absolute(dir).string();
     cfg.disk.capacity = disk;
     cfg.disk.write_through = write_through;
+    cfg.disk.durability = durability;
     const auto t0 = Clock::now();
     auto r = daemon::Daemon::create(cfg, daemon::Daemon::Options{});
     create_s = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -157,13 +162,40 @@ std::vector<ops::Key> bench_keys(int64_t n, uint64_t round) {
   return k;
 }
 
-/// Saves and loads `n` blocks of `block` bytes through the daemon, 3 rounds each next to fio.
-int daemon_rows(const std::string& dir, uint64_t block, int64_t n, Report& rep) {
+/// Sum of one series (`name{labels}`) in Prometheus text (0 when absent).
+double metric(const std::string& text, const std::string& series) {
+  const size_t at = text.find(series + " ");
+  return at == std::string::npos ? 0 : std::atof(text.c_str() + at + series.size() + 1);
+}
+
+/// The data worker's time per phase of saves or loads through the tiers (ms).
+struct Phases {
+  double host = 0, lower_wait = 0, demote = 0, total = 0;
+};
+Phases phases(const std::string& text, const char* op) {
+  auto m = [&](const char* ph) {
+    return metric(text, std::string("kvferry_tier_phase_microseconds_total{tier=\"disk\",op=\"") + op + "\",phase=\"" +
+                            ph + "\"}") /
+           1e3;
+  };
+  return {m("host"), m("lower_wait"), m("demote"), m("total")};
+}
+std::string describe(const Phases& a, const Phases& b, double wall_s) {
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "%.0f ms wall: in the store %.0f ms, host copy+hash %.0f, lower-tier wait %.0f, demote %.0f",
+                wall_s * 1e3, b.total - a.total, b.host - a.host, b.lower_wait - a.lower_wait, b.demote - a.demote);
+  return buf;
+}
+
+/// Saves and loads `n` blocks of `block` bytes through the daemon, `rounds` rounds each next to fio.
+int daemon_rows(const std::string& dir, uint64_t block, int64_t n, bool write_through, int rounds,
+                config::DiskDurability durability, Report& rep) {
   namespace fs = std::filesystem;
   const uint64_t pool = uint64_t{256} << 20;
   const uint64_t total = block * static_cast<uint64_t>(n);
   fs::remove(dir + "/kvferry-g3.slots");
-  InProcess p(dir, pool, total + total / 4 + (uint64_t{512} << 20), true);
+  InProcess p(dir, pool, total + total / 4 + (uint64_t{512} << 20), write_through, durability);
   if (!p.ok()) return 1;
   // mha:bf16:1x128 is 512 B per token; 64-token pages of 32 KiB; layers make up the block.
   const KvCacheSpec spec{static_cast<int64_t>(block / (32 << 10)), n, 64, EntryFormat::mha(1, 128, DType::kBF16),
@@ -181,32 +213,45 @@ int daemon_rows(const std::string& dir, uint64_t block, int64_t n, Report& rep) 
   std::iota(ids.begin(), ids.end(), 0);
   const uint64_t slot = store::DiskTier::slot_bytes_for(block);
   std::vector<double> sw, lw, fw, fr;
+  std::vector<std::string> sph, lph;
   int rc = 0;
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < rounds; ++round) {
     fw.push_back(fio_bw(dir, "write", slot, static_cast<uint64_t>(n) * slot));
     const auto keys = bench_keys(n, static_cast<uint64_t>(round) + block);
+    const std::string m0 = p.d->metrics_text();
     auto t0 = Clock::now();
     auto sv = p.c->save(*rid, keys, ids, 600'000'000);
-    sw.push_back(static_cast<double>(total) / std::chrono::duration<double>(Clock::now() - t0).count());
+    const double ss = std::chrono::duration<double>(Clock::now() - t0).count();
+    sw.push_back(static_cast<double>(total) / ss);
+    const std::string m1 = p.d->metrics_text();
+    sph.push_back(describe(phases(m0, "save"), phases(m1, "save"), ss));
     if (!sv.ok() || sv->done != static_cast<uint32_t>(n)) {
       std::fprintf(stderr, "disk bench: save: %u of %lld\n", sv.ok() ? sv->done : 0u, (long long)n);
       rc = 1;
     }
     fr.push_back(fio_bw(dir, "read", slot, static_cast<uint64_t>(n) * slot));
     fs::remove(dir + "/fio.dat");
+    const std::string m2 = p.d->metrics_text();
     t0 = Clock::now();
     auto ld = p.c->load(*rid, keys, ids, 600'000'000);
-    lw.push_back(static_cast<double>(total) / std::chrono::duration<double>(Clock::now() - t0).count());
+    const double ls = std::chrono::duration<double>(Clock::now() - t0).count();
+    lw.push_back(static_cast<double>(total) / ls);
+    lph.push_back(describe(phases(m2, "load"), phases(p.d->metrics_text(), "load"), ls));
     if (!ld.ok() || ld->done != static_cast<uint32_t>(n)) {
       std::fprintf(stderr, "disk bench: load: %u of %lld\n", ld.ok() ? ld->done : 0u, (long long)n);
       rc = 1;
     }
   }
-  const std::string tag = std::to_string(block >> 10) + "KiB x " + std::to_string(n) + " kvferryd";
+  const char* mode = write_through ? "write-through" : "write-back";
+  const std::string tag = std::to_string(block >> 10) + "KiB x " + std::to_string(n) + " kvferryd " + mode;
   rep.add({"save " + tag, median3(sw) / 1e9, "GB/s", median3(fw) / 1e9, "fio io_uring qd32 bs=slot write", true, 0.9,
-           "write-through, 256 MiB host pool, XXH3"});
+           std::string(mode) + ", 256 MiB host pool, XXH3"});
   rep.add({"load " + tag, median3(lw) / 1e9, "GB/s", median3(fr) / 1e9, "fio io_uring qd32 bs=slot read", true, 0.9,
-           "promoted from disk, XXH3 verified"});
+           "promoted from disk (XXH3 checked by the tier)"});
+  for (size_t i = 0; i < sph.size(); ++i) {
+    rep.note("save " + tag + " round " + std::to_string(i + 1) + ": " + sph[i]);
+    rep.note("load " + tag + " round " + std::to_string(i + 1) + ": " + lph[i]);
+  }
   return rc;
 }
 
@@ -242,11 +287,49 @@ int restart_row(const std::string& dir, int64_t n, Report& rep) {
 
 int run_disk(const Options& opts) {
   namespace fs = std::filesystem;
-  const std::string dir = opts.args.empty() ? std::string("kvferry-bench-disk") : opts.args[0];
+  std::string dir;
+  bool daemon_only = false;
+  std::vector<bool> modes{false, true};  // write-back (the default), write-through
+  std::vector<uint64_t> sizes =
+      opts.quick ? std::vector<uint64_t>{256 << 10, 1 << 20} : std::vector<uint64_t>{256 << 10, 1 << 20, 4 << 20};
+  int rounds = 3;
+  auto durability = config::DiskDurability::kBatch;
+  for (const std::string& a : opts.args) {
+    if (a == "--durability=batch") {
+      durability = config::DiskDurability::kBatch;
+    } else if (a == "--durability=none") {
+      durability = config::DiskDurability::kNone;
+    } else if (a == "--durability=each") {
+      durability = config::DiskDurability::kEach;
+    } else if (a == "--daemon-only") {
+      daemon_only = true;
+    } else if (a == "--mode=back") {
+      modes = {false};
+    } else if (a == "--mode=through") {
+      modes = {true};
+    } else if (a.rfind("--rounds=", 0) == 0) {
+      rounds = std::max(1, std::atoi(a.c_str() + 9));
+    } else if (a.rfind("--sizes=", 0) == 0) {  // KiB, comma-separated
+      sizes.clear();
+      for (size_t at = 8; at < a.size();) {
+        const size_t comma = std::min(a.find(',', at), a.size());
+        sizes.push_back(std::strtoull(a.substr(at, comma - at).c_str(), nullptr, 10) << 10);
+        at = comma + 1;
+      }
+    } else if (a.rfind("--", 0) == 0) {
+      std::fprintf(stderr,
+                   "disk bench: unknown argument %s (DIR --daemon-only --mode=back|through --rounds=N "
+                   "--sizes=KiB,KiB --durability=none|batch|each)\n",
+                   a.c_str());
+      return 2;
+    } else {
+      dir = a;
+    }
+  }
+  const bool keep_dir = !dir.empty();
+  if (dir.empty()) dir = "kvferry-bench-disk";
   fs::create_directories(dir);
   Report rep("disk");
-  const std::vector<uint64_t> sizes =
-      opts.quick ? std::vector<uint64_t>{256 << 10, 1 << 20} : std::vector<uint64_t>{256 << 10, 1 << 20, 4 << 20};
   const uint64_t max_total = opts.quick ? (uint64_t{512} << 20) : (uint64_t{4} << 30);
   const uint64_t pool_bytes = uint64_t{256} << 20;
   auto* pool = static_cast<uint8_t*>(std::aligned_alloc(4096, pool_bytes));
@@ -262,10 +345,11 @@ int run_disk(const Options& opts) {
     const uint64_t pool_slots = pool_bytes / slot;
     std::vector<uint64_t> sums(pool_slots);
     for (uint64_t b = 0; b < pool_slots; ++b) sums[b] = store::block_checksum(pool + b * slot, block);
-    const double fio_w = fio_bw(dir, "write", slot_bytes, nblocks * slot_bytes);
-    const double fio_r = fio_bw(dir, "read", slot_bytes, nblocks * slot_bytes);
+    const double fio_w = daemon_only ? 0 : fio_bw(dir, "write", slot_bytes, nblocks * slot_bytes);
+    const double fio_r = daemon_only ? 0 : fio_bw(dir, "read", slot_bytes, nblocks * slot_bytes);
     fs::remove(dir + "/fio.dat");
     for (bool fallback : {false, true}) {
+      if (daemon_only) break;
       fs::remove(dir + "/kvferry-g3.slots");
       store::DiskTier::Options o;
       o.path = dir;
@@ -290,14 +374,20 @@ int run_disk(const Options& opts) {
     fs::remove(dir + "/kvferry-g3.slots");
     // Through the daemon: 4096 blocks, at most max_total bytes (this machine's disk and memory).
     const int64_t n = static_cast<int64_t>(std::min<uint64_t>(4096, max_total / block));
-    if (daemon_rows(dir, block, n, rep) != 0) rc = 1;
+    for (bool wt : modes)
+      if (daemon_rows(dir, block, n, wt, rounds, durability, rep) != 0) rc = 1;
   }
-  if (restart_row(dir, opts.quick ? 20000 : 100000, rep) != 0) rc = 1;
+  if (!daemon_only && restart_row(dir, opts.quick ? 20000 : 100000, rep) != 0) rc = 1;
   rep.note("kvferryd rows: at most " + std::to_string(max_total >> 20) +
-           " MiB per size (4096 blocks up to 1 MiB; fewer of 4 MiB), host pool 256 MiB, CPU backend, medians of 3 "
-           "rounds, each next to a fio round on the same file system");
+           " MiB per size (4096 blocks up to 1 MiB; fewer of 4 MiB), host pool 256 MiB, CPU backend, durability " +
+           std::string(durability == config::DiskDurability::kNone   ? "none"
+                       : durability == config::DiskDurability::kEach ? "each"
+                                                                     : "batch") +
+           ", medians of " + std::to_string(rounds) +
+           " rounds, each next to a fio round on the same file system; write-back saves write down all but the "
+           "last ~200 MiB (the pool keeps them), and their loads find those on the host");
   std::free(pool);
-  if (opts.args.empty()) fs::remove_all(dir);
+  if (!keep_dir) fs::remove_all(dir);
   const int frc = rep.finish(opts);
   return rc ? rc : frc;
 }
