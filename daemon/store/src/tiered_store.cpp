@@ -36,9 +36,14 @@ std::vector<Status> run_turns(size_t n, uint64_t block_bytes, const TieredStore:
 }
 
 /// Steps whose lower-tier I/O runs while the worker copies the next (save) or the previous
-/// (load) one: two keep the device's queue full across one step's fdatasync and the worker's
-/// hiccups on a busy host.
-constexpr size_t kStepsInFlight = 2;
+/// (load) one: at least two (the device's queue stays full across one step's fdatasync and the
+/// worker's hiccups on a busy host), and enough for 32 blocks (a device queue's worth: 4 MiB
+/// blocks come 8 to a 32 MiB step), as long as they take at most half of the pool.
+size_t steps_in_flight(size_t per_step, uint64_t slot_bytes, uint64_t pool_bytes) {
+  const size_t for_queue = (32 + per_step - 1) / per_step;
+  const size_t fit = static_cast<size_t>(pool_bytes / 2 / std::max<uint64_t>(1, per_step * slot_bytes));
+  return std::max<size_t>(2, std::min(for_queue, fit));
+}
 
 bool has_duplicates(std::span<const BlockKey> keys) {
   std::unordered_set<BlockKey, BlockKeyHash> seen;
@@ -336,6 +341,7 @@ std::vector<Status> TieredStore::save(const RegionAccess& region, NamespaceId ns
   Impl::Timed total{*d.save_phase.total};
   const auto name = d.index.namespace_name(ns);
   const size_t per = whole ? keys.size() : static_cast<size_t>(std::max<uint64_t>(1, d.opts.step_bytes / slot));
+  const size_t in_flight = steps_in_flight(per, slot, d.index.pool().capacity());
   std::vector<Status> res(keys.size());
   // Write-through: the writes of step k run while step k+1 copies and hashes. Write-back: the
   // room step k+1 needs is written down while step k copies.
@@ -412,7 +418,7 @@ std::vector<Status> TieredStore::save(const RegionAccess& region, NamespaceId ns
       }
       w.f = d.write_start(std::move(reqs));
       writes.push_back(std::move(w));
-      for (; writes.size() > kStepsInFlight; writes.pop_front()) finish_writes(writes.front());
+      for (; writes.size() > in_flight; writes.pop_front()) finish_writes(writes.front());
     }
     b += n;
     done_bytes += n * bb;
@@ -450,6 +456,7 @@ std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns
   }
   Impl::Timed total{*d.load_phase.total};
   const size_t per = whole ? keys.size() : static_cast<size_t>(std::max<uint64_t>(1, d.opts.step_bytes / slot));
+  const size_t in_flight = steps_in_flight(per, slot, d.index.pool().capacity());
   // One step of a load: its host blocks held (so promotions of later steps cannot evict them), its
   // lower-tier blocks read into reserved host slots (promoted), then all of it loaded into the
   // region. The reads of step k+1 run while step k is copied.
@@ -569,7 +576,7 @@ std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns
   uint64_t done_bytes = 0;
   while (b < keys.size()) {
     if (steps.empty()) steps.push_back(start_step(false));
-    while (next < keys.size() && steps.size() < 1 + kStepsInFlight) steps.push_back(start_step(true));
+    while (next < keys.size() && steps.size() < 1 + in_flight) steps.push_back(start_step(true));
     Step& p = steps.front();
     finish_reads(p);
     uint64_t trusted = 0;
