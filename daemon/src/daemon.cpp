@@ -582,6 +582,7 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
     auto c = *ch;
     c->model = m->has_namespace ? m->model : std::string();
     c->tenant = who->tenant;
+    c->owner = who->owner;
     c->uid = creds.uid;
     c->admin = who->admin;
     c->quota = who->admin ? config::TenantQuota{} : quota;
@@ -1221,10 +1222,14 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
     if (opts.data_workers > 0) o.workers = opts.data_workers;
     o.hash_threads = opts.hash_threads;
     o.pipeline_bytes = opts.pipeline_bytes;
-    o.find_region = [d](uint32_t id) -> std::shared_ptr<Region> {
+    // A data op reaches a region only as map_region would: its owner's, a shared one, or any
+    // for an admin. Another tenant's region is as absent as one that does not exist.
+    o.find_region = [d](const ClientChannel& c, uint32_t id) -> std::shared_ptr<Region> {
       std::lock_guard<std::mutex> g(d->mu);
       auto it = d->regions.find(id);
-      return it == d->regions.end() ? nullptr : it->second.region;
+      if (it == d->regions.end()) return nullptr;
+      const bool reach = c.admin || it->second.owner.empty() || it->second.owner == c.owner;
+      return reach ? it->second.region : nullptr;
     };
     o.clients = [d]() -> uint64_t {
       std::lock_guard<std::mutex> g(d->mu);

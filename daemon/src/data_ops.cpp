@@ -228,16 +228,16 @@ struct DataOps::Impl {
     return id;
   }
 
-  /// Whether `c` may see blocks of a namespace of `tenant` (its own; an admin every one).
-  /// The pin account of a tenant: a hash of its name (0 is "no account").
-  static uint64_t tenant_account(const std::string& tenant) { return std::hash<std::string>()(tenant) | 1; }
+  /// The pin account of an owner (ClientChannel::owner): a hash of its name (0 is "no account").
+  static uint64_t owner_account(const std::string& owner) { return std::hash<std::string>()(owner) | 1; }
 
+  /// Whether `c` may see blocks of a namespace of `tenant` (its own; an admin every one).
   static bool sees(const ClientChannel& c, const std::string& tenant) { return c.admin || tenant == c.tenant; }
 
-  /// Counts `bytes` against the tenant's in-flight quota; false (nothing counted) past it.
+  /// Counts `bytes` against the owner's in-flight quota; false (nothing counted) past it.
   bool take_inflight(const ClientChannel& c, uint64_t bytes, uint64_t* now) {
     std::lock_guard<std::mutex> g(inflight_mu);
-    uint64_t& used = inflight[c.tenant];
+    uint64_t& used = inflight[c.owner];
     *now = used;
     // A request larger than the whole quota still runs when it is the tenant's only one.
     if (c.quota.inflight_bytes && used > 0 && used + bytes > c.quota.inflight_bytes) return false;
@@ -286,8 +286,8 @@ struct DataOps::Impl {
   }
 
   /// The region a keyed op names, or an error in `out`.
-  std::shared_ptr<Region> region_of(const ring::SubmitEntry& req, ring::CompletionEntry& out) {
-    auto r = opts.find_region(req.region);
+  std::shared_ptr<Region> region_of(const ClientChannel& c, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
+    auto r = opts.find_region(c, req.region);
     if (!r) set_status(out, ErrorCode::kNotFound);
     return r;
   }
@@ -313,7 +313,7 @@ struct DataOps::Impl {
     ClientChannel& c = *cp;
     auto in = take(c, req, out);
     if (!in) return true;
-    auto region = region_of(req, out);
+    auto region = region_of(c, req, out);
     if (!region) return true;
     auto t = std::make_shared<Transfer>();
     if (!namespace_of(c, *region, out, &t->ns)) return true;
@@ -342,7 +342,7 @@ struct DataOps::Impl {
     t->t0 = Clock::now();
     t->deadline = t->t0 + std::chrono::milliseconds(request_timeout_ms.load());
     t->codes.reserve(req.count);
-    workers->post(c.tenant, [this, t] { step(t); });
+    workers->post(c.owner, [this, t] { step(t); });
     return false;
   }
 
@@ -357,7 +357,7 @@ struct DataOps::Impl {
     // The service refuses a destination named twice only within one call: such a request runs whole.
     if (!(t->next == 0 && has_duplicate_destinations(*t))) {
       turn.bytes = kFairStepBytes;
-      turn.yield = [this, &t] { return workers->others_waiting(t->client->tenant); };
+      turn.yield = [this, &t] { return workers->others_waiting(t->client->owner); };
     }
     const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next);
     const auto ids = std::span<const int64_t>(t->ids).subspan(t->next);
@@ -369,7 +369,7 @@ struct DataOps::Impl {
     }
     t->next += res.size();
     if (t->next < n && !res.empty()) {
-      workers->post(t->client->tenant, [this, t] { step(t); });
+      workers->post(t->client->owner, [this, t] { step(t); });
       return;
     }
     finish(*t);
@@ -397,7 +397,7 @@ struct DataOps::Impl {
     write_statuses(*t.client, t.status_offset, t.codes, t.out);
     set_status(t.out, first);
     observe(t.req.op, t.t0);
-    give_inflight(t.client->tenant, t.bytes);
+    give_inflight(t.client->owner, t.bytes);
     rings->post(t.client, t.out);
   }
 
@@ -406,7 +406,7 @@ struct DataOps::Impl {
     ClientChannel& c = *cp;
     auto in = take(c, req, out);
     if (!in) return true;
-    auto region = region_of(req, out);
+    auto region = region_of(c, req, out);
     if (!region) return true;
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;
@@ -431,14 +431,14 @@ struct DataOps::Impl {
     ClientChannel& c = *cp;
     auto in = take(c, req, out);
     if (!in) return true;
-    auto region = region_of(req, out);
+    auto region = region_of(c, req, out);
     if (!region) return true;
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;
     const auto keys = block_keys(*in);
     const bool unpin = req.op == static_cast<uint16_t>(proto::Op::kUnpin);
     // The pinned-bytes quota is the tenant's: every client of a tenant pins against one account.
-    const store::PinAccount account{tenant_account(c.tenant), c.quota.pinned_bytes};
+    const store::PinAccount account{owner_account(c.owner), c.quota.pinned_bytes};
     std::vector<ErrorCode> codes(keys.size());
     for (size_t i = 0; i < keys.size(); ++i) {
       codes[i] =
@@ -461,7 +461,7 @@ struct DataOps::Impl {
     }
     auto in = take(c, req, out);
     if (!in) return true;
-    auto region = region_of(req, out);
+    auto region = region_of(c, req, out);
     if (!region) return true;
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;
@@ -536,7 +536,7 @@ struct DataOps::Impl {
       return set_status(out, st.code()), true;
     std::optional<store::NamespaceId> ns;
     if (req.region != 0) {
-      auto region = region_of(req, out);
+      auto region = region_of(c, req, out);
       if (!region) return true;
       store::NamespaceId id;
       if (!namespace_of(c, *region, out, &id)) return true;
@@ -573,7 +573,7 @@ struct DataOps::Impl {
     if (req.count != 1) return set_status(out, ErrorCode::kInvalidArgument), true;
     auto in = take(c, req, out);
     if (!in) return true;
-    auto region = region_of(req, out);
+    auto region = region_of(c, req, out);
     if (!region) return true;
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;

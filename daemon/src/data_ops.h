@@ -33,7 +33,9 @@ class DataOps {
     /// Tests only: a FaultTier spec (store::parse_fault_spec) wrapped around the disk tier.
     std::string test_disk_faults;
     /// Resolves a region id (nullptr when there is none).
-    std::function<std::shared_ptr<Region>(uint32_t)> find_region;
+    /// Resolves a region id for a client: nullptr when there is none or the client may not
+    /// reach it (another tenant's).
+    std::function<std::shared_ptr<Region>(const ClientChannel&, uint32_t)> find_region;
     /// Connected clients (for the metrics).
     std::function<uint64_t()> clients;
   };

@@ -482,6 +482,51 @@ TEST(HostileData, PinAndInflightQuotasHoldPerTenant) {
   EXPECT_EQ(d.stop(), 0) << d.log();
 }
 
+// A data op names a region by id: another tenant's region is as absent to it as a region that
+// does not exist (a save from it would read the other tenant's cache, a load would write it).
+TEST(HostileData, SaveAndLoadNeverReachAnotherTenantsRegion) {
+  DaemonProcess d(
+      "daemon:\n  admin_uids: []\n"
+      "regions:\n"
+      "  - name: theirs\n    layers: 2\n    blocks: 8\n    block_size: 16\n    format: mla_bf16\n    tenant: a\n"
+      "  - name: shared\n    layers: 2\n    blocks: 8\n    block_size: 16\n    format: mla_bf16\n"
+      "tenants:\n  - name: a\n    uids: [4242]\n  - name: b\n    uids: [0]\n");
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto raw = RawClient::connect(d.socket(), "b");
+  ASSERT_TRUE(raw) << d.log();
+  EXPECT_EQ(raw->region("theirs"), 0u) << "tenant b was offered tenant a's region";
+  const uint32_t theirs = 1;  // config regions are numbered in order: the id is easy to guess
+  ASSERT_NE(raw->region("shared"), 0u);
+  // Keys and block ids in the arena; a save and a load naming tenant a's region by its id.
+  const ops::Key key{1, 2};
+  const int64_t block = 0;
+  std::memcpy(raw->ch.arena, &key, sizeof key);
+  std::memcpy(raw->ch.arena + sizeof key, &block, sizeof block);
+  uint64_t id = 1;
+  for (auto op : {proto::Op::kSave, proto::Op::kLoad, proto::Op::kLookup, proto::Op::kPin}) {
+    ring::SubmitEntry e{};
+    e.id = id++;
+    e.op = static_cast<uint16_t>(op);
+    e.region = theirs;
+    e.count = 1;
+    ASSERT_TRUE(raw->submit(e));
+    auto c = raw->wait(e.id);
+    ASSERT_TRUE(c.has_value()) << d.log();
+    EXPECT_EQ(static_cast<ErrorCode>(c->status), ErrorCode::kNotFound) << "op " << e.op;
+  }
+  // The shared region works for the same client.
+  ring::SubmitEntry e{};
+  e.id = id++;
+  e.op = static_cast<uint16_t>(proto::Op::kSave);
+  e.region = raw->region("shared");
+  e.count = 1;
+  ASSERT_TRUE(raw->submit(e));
+  auto c = raw->wait(e.id);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(static_cast<ErrorCode>(c->status), ErrorCode::kOk);
+  EXPECT_EQ(d.stop(), 0) << d.log();
+}
+
 // A non-admin client (another uid) lists and evicts only its own tenant's blocks.
 TEST(HostileData, LsAndEvictAllStayWithinTheTenant) {
   if (::getuid() != 0) GTEST_SKIP() << "needs root to run a client as another uid";

@@ -15,16 +15,25 @@ namespace http = beast::http;
 using tcp = asio::ip::tcp;
 
 struct HttpServer::Impl : std::enable_shared_from_this<HttpServer::Impl> {
-  Impl(asio::io_context& io, Handlers h) : acceptor(io), handlers(std::move(h)) {}
+  Impl(asio::io_context& io, Handlers h) : acceptor(io), backoff(io), handlers(std::move(h)) {}
   tcp::acceptor acceptor;
+  asio::steady_timer backoff;
   Handlers handlers;
   bool stopped = false;
 
   void accept() {
     acceptor.async_accept([self = shared_from_this()](beast::error_code ec, tcp::socket sock) {
       if (self->stopped) return;
-      if (!ec) self->serve(std::move(sock));
-      self->accept();
+      if (!ec) {
+        self->serve(std::move(sock));
+        return self->accept();
+      }
+      // An accept that fails (out of fds, most often) would fail again at once: wait a little
+      // instead of spinning, while the rest of the daemon serves on.
+      self->backoff.expires_after(std::chrono::milliseconds(100));
+      self->backoff.async_wait([self](beast::error_code) {
+        if (!self->stopped) self->accept();
+      });
     });
   }
 
@@ -76,6 +85,7 @@ void HttpServer::stop() {
   impl_->stopped = true;
   beast::error_code ec;
   impl_->acceptor.close(ec);
+  impl_->backoff.cancel();
 }
 
 uint16_t HttpServer::port() const { return impl_->acceptor.local_endpoint().port(); }

@@ -29,6 +29,9 @@ struct ClientChannel {
   /// The effective tenant, set by the daemon at the Hello from the peer's credentials (never
   /// what the client merely claims): blocks, regions and namespaces of other tenants are out of reach.
   std::string tenant;
+  /// Who owns what the client creates and whose quotas it spends: the tenant name with
+  /// `tenants:` configured, else `uid:N` (so claimed sub-tenants of one uid share its quotas).
+  std::string owner;
   uint32_t uid = 0;           ///< SO_PEERCRED uid
   bool admin = false;         ///< daemon.admin_uids/admin_gids: may list and evict every tenant's blocks
   config::TenantQuota quota;  ///< the tenant's quotas, defaults resolved (0 = no limit)
