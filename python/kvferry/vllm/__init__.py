@@ -8,10 +8,10 @@ Tested against vllm==0.33.0; the calls that depend on vLLM's version are in kvfe
 
 from .compat import HAVE_VLLM, TESTED_VLLM
 from .spec import (
-    KvferryHandler,
     KvferryLoadStoreSpec,
     KvferryManager,
     KvferryOffloadingSpec,
+    KvferryWorker,
     block_key,
     byte_geometry,
 )
@@ -19,10 +19,10 @@ from .spec import (
 __all__ = [
     "HAVE_VLLM",
     "TESTED_VLLM",
-    "KvferryHandler",
     "KvferryLoadStoreSpec",
     "KvferryManager",
     "KvferryOffloadingSpec",
+    "KvferryWorker",
     "block_key",
     "byte_geometry",
 ]

@@ -7,18 +7,19 @@ Select it in vLLM's kv_transfer_config:
                                     "spec_module_path": "kvferry.vllm.spec",
                                     "kvferry.socket": "/run/kvferry/kvferry.sock"}}'
 
-Scheduler side (KvferryManager): lookups go to the daemon's index, batched per call and bounded by
-``kvferry.lookup_timeout_ms`` (default 5); a daemon that is down or slow is a miss, never an error
-inside vLLM (it reconnects at most once a second). Blocks to load are pinned until complete_load.
+Scheduler side (KvferryManager): vLLM asks one block at a time; each lookup goes to the daemon's
+index, bounded by ``kvferry.lookup_timeout_ms`` (default 5); a daemon that is down or slow is a
+miss, never an error inside vLLM (it reconnects at most once a second). Blocks to load are pinned
+until complete_load.
 
-Worker side (KvferryHandler, one per direction): vLLM's KV tensors (one per canonical tensor: one
-for cross-layer blocks, one per layer otherwise) are registered with the daemon once (a CUDA
-tensor by its legacy IPC handle), then blocks move by id through the daemon's save/load. A tensor
-that cannot be registered (host memory that is not a memfd, or a CUDA tensor not at the start of
-its allocation) goes through a daemon-owned region of the same geometry and a copy per transfer.
+Worker side (KvferryWorker): vLLM's canonical KV tensors (int8 (num_blocks, page) views, one per
+distinct KV tensor) are registered with the daemon once (a contiguous CUDA tensor that starts its
+allocation by its legacy IPC handle), then blocks move by id through the daemon's save/load. A
+tensor that cannot be registered (host memory that is not a memfd, or a CUDA view inside a larger
+allocation) goes through a daemon-owned region of the same geometry and a copy per transfer.
 
-Keys: blake2b-128 of vLLM's block hash, personalized by the worker rank and the tensor index; the
-namespace's model part carries model, revision, KV dtype, block size and parallel layout
+Keys: blake2b-128 of vLLM's OffloadKey (block hash + group index), personalized by the worker rank and the tensor index; the
+namespace's model part carries model, KV dtype, block size and parallel layout
 (compat.model_fingerprint), so instances of one model share blocks and different models never do.
 Every region is described as opaque bytes (BYTE_FORMAT, as many "layers" as the block needs), so
 the daemon never converts formats for vLLM: what is loaded is byte for byte what was saved.
@@ -38,7 +39,7 @@ import kvferry
 from kvferry.errors import KvferryError, TimeoutKvError, UnavailableError
 
 from . import compat
-from .compat import GPULoadStoreSpec, LoadStoreSpec, OffloadingHandler, OffloadingManager, OffloadingSpec
+from .compat import LoadStoreSpec, OffloadingManager, OffloadingSpec, OffloadingWorker
 
 log = logging.getLogger("kvferry.vllm")
 
@@ -46,23 +47,31 @@ MEDIUM = "KVFERRY"
 
 
 class KvferryLoadStoreSpec(LoadStoreSpec):
-    """Blocks in kvferry: vLLM's block hashes (the keys are derived per rank and tensor)."""
+    """Blocks in kvferry: vLLM's OffloadKeys (block hash + group index), in the order of the GPU
+    block ids they pair with; the kvferry keys are derived per rank and tensor."""
 
-    def __init__(self, block_hashes: Iterable[Any]):
-        self.block_hashes = [compat.hash_bytes(h) for h in block_hashes]
+    def __init__(self, keys: Iterable[Any]):
+        self.keys = [compat.key_bytes(k) for k in keys]
+
+    @property
+    def block_hashes(self) -> List[bytes]:
+        return self.keys
 
     @staticmethod
     def medium() -> str:
         return MEDIUM
 
+    def __len__(self) -> int:
+        return len(self.keys)
+
     def __repr__(self) -> str:
-        return f"KvferryLoadStoreSpec({len(self.block_hashes)} blocks)"
+        return f"KvferryLoadStoreSpec({len(self.keys)} blocks)"
 
 
-def block_key(block_hash: bytes, rank: int = 0, tensor: int = 0) -> bytes:
-    """The 16-byte kvferry key of one vLLM block hash for one worker rank and one KV tensor."""
+def block_key(key: Any, rank: int = 0, tensor: int = 0) -> bytes:
+    """The 16-byte kvferry key of one vLLM OffloadKey for one worker rank and one KV tensor."""
     person = f"kvf-r{rank}-t{tensor}".encode()[:16]
-    return hashlib.blake2b(compat.hash_bytes(block_hash), digest_size=16, person=person).digest()
+    return hashlib.blake2b(compat.key_bytes(key), digest_size=16, person=person).digest()
 
 
 #: Every region of the plugin has this format: the daemon keys namespaces by format family (for
@@ -78,16 +87,21 @@ def byte_geometry(page_bytes: int, block_size: int) -> Tuple[int, str]:
     return page_bytes // (2 * block_size), BYTE_FORMAT
 
 
-def _client_options(extra: Dict[str, Any], vllm_config) -> Dict[str, Any]:
+def _client_options(extra, config) -> Dict[str, Any]:
     return {
         "socket": extra.get("kvferry.socket"),
-        "model": extra.get("kvferry.model") or compat.model_fingerprint(vllm_config),
+        "model": extra.get("kvferry.model") or compat.model_fingerprint(config),
         "tenant": extra.get("kvferry.tenant"),
     }
 
 
 class KvferryManager(OffloadingManager):
-    """The scheduler-side manager: answers from the daemon's index."""
+    """The scheduler-side manager: answers from the daemon's index.
+
+    vLLM asks one block at a time (lookup) and stops at the first miss; each answer is one round
+    trip bounded by ``lookup_timeout_s``. A daemon that is down, slow or gone answers MISS (and
+    prepare_store None: nothing is stored), never an exception inside vLLM; it is looked for again
+    at most once every ``reconnect_s``."""
 
     ANCHOR = "vllm-anchor"
 
@@ -100,7 +114,6 @@ class KvferryManager(OffloadingManager):
         self._client: Optional[kvferry.Client] = None
         self._anchor = None
         self._last_try = -1e9
-        self._pinned: Dict[bytes, int] = {}
         self._lock = threading.Lock()
 
     def _connected(self):
@@ -122,19 +135,20 @@ class KvferryManager(OffloadingManager):
             return None, None
         return self._client, self._anchor
 
-    def _keys(self, block_hashes) -> List[bytes]:
-        return [block_key(h) for h in block_hashes]
+    def _keys(self, keys) -> List[bytes]:
+        return [block_key(k) for k in keys]
 
-    def _present(self, block_hashes) -> Optional[np.ndarray]:
+    def _present(self, keys) -> Optional[np.ndarray]:
+        """Which of `keys` the daemon holds, or None when it cannot say in time."""
         with self._lock:
             c, anchor = self._connected()
             if c is None:
                 return None
-            keys = self._keys(block_hashes)
-            if not keys:
+            kk = self._keys(keys)
+            if not kk:
                 return np.zeros(0, dtype=bool)
             try:
-                return c.lookup_async(anchor, keys).wait(self._timeout).hits
+                return np.asarray(c.lookup_async(anchor, kk).wait(self._timeout).hits, dtype=bool)
             except UnavailableError:
                 self._client = None
                 return None
@@ -142,50 +156,57 @@ class KvferryManager(OffloadingManager):
                 log.debug("kvferry lookup: %s (a miss)", e)
                 return None
 
-    def lookup(self, block_hashes: Iterable[Any]) -> int:
-        hits = self._present(list(block_hashes))
-        if hits is None or hits.size == 0:
-            return 0
-        return int(hits.size if hits.all() else np.argmin(hits))
-
-    def prepare_load(self, block_hashes: Iterable[Any]) -> LoadStoreSpec:
-        hashes = list(block_hashes)
+    def _pin(self, keys, pin: bool) -> None:
         with self._lock:
             c, anchor = self._connected()
-            if c is not None:
-                try:  # keep them until complete_load (a failure here only risks a recompute)
-                    c.pin(anchor, self._keys(hashes), check=False)
-                except KvferryError:
-                    pass
-        return KvferryLoadStoreSpec(hashes)
+            if c is None:
+                return
+            try:  # a failure here only risks a recompute
+                (c.pin if pin else c.unpin)(anchor, self._keys(keys), check=False)
+            except KvferryError:
+                pass
 
-    def complete_load(self, block_hashes: Iterable[Any]) -> None:
-        with self._lock:
-            c, anchor = self._connected()
-            if c is not None:
-                try:
-                    c.unpin(anchor, self._keys(list(block_hashes)), check=False)
-                except KvferryError:
-                    pass
+    def lookup(self, key: Any, req_context: Any = None):
+        hits = self._present([key])
+        hit = hits is not None and hits.size == 1 and bool(hits[0])
+        return compat.LookupResult.HIT if hit else compat.LookupResult.MISS
 
-    def touch(self, block_hashes: Iterable[Any]) -> None:
+    def prepare_load(self, keys: Iterable[Any], req_context: Any = None) -> LoadStoreSpec:
+        keys = list(keys)
+        self._pin(keys, True)  # kept until complete_load
+        return KvferryLoadStoreSpec(keys)
+
+    def touch(self, keys: Iterable[Any], req_context: Any = None) -> None:
         return  # the daemon keeps its own LRU order
 
-    def prepare_store(self, block_hashes: Iterable[Any]):
-        hashes = list(block_hashes)
-        hits = self._present(hashes)
+    def complete_load(self, keys: Iterable[Any], req_context: Any = None) -> None:
+        self._pin(list(keys), False)
+
+    def prepare_store(self, keys: Iterable[Any], req_context: Any = None):
+        keys = list(keys)
+        hits = self._present(keys)
         if hits is None:  # no daemon: nothing can be stored now
             return None
-        todo = [h for h, hit in zip(hashes, hits) if not hit]
-        return compat.PrepareStoreOutput(
-            block_hashes_to_store=todo, store_spec=KvferryLoadStoreSpec(todo), block_hashes_evicted=[]
-        )
+        todo = [k for k, hit in zip(keys, hits) if not hit]
+        return compat.PrepareStoreOutput(keys_to_store=todo, store_spec=KvferryLoadStoreSpec(todo), evicted_keys=[])
 
-    def complete_store(self, block_hashes: Iterable[Any], success: bool = True) -> None:
-        return
+    def complete_store(self, keys: Iterable[Any], req_context: Any = None, success: bool = True) -> None:
+        return  # saved blocks are in the daemon's index once the worker's save completed
+
+    def on_new_request(self, req_context: Any = None):
+        return compat.request_context()
 
     def take_events(self):
         return ()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            c, self._client, self._anchor = self._client, None, None
+        if c is not None:
+            try:
+                c.close()
+            except KvferryError:
+                pass
 
 
 class _Tensor:
@@ -199,10 +220,11 @@ class _Tensor:
         num_blocks = shape[0]
         nbytes = _nbytes(tensor)
         page = nbytes // num_blocks
+        self.page = page
         layers, fmt = byte_geometry(page, worker.block_size)
         name = f"vllm-{worker.instance}-r{worker.rank}-t{idx}"
         self.staged = True
-        if getattr(tensor, "is_cuda", False):
+        if getattr(tensor, "is_cuda", False) and tensor.is_contiguous():  # blocks back to back
             handle = compat.cuda_ipc_handle(tensor)
             if handle is not None:
                 self.region = c.register_region(
@@ -234,12 +256,26 @@ def _nbytes(t) -> int:
 
 
 def _host_rows(t, num_blocks: int) -> np.ndarray:
-    if hasattr(t, "detach"):  # torch CPU tensor: a uint8 numpy view of the same memory
-        t = t.detach().contiguous().view(-1).numpy().view(np.uint8)
+    """A (num_blocks, page bytes) uint8 numpy view of a host tensor's memory: writes go to the
+    tensor (vLLM's canonical tensors may have a block stride larger than their page)."""
+    if hasattr(t, "detach"):  # torch CPU tensor: numpy shares its memory and strides
+        t = t.detach()
+        if t.dtype.is_floating_point and t.element_size() == 2:
+            import torch
+
+            t = t.view(torch.int16)  # bf16/fp16: a same-size integer view numpy understands
+        elif str(t.dtype).startswith("torch.float8"):
+            import torch
+
+            t = t.view(torch.uint8)
+        t = t.numpy()
     a = np.asarray(t)
-    if not a.flags.c_contiguous:
-        raise ValueError("a staged KV tensor must be contiguous")
-    return a.reshape(-1).view(np.uint8).reshape(num_blocks, -1)
+    if a.ndim == 0 or a.shape[0] != num_blocks:
+        raise ValueError(f"a KV tensor of shape {a.shape} does not start with {num_blocks} blocks")
+    rows = a.reshape(num_blocks, -1) if a.ndim != 2 else a
+    if not np.shares_memory(rows, a) or rows.strides[1] != rows.itemsize:
+        raise ValueError("a staged KV tensor's block must be contiguous bytes")
+    return rows.view(np.uint8)
 
 
 class _Worker:
@@ -253,55 +289,68 @@ class _Worker:
         self.tensors = [_Tensor(self, i, t) for i, t in enumerate(tensors)]
 
 
-class KvferryHandler(OffloadingHandler):
-    """Moves blocks between vLLM's KV tensors and kvferry (one direction per handler)."""
+class KvferryWorker(OffloadingWorker):
+    """vLLM's worker-side transfers: GPU (or host) KV blocks <-> kvferry, by block id.
 
-    def __init__(self, worker: _Worker, store: bool):
+    A job that fails (a block no longer held, a daemon gone) is reported as a TransferResult with
+    success False, never raised."""
+
+    def __init__(self, worker: _Worker):
         self.w = worker
-        self.store = store
-        self._jobs: Dict[int, Tuple[list, List[int], float, int]] = {}
-        self._done: list = []  # finished by wait(), reported by the next get_finished()
+        self._jobs: Dict[int, Tuple[list, List[int], bool, float, int]] = {}
+        self._done: list = []  # finished by wait() or at submit, reported by the next get_finished()
 
-    def transfer_async(self, job_id: int, spec) -> bool:
-        src, dst = spec
-        gpu, kv = (src, dst) if self.store else (dst, src)
-        ids = compat.gpu_block_ids(gpu)
-        if len(ids) != len(kv.block_hashes):
-            log.warning("kvferry: %d block ids for %d hashes", len(ids), len(kv.block_hashes))
-            return False
+    def _submit(self, job_id: int, gpu, kv, store: bool) -> bool:
+        try:
+            ids = compat.gpu_block_ids(gpu)
+        except NotImplementedError as e:
+            log.warning("kvferry: job %d: %s", job_id, e)
+            self._done.append(compat.transfer_result(job_id, False))
+            return True
+        if len(ids) != len(kv.keys):
+            log.warning("kvferry: job %d pairs %d block ids with %d keys", job_id, len(ids), len(kv.keys))
+            self._done.append(compat.transfer_result(job_id, False))
+            return True
         c = self.w.client
         tickets = []
+        t0 = time.perf_counter()
         try:
             for t in self.w.tensors:
-                keys = [block_key(h, self.w.rank, t.idx) for h in kv.block_hashes]
-                if self.store:
+                keys = [block_key(k, self.w.rank, t.idx) for k in kv.keys]
+                if store:
                     t.to_region(ids)
                     tickets.append(c.save_async(t.region, keys, ids, check=False))
                 else:
                     tickets.append(c.load_async(t.region, keys, ids, check=False))
         except KvferryError as e:
-            log.warning("kvferry: transfer %d not submitted: %s", job_id, e)
-            return False
-        nbytes = sum(t.region.block_bytes for t in self.w.tensors) * len(ids)
-        self._jobs[job_id] = (tickets, ids, time.perf_counter(), nbytes)
+            log.warning("kvferry: job %d not submitted: %s", job_id, e)
+            self._done.append(compat.transfer_result(job_id, False))
+            return True
+        nbytes = sum(t.page for t in self.w.tensors) * len(ids)
+        self._jobs[job_id] = (tickets, ids, store, t0, nbytes)
         return True
 
+    def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
+        return self._submit(job_id, src_spec, dst_spec, store=True)
+
+    def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False) -> bool:
+        return self._submit(job_id, dst_spec, src_spec, store=False)
+
     def _finish(self, job_id: int, timeout: Optional[float]):
-        tickets, ids, t0, nbytes = self._jobs[job_id]
+        tickets, ids, store, t0, nbytes = self._jobs[job_id]
+        if timeout == 0 and not all(t.done() for t in tickets):
+            return None
         ok = True
         for t in tickets:
-            if timeout == 0 and not t.done():
-                return None
             try:
                 ok = t.wait(timeout).ok and ok
             except KvferryError:
                 ok = False
-        if ok and not self.store:
+        if ok and not store:
             for t in self.w.tensors:
                 t.from_region(ids)
         del self._jobs[job_id]
-        kind = ("GPU", MEDIUM) if self.store else (MEDIUM, "GPU")
-        return compat.transfer_result(job_id, ok, nbytes, time.perf_counter() - t0, kind)
+        return compat.transfer_result(job_id, ok, nbytes, time.perf_counter() - t0)
 
     def get_finished(self) -> list:
         out = []
@@ -323,30 +372,31 @@ class KvferryHandler(OffloadingHandler):
 class KvferryOffloadingSpec(OffloadingSpec):
     """vLLM's OffloadingConnector spec backed by kvferryd (see the module's doc)."""
 
-    def __init__(self, vllm_config, kv_cache_config=None):
-        super().__init__(vllm_config, kv_cache_config)
-        if any(f != 1 for f in getattr(self, "block_size_factors", (1,))):
-            raise ValueError("kvferry's vLLM plugin offloads in vLLM's own block size (leave 'block_size' unset)")
-        self._opts = _client_options(self.extra_config, vllm_config)
+    def __init__(self, config):
+        super().__init__(config)
+        if getattr(self, "blocks_per_chunk", 1) != 1:
+            raise ValueError("kvferry's vLLM plugin offloads in vLLM's own block size "
+                             "(leave 'block_size' and 'blocks_per_chunk' unset)")
+        if len(getattr(config, "groups", ()) or ()) > 1:
+            raise ValueError("kvferry's vLLM plugin handles one KV cache group (hybrid models: not yet)")
+        self._opts = _client_options(self.extra_config, config)
         self._timeout = float(self.extra_config.get("kvferry.lookup_timeout_ms", 5)) / 1000.0
+        self._block_size = compat.config_tokens_per_block(self)
+        self._rank = compat.config_rank(config)
         self._manager = None
         self._worker = None
 
-    # vLLM asks for one region holding all layers where the attention backend allows it.
-    prefer_cross_layer_blocks = True
-
     def get_manager(self) -> KvferryManager:
         if self._manager is None:
-            self._manager = KvferryManager(self._opts, self.gpu_block_size[0], self._timeout)
+            self._manager = KvferryManager(self._opts, self._block_size, self._timeout)
         return self._manager
 
-    def get_handlers(self, kv_caches, attn_backends=None) -> Iterator[tuple]:
+    def get_worker(self, kv_caches) -> KvferryWorker:
         import os
 
         if self._worker is None:
-            rank = int(getattr(getattr(self.vllm_config, "parallel_config", None), "rank", 0) or 0)
-            client = kvferry.Client(name=f"vllm-worker-{rank}", **self._opts)
-            self._worker = _Worker(client, compat.canonical_tensors(kv_caches), self.gpu_block_size[0], rank,
-                                   f"{os.getpid()}")
-        yield GPULoadStoreSpec, KvferryLoadStoreSpec, KvferryHandler(self._worker, store=True)
-        yield KvferryLoadStoreSpec, GPULoadStoreSpec, KvferryHandler(self._worker, store=False)
+            client = kvferry.Client(name=f"vllm-worker-{self._rank}", **self._opts)
+            state = _Worker(client, compat.canonical_tensors(kv_caches), self._block_size, self._rank,
+                            f"{os.getpid()}-{id(self):x}")
+            self._worker = KvferryWorker(state)
+        return self._worker
