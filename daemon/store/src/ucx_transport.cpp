@@ -1030,14 +1030,23 @@ struct UcxTransport::Impl {
 
   void loop() {
     ucp_worker_h w = worker.get();
+    auto active = Clock::now();
     while (!stopping.load(std::memory_order_acquire)) {
-      while (ucp_worker_progress(w) != 0) {
-      }
+      bool progressed = false;
+      while (ucp_worker_progress(w) != 0) progressed = true;
+      progressed |= !deferred.empty();
       run_deferred();
+      {
+        std::lock_guard lk(cmd_mu);
+        progressed |= !cmds.empty();
+      }
       run_commands();
       milliseconds wait = check_deadlines();
       run_deferred();
-      if (busy()) continue;  // completions are due: keep progressing rather than sleep
+      const auto now = Clock::now();
+      if (progressed) active = now;
+      if (busy()) continue;                    // completions are due: keep progressing rather than sleep
+      if (now - active < opts.spin) continue;  // more work is likely to follow soon
       ucs_status_t s = ucp_worker_arm(w);
       if (s == UCS_ERR_BUSY) continue;
       epoll_event evs[2];
