@@ -37,12 +37,13 @@ std::vector<Status> run_turns(size_t n, uint64_t block_bytes, const TieredStore:
 
 /// Steps whose lower-tier I/O runs while the worker copies the next (save) or the previous
 /// (load) one: at least two (the device's queue stays full across one step's fdatasync and the
-/// worker's hiccups on a busy host), and enough for 32 blocks (a device queue's worth: 4 MiB
-/// blocks come 8 to a 32 MiB step), as long as they take at most half of the pool.
+/// worker's hiccups on a busy host), and up to 32 blocks (a device queue's worth: 4 MiB blocks
+/// come 8 to a 32 MiB step) as long as they and the step being copied take at most half of the
+/// pool, so the other worker's pipeline fits beside them.
 size_t steps_in_flight(size_t per_step, uint64_t slot_bytes, uint64_t pool_bytes) {
   const size_t for_queue = (32 + per_step - 1) / per_step;
   const size_t fit = static_cast<size_t>(pool_bytes / 2 / std::max<uint64_t>(1, per_step * slot_bytes));
-  return std::max<size_t>(2, std::min(for_queue, fit));
+  return std::max<size_t>(2, std::min(for_queue, fit > 0 ? fit - 1 : 0));
 }
 
 bool has_duplicates(std::span<const BlockKey> keys) {
