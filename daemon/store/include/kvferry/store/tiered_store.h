@@ -55,8 +55,8 @@ class TieredStore {
     bool write_through = false;  ///< saves also write to the lower tier before they complete
     bool checksums = true;       ///< the service hashes saves (else demotion hashes for the tier)
     /// Largest step of a save or load through the pool, in bytes (0 = an eighth of the pool, at
-    /// most 32 MiB: a worker holds up to three steps at once, the one copying and the ones whose
-    /// I/O is in flight, so two workers' pipelines fit side by side).
+    /// most 32 MiB). A worker holds the step it copies and two or more whose I/O is in flight
+    /// (up to 32 blocks, within half of the pool), so two workers' pipelines fit side by side.
     uint64_t step_bytes = 0;
     /// The lower tier checks every read's bytes against the record's XXH3 as they land before it
     /// reports kOk (DiskTier does; a test wrapper that corrupts reads does not): a promoted block
