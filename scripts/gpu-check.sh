@@ -71,7 +71,8 @@ else
   grep -E "\*\*\*Failed|tests passed|tests failed" "$OUTDIR/ctest-cpu.log" | tail -20
 fi
 # The Python package on this machine's CUDA backend (torch views, save/load), when python3 is
-# there. Test-only wheels it lacks can be carried in .dev/whl (pytest and its dependencies, numpy).
+# there. Test-only wheels it lacks can be carried in .dev/whl (pytest and its dependencies, numpy);
+# plugins of the machine's own Python (pytest-timeout there wants another pytest) are not loaded.
 if [ -z "$TESTS" ] && command -v python3 >/dev/null; then
   stamp "python package tests"
   PYDEPS=/tmp/kvferry-pydeps
@@ -79,7 +80,7 @@ if [ -z "$TESTS" ] && command -v python3 >/dev/null; then
     python3 -c "import numpy" 2>/dev/null && WHL=$(ls .dev/whl/*.whl | grep -v numpy) || WHL=$(ls .dev/whl/*.whl)
     python3 -m pip install --quiet --no-index --no-deps --target "$PYDEPS" $WHL >"$OUTDIR/pip.log" 2>&1 || true
   fi
-  (cd $BUILD && PYTHONPATH="$PYDEPS:$OLDPWD/python" KVFERRYD="$PWD/bin/kvferryd" \
+  (cd $BUILD && PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONPATH="$PYDEPS:$OLDPWD/python" KVFERRYD="$PWD/bin/kvferryd" \
     KVFERRY_LIBRARY="$PWD/lib/libkvferry.so" python3 -m pytest -q -rs -p no:cacheprovider "$OLDPWD/python/tests") \
     >"$OUTDIR/pytest.log" 2>&1 || rc=1
   tail -15 "$OUTDIR/pytest.log"
