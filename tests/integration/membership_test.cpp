@@ -256,9 +256,11 @@ TEST_F(MembershipEtcd, KilledMemberLeavesWithinTwoTtlAndRejoinsWithNewIncarnatio
   const uint64_t inc1 = read_u64(p[0], 10s);
   ASSERT_NE(inc1, 0u) << "child did not join";
 
-  auto a = member(*etcd_, "a", kTtl), b = member(*etcd_, "b", kTtl);
+  // Declared before the members: a member's watch thread may still call the listener until the
+  // member is destroyed, so what the listener touches must outlive it.
   std::mutex mu;
   std::vector<MembershipEvent> events;
+  auto a = member(*etcd_, "a", kTtl), b = member(*etcd_, "b", kTtl);
   a->set_listener([&](const MembershipEvent& ev) {
     std::lock_guard lk(mu);
     events.push_back(ev);
@@ -318,9 +320,9 @@ TEST_F(MembershipEtcd, CleanStopRevokesAtOnce) {
 
 TEST_F(MembershipEtcd, EtcdGoingAwayIsReportedAndRejoined) {
   constexpr auto kTtl = 2s;
-  auto a = member(*etcd_, "a", kTtl);
-  std::mutex mu;
+  std::mutex mu;  // outlives the member (its watch thread calls the listener)
   std::vector<MembershipEventType> types;
+  auto a = member(*etcd_, "a", kTtl);
   a->set_listener([&](const MembershipEvent& ev) {
     std::lock_guard lk(mu);
     types.push_back(ev.type);
