@@ -10,7 +10,7 @@ PKGS=(
   libboost-dev libboost-system-dev
   libyaml-cpp-dev libgtest-dev libgmock-dev
   libsystemd-dev systemd
-  libspdlog-dev libfmt-dev libcli11-dev libxxhash-dev libnuma-dev
+  libspdlog-dev libfmt-dev libcli11-dev libxxhash-dev libnuma-dev nlohmann-json3-dev libssl-dev
   clang-format clang clang-tidy llvm
   iproute2 procps fio python3-venv etcd-server
 )
