@@ -37,6 +37,8 @@ inline Result<KeyedRequest> take_keyed_request(const ring::SubmitEntry& e, const
                                                             std::to_string(need) + " bytes, past the arena of " +
                                                             std::to_string(arena_bytes));
   KeyedRequest r;
+  r.status_offset = ops::status_offset(e.op, e.arena_offset, e.count);
+  if (e.count == 0) return r;  // nothing to copy (and memcpy may not take the empty vectors' null data)
   const uint8_t* p = arena + e.arena_offset;
   r.keys.resize(e.count);
   std::memcpy(r.keys.data(), p, e.count * sizeof(ops::Key));
@@ -44,7 +46,6 @@ inline Result<KeyedRequest> take_keyed_request(const ring::SubmitEntry& e, const
     r.block_ids.resize(e.count);
     std::memcpy(r.block_ids.data(), p + e.count * sizeof(ops::Key), e.count * sizeof(int64_t));
   }
-  r.status_offset = ops::status_offset(e.op, e.arena_offset, e.count);
   return r;
 }
 
