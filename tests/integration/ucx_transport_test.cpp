@@ -295,6 +295,9 @@ class UcxTransportTest : public ::testing::TestWithParam<Mode> {
     o.listen = false;
     o.pool = pool.data;
     o.pool_bytes = pool.bytes;
+    // A loaded 2-core CI machine can hold a batch past the 5 s default; the tests that are about
+    // deadlines pass their own.
+    o.op_timeout = std::chrono::seconds(30);
     o.log = [this](const std::string& line) { log_ += line + "\n"; };
     auto t = UcxTransport::create(o);
     EXPECT_TRUE(t.ok()) << t.status().to_string();
@@ -365,7 +368,7 @@ TEST_P(UcxTransportTest, GetBlocksByteForByte) {
   // Runs past either pool fail alone.
   std::vector<RemoteCopy> bad{{0, 0, 4096}, {pool.bytes - 100, 0, 4096}, {8192, (32u << 20) - 100, 4096}};
   auto bs = t->get(*id, bad);
-  EXPECT_TRUE(bs[0].ok());
+  EXPECT_TRUE(bs[0].ok()) << bs[0].to_string();
   EXPECT_EQ(bs[1].code(), ErrorCode::kOutOfRange);
   EXPECT_EQ(bs[2].code(), ErrorCode::kOutOfRange);
   EXPECT_GT(t->counters().bytes_got, 0u);
