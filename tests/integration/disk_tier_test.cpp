@@ -199,7 +199,9 @@ TEST_P(DiskTierIt, RoundTripThroughHostAndDisk) {
     ASSERT_TRUE(sv.ok());
     ASSERT_EQ(sv->done, r.spec.blocks) << static_cast<int>(sv->status) << "\n" << d.log();
   }
-  if (std::string(GetParam()) == "posix") EXPECT_NE(d.log().find("pread/pwrite"), std::string::npos) << d.log();
+  if (std::string(GetParam()) == "posix") {
+    EXPECT_NE(d.log().find("pread/pwrite"), std::string::npos) << d.log();
+  }
   // Every key is found (lookup sees both tiers).
   for (int k = 0; k < kRounds; ++k) {
     auto lk = c->lookup(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)));

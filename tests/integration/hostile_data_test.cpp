@@ -421,7 +421,9 @@ TEST(HostileData, NamespaceTableIsBoundedByWhatIsLive) {
     auto c = connect(d, "ephemeral-" + std::to_string(i));
     ASSERT_TRUE(c);
     ASSERT_EQ(c->lookup(rid, keys_for(1, 1))->done, 0u);
-    if (i == 0) EXPECT_EQ(testing::metric(testing::http_get(port, "/metrics"), "kvferry_namespaces"), 2);
+    if (i == 0) {
+      EXPECT_EQ(testing::metric(testing::http_get(port, "/metrics"), "kvferry_namespaces"), 2);
+    }
   }
   // The ephemeral ones are gone with their clients; the keeper's stays (it holds a block).
   EXPECT_TRUE(
