@@ -50,8 +50,9 @@ TSAN_EXCLUDE+='|^MembershipEtcd\.KilledMemberLeavesWithinTwoTtlAndRejoinsWithNew
 # the main build already).
 configure() {
   local dir=$1 san=$2
+  shift 2
   cmake -S . -B "$dir" -G Ninja -DKVFERRY_WITH_CUDA=OFF -DKVFERRY_BUILD_FUZZERS=OFF \
-    -DKVFERRY_SANITIZE="$san" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DKVFERRY_SANITIZE="$san" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" \
     "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g -DNDEBUG" \
     >"$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; exit 1; }
 }
@@ -82,7 +83,10 @@ for w in "${what[@]}"; do
       run_ctest "$ASAN_DIR" "$ASAN_EXCLUDE" || failed+=(asan)
       ;;
     tsan)
-      configure "$TSAN_DIR" thread
+      # Without UCX: its libucm overrides madvise, and glibc's madvise of an exiting thread's
+      # stack then takes libucm's rwlock through TSan's interceptor, which faults (every
+      # kvferryd died at SIGTERM). The UCX transport's own tests run under ASan.
+      configure "$TSAN_DIR" thread -DKVFERRY_WITH_UCX=OFF
       # shellcheck disable=SC2046
       cmake --build "$TSAN_DIR" -j "$JOBS" --target $(test_targets "$TSAN_DIR" "$TSAN_TARGETS")
       built=$SECONDS

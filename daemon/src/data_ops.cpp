@@ -115,9 +115,14 @@ class WorkerPool {
 /// when its channel goes, i.e. after the last worker holding the channel is done.
 struct ClientNamespaces {
   std::shared_ptr<store::BlockIndex> index;
+  uint32_t client_id = 0;
   std::mutex mu;
   std::vector<std::pair<std::string, store::NamespaceId>> ids;  // family -> id; a handful at most
   ~ClientNamespaces() {
+    // The channel is gone from every thread now. The session dropped the client's pins when it
+    // disconnected, but the ring thread may have served a pin of it after that (it finishes
+    // the pass it is in): drop any such pin here, or it would hold its block forever.
+    index->release_client(client_id);
     for (auto& [_, id] : ids) index->release_namespace(id);
   }
 };
@@ -215,6 +220,7 @@ struct DataOps::Impl {
     if (!c.data_state) {
       auto st = std::make_shared<ClientNamespaces>();
       st->index = index;
+      st->client_id = c.client_id;
       c.data_state = st;
     }
     auto& cache = *static_cast<ClientNamespaces*>(c.data_state.get());
