@@ -248,7 +248,7 @@ TEST(DiskTierRestart, KillDuringSavesThenRecover) {
     ASSERT_TRUE(c);
     Region r = create(*c, "kill", spec_of(EntryFormat::mla_fp8()));
     for (int k = 0; k <= kDone; ++k) {
-      fill_bytes(r, static_cast<uint64_t>(100 + k));
+      fill_bytes(r, uint64_t{100} + static_cast<uint64_t>(k));
       refs.push_back(snapshot(r));
       if (k == kDone) break;
       auto sv = c->save(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));

@@ -432,6 +432,7 @@ TEST_P(UcxTransportTest, ActiveMessageRoundTrip) {
 
   // Concurrent callers each get their own answer.
   std::vector<std::thread> ths;
+  ths.reserve(4);
   std::atomic<int> good{0};
   for (int c = 0; c < 4; ++c) {
     ths.emplace_back([&, c] {
