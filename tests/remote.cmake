@@ -12,3 +12,11 @@ if(KVFERRY_WITH_UCX)
     SOURCES integration/ucx_transport_test.cpp
     LIBS kvferry::store)
 endif()
+# The remote tier through kvferryd: daemons on loopback as one cache, send, etcd membership.
+if(KVFERRY_WITH_UCX)
+  kvferry_add_gtest(remote_daemon_test LABEL integration TIMEOUT 300
+    SOURCES integration/remote_daemon_test.cpp
+    LIBS kvferry::connector kvferry::kernels)
+  add_dependencies(remote_daemon_test kvferryd)
+  target_compile_definitions(remote_daemon_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")
+endif()

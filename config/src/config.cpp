@@ -593,6 +593,22 @@ const std::vector<Field>& table() {
           return std::string("is not a UCX_TLS list (e.g. tcp or rc,sm)");
       return std::string();
     };
+    const Check member_id = [](const std::string& s) {
+      if (s.size() > 200) return std::string("is longer than 200 characters");
+      for (char c : s)
+        if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.' || c == ':'))
+          return std::string("may hold only letters, digits and _ - . :");
+      return std::string();
+    };
+    const Check url_or_off = [](const std::string& s) {
+      if (s.empty()) return std::string();
+      if (s.rfind("http://", 0) != 0) return std::string("is not an http://host:port URL (or \"\" for off)");
+      return check_host_port(s.substr(7), false);
+    };
+    const Check etcd_prefix = [](const std::string& s) {
+      return !s.empty() && s.front() == '/' && s.back() == '/' ? std::string()
+                                                               : std::string("must start and end with '/'");
+    };
     return std::vector<Field>{
         field("daemon.socket", KVF_MEMBER(daemon.socket), StrC{check_socket}, kRestart,
               "control socket path (clients: KVFERRY_SOCKET)"),
@@ -651,6 +667,25 @@ const std::vector<Field>& table() {
               "host:port of peer daemons"),
         field("tiers.remote.transport", KVF_MEMBER(remote.transport), StrC{transport}, kRestart,
               "UCX_TLS value for the remote tier"),
+        field("tiers.remote.id", KVF_MEMBER(remote.id), StrC{member_id}, kRestart,
+              "this daemon's member id under etcd (\"\" = the listen address; static peers use addresses)"),
+        field("tiers.remote.etcd", KVF_MEMBER(remote.etcd), StrC{url_or_off}, kRestart,
+              "etcd endpoint http://host:port for membership (\"\" = the static tiers.remote.peers)"),
+        field("tiers.remote.prefix", KVF_MEMBER(remote.prefix), StrC{etcd_prefix}, kRestart,
+              "the cluster's key prefix in etcd"),
+        field("tiers.remote.ttl", KVF_MEMBER(remote.ttl),
+              MillisC{std::chrono::milliseconds(2000), std::chrono::minutes(10)}, kRestart,
+              "etcd lease TTL: a dead daemon leaves the cluster within it (whole seconds, >= 2s)"),
+        field("tiers.remote.secret_file", KVF_MEMBER(remote.secret_file), StrC{abs_path_or_off}, kRestart,
+              "file holding the cluster's shared key (\"\" = none: listen on loopback only)"),
+        field("tiers.remote.replicas", KVF_MEMBER(remote.replicas), IntC<uint32_t>{1, 2}, kRestart,
+              "owners per block (1 or 2)"),
+        field("tiers.remote.timeout", KVF_MEMBER(remote.timeout),
+              MillisC{std::chrono::milliseconds(10), std::chrono::minutes(10)}, kRestart,
+              "deadline of one remote transfer batch"),
+        field("tiers.remote.lookup_timeout", KVF_MEMBER(remote.lookup_timeout),
+              MillisC{std::chrono::milliseconds(1), std::chrono::minutes(1)}, kRestart,
+              "deadline of a remote lookup (an owner that does not answer by then is a miss)"),
         field("integrity.checksum", KVF_MEMBER(integrity.checksum), checksum, kRestart,
               "checksum of stored blocks: xxh3 | none"),
         field("integrity.verify_on_load", KVF_MEMBER(integrity.verify_on_load), BoolC{}, kReload,
@@ -877,6 +912,10 @@ struct Loader {
       return ctx.fail_at(line_of("tiers.remote.listen", "daemon.metrics_listen"), "tiers.remote.listen",
                          "'" + cfg.remote.listen + "' is also daemon.metrics_listen");
     }
+    const RemoteTierConfig& r = cfg.remote;
+    if (r.ttl.count() % 1000 != 0)
+      return ctx.fail_at(line_of("tiers.remote.ttl", "tiers.remote.ttl"), "tiers.remote.ttl",
+                         "must be whole seconds (etcd leases count seconds)");
     for (size_t i = 0; i < cfg.regions.size(); ++i) {
       const std::string& t = cfg.regions[i].tenant;
       if (t.empty()) continue;

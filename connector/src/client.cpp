@@ -488,12 +488,13 @@ Result<uint32_t> Client::arena_alloc(uint64_t bytes) {
 }
 
 Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
-                                     std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes) {
+                                     std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes,
+                                     uint64_t arg1, std::span<const uint8_t> tail) {
   if (ops::has_block_ids(op) && block_ids.size() != keys.size())
     return Status(ErrorCode::kInvalidArgument,
                   std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids");
   if (keys.size() > UINT32_MAX) return Status(ErrorCode::kInvalidArgument, "too many keys in one request");
-  const uint64_t bytes = ops::request_bytes(op, keys.size()) + extra_bytes;
+  const uint64_t bytes = ops::request_bytes(op, keys.size()) + std::max<uint64_t>(extra_bytes, tail.size());
   std::lock_guard<std::mutex> g(ops_mu_);
   if (dead_.load(std::memory_order_relaxed)) return dead_status();
   auto off = arena_alloc(bytes);
@@ -502,6 +503,7 @@ Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<
   if (!keys.empty()) std::memcpy(p, keys.data(), keys.size() * sizeof(ops::Key));
   if (ops::has_block_ids(op) && !block_ids.empty())
     std::memcpy(p + keys.size() * sizeof(ops::Key), block_ids.data(), block_ids.size() * sizeof(int64_t));
+  if (!tail.empty()) std::memcpy(p + ops::request_bytes(op, keys.size()), tail.data(), tail.size());
   ring::SubmitEntry e{};
   e.id = next_op_id_++;
   e.op = op;
@@ -509,6 +511,7 @@ Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<
   e.count = static_cast<uint32_t>(keys.size());
   e.arena_offset = *off;
   e.args[0] = arg0;
+  e.args[1] = arg1;
   // Filed before the push (ops_mu_ held), so the completion always finds its op.
   pending_[e.id] = Pending{*off, static_cast<uint32_t>(bytes)};
   if (Status st = submit(e); !st.ok()) {
@@ -536,6 +539,9 @@ void Client::absorb(const ring::CompletionEntry& c) {
   if (op == proto::Op::kStats) {
     if (inside(c.arena_offset, sizeof(ops::StatsWire)))
       r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + sizeof(ops::StatsWire));
+  } else if (op == proto::Op::kPeers) {
+    if (inside(c.arena_offset, c.count))
+      r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + c.count);
   } else if (op == proto::Op::kLs) {
     const uint64_t n = uint64_t{c.count} * sizeof(ops::LsEntry);
     if (inside(c.arena_offset, n)) r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + n);
@@ -646,6 +652,38 @@ Result<std::vector<ops::LsEntry>> Client::ls(uint32_t region_id, uint32_t limit,
   std::vector<ops::LsEntry> out(r->payload.size() / sizeof(ops::LsEntry));
   if (!out.empty()) std::memcpy(out.data(), r->payload.data(), out.size() * sizeof(ops::LsEntry));
   return out;
+}
+
+Result<uint64_t> Client::submit_send(uint32_t region_id, std::span<const ops::Key> keys,
+                                     std::span<const int64_t> block_ids, const std::string& peer) {
+  if (peer.empty() || peer.size() > ops::kMaxPeerName)
+    return Status(ErrorCode::kInvalidArgument, "a peer's member id has 1 to " + std::to_string(ops::kMaxPeerName) +
+                                                   " characters, not " + std::to_string(peer.size()));
+  return submit_keys(static_cast<uint16_t>(proto::Op::kSend), region_id, keys, block_ids, 0, 0, peer.size(),
+                     {reinterpret_cast<const uint8_t*>(peer.data()), peer.size()});
+}
+
+Result<Client::OpResult> Client::send(uint32_t r, std::span<const ops::Key> k, std::span<const int64_t> b,
+                                      const std::string& peer, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_send(r, k, b, peer); });
+}
+
+Result<Client::OpResult> Client::lookup_wait(uint32_t r, std::span<const ops::Key> k, uint32_t wait_ms, int64_t t) {
+  return submit_and_wait(*this, t, [&] {
+    return submit_keys(static_cast<uint16_t>(proto::Op::kLookup), r, k, {}, ops::kLookupWait, 0,
+                       std::min<uint64_t>(wait_ms, ops::kMaxLookupWaitMs));
+  });
+}
+
+Result<std::string> Client::peers(int64_t timeout_us) {
+  const uint64_t n = std::min<uint64_t>(ch_.arena_bytes / 2, uint64_t{1} << 20);
+  auto r = submit_and_wait(*this, timeout_us,
+                           [&] { return submit_keys(static_cast<uint16_t>(proto::Op::kPeers), 0, {}, {}, n, n); });
+  if (!r.ok()) return r.status();
+  if (r->status == ErrorCode::kUnavailable)
+    return Status(r->status, "the daemon has no remote tier (tiers.remote.listen is not set)");
+  if (r->status != ErrorCode::kOk) return Status(r->status, "peers failed");
+  return std::string(r->payload.begin(), r->payload.end());
 }
 
 Result<Client::OpResult> Client::corrupt_for_test(uint32_t region_id, const ops::Key& key, uint64_t byte,

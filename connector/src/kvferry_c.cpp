@@ -665,4 +665,43 @@ int kvferry_daemon_status_json(kvferry_client* c, char* buf, uint32_t cap, uint3
   });
 }
 
+int kvferry_send(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids, uint32_t n,
+                 const char* peer, int16_t* statuses, uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && peer && ((keys && block_ids) || n == 0), "client, peer, keys or block_ids is NULL");
+    auto r = c->c->send(region_id, key_span(keys, n), {block_ids, n}, peer);
+    if (r.ok() && r->status == ErrorCode::kUnavailable && r->blocks.empty())
+      return fail(Status(ErrorCode::kUnavailable, "the daemon has no remote tier (tiers.remote.listen is not set)"));
+    return op_out(std::move(r), statuses, n, done, nullptr);
+  });
+}
+
+int kvferry_lookup_wait(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, uint32_t wait_ms,
+                        int16_t* statuses, uint32_t* prefix) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && (keys || n == 0), "client or keys is NULL");
+    auto r = c->c->lookup_wait(region_id, key_span(keys, n), wait_ms);
+    if (!r.ok()) return fail(r.status());
+    if (r->status != ErrorCode::kOk && r->blocks.empty())
+      return fail(Status(r->status, "lookup in region " + std::to_string(region_id) + " failed"));
+    if (prefix) *prefix = static_cast<uint32_t>(r->result[0]);
+    if (statuses)
+      for (size_t i = 0; i < r->blocks.size() && i < n; ++i) statuses[i] = static_cast<int16_t>(r->blocks[i]);
+    return ok();
+  });
+}
+
+int kvferry_peers_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && needed && (buf || cap == 0), "client, buf or needed is NULL");
+    auto r = c->c->peers();
+    if (!r.ok()) return fail(r.status());
+    *needed = static_cast<uint32_t>(r->size() + 1);
+    if (cap < r->size() + 1)
+      return fail(Status(ErrorCode::kOutOfRange, "the peers list needs " + std::to_string(r->size() + 1) + " bytes"));
+    std::memcpy(buf, r->c_str(), r->size() + 1);
+    return ok();
+  });
+}
+
 }  // extern "C"

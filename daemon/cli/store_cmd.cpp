@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <vector>
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "kvferry/connector/client.h"
@@ -166,6 +167,31 @@ int run_evict(const std::string& socket, const Common& c, const std::vector<std:
   return 0;
 }
 
+int run_peers(const std::string& socket, const Common& c) {
+  auto cl = connect(socket, c);
+  if (!cl.ok()) return report("peers", cl.status());
+  auto text = (*cl)->peers();
+  if (!text.ok()) return report("peers", text.status());
+  if (c.json) {
+    std::printf("%s\n", text->c_str());
+    return 0;
+  }
+  const auto j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.contains("members"))
+    return report("peers", Status(ErrorCode::kProtocol, "the daemon's answer is not the expected JSON"));
+  std::printf("this daemon: %s (%s)\n", j.value("self", "").c_str(),
+              j.value("healthy", false) ? "in the cluster" : ("degraded: " + j.value("reason", "")).c_str());
+  std::printf("%-24s %-22s %-20s %10s %12s %10s %12s %7s\n", "MEMBER", "ADDRESS", "STATE", "BLOCKS_OUT", "MIB_OUT",
+              "BLOCKS_IN", "MIB_IN", "ERRORS");
+  for (const auto& m : j["members"]) {
+    std::printf("%-24s %-22s %-20s %10" PRIu64 " %12.1f %10" PRIu64 " %12.1f %7" PRIu64 "\n", m.value("id", "").c_str(),
+                m.value("address", "").c_str(), m.value("state", "").c_str(), m.value("blocks_out", uint64_t{0}),
+                m.value("bytes_out", uint64_t{0}) / 1048576.0, m.value("blocks_in", uint64_t{0}),
+                m.value("bytes_in", uint64_t{0}) / 1048576.0, m.value("errors", uint64_t{0}));
+  }
+  return 0;
+}
+
 void add_common(CLI::App* sub, Common* c, bool with_region) {
   if (with_region) sub->add_option("--region", c->region, "region whose namespace (format family) to address");
   sub->add_option("--model", c->model, "namespace model (as the engine registered it)");
@@ -189,6 +215,10 @@ void add_store_commands(CLI::App& app, std::function<int()>* run, const std::str
   add_common(ls, common.get(), true);
   ls->add_option("--limit", *limit, "at most this many blocks (0 = what one answer holds)");
   ls->callback([=] { *run = [=] { return run_ls(*socket_path, *common, *limit); }; });
+
+  CLI::App* pe = app.add_subcommand("peers", "the remote tier's cluster: members, their state and traffic");
+  add_common(pe, common.get(), false);
+  pe->callback([=] { *run = [=] { return run_peers(*socket_path, *common); }; });
 
   CLI::App* ev = app.add_subcommand("evict", "drop stored blocks (pinned and in-use ones stay)");
   add_common(ev, common.get(), true);

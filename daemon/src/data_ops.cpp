@@ -10,6 +10,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <deque>
 #include <optional>
 #include <thread>
@@ -24,6 +26,7 @@
 #include "kvferry/store/host_pool.h"
 #include "kvferry/store/metrics.h"
 #include "kvferry/store/offload.h"
+#include "kvferry/store/remote_store.h"
 #include "kvferry/store/tiered_store.h"
 
 namespace kvferry::daemon {
@@ -138,6 +141,8 @@ struct Transfer {
   uint64_t status_offset = 0;
   store::NamespaceId ns = 0;
   bool load = false;
+  bool send = false;  // a save whose blocks then go to `peer` (prefill → decode)
+  std::string peer;
   uint64_t bytes = 0;  // counted against the tenant's in-flight quota until the completion
   Clock::time_point t0, deadline;
   size_t next = 0;  // blocks done
@@ -189,6 +194,57 @@ Result<std::unique_ptr<store::Tier>> open_disk_tier(const config::Config& cfg, c
   return tier;
 }
 
+/// Starts the remote tier of tiers.remote: reads the secret, starts the transport and joins the
+/// cluster (etcd or the static peers).
+Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(const config::Config& cfg, store::BlockIndex& index,
+                                                             store::Registry& metrics) {
+  const config::RemoteTierConfig& rc = cfg.remote;
+  if (!rc.peers.empty() && !rc.etcd.empty())
+    return Status(ErrorCode::kConfig,
+                  "tiers.remote.peers and tiers.remote.etcd are both set: membership comes from one of them");
+  if (!rc.peers.empty() && !rc.id.empty())
+    return Status(ErrorCode::kConfig,
+                  "tiers.remote.id is for etcd membership; with static tiers.remote.peers every "
+                  "daemon is named by its listen address");
+  if (cfg.integrity.checksum != config::Checksum::kXxh3)
+    return Status(ErrorCode::kConfig,
+                  "integrity.checksum must be xxh3 with the remote tier (every block that "
+                  "crosses the network is verified against it)");
+  store::RemoteStoreOptions o;
+  o.id = rc.id;
+  o.listen = rc.listen;
+  o.tls = rc.transport;
+  o.etcd = rc.etcd;
+  o.prefix = rc.prefix;
+  o.ttl = std::chrono::duration_cast<std::chrono::seconds>(rc.ttl);
+  o.peers = rc.peers;
+  o.replicas = rc.replicas;
+  o.timeout = rc.timeout;
+  o.lookup_timeout = rc.lookup_timeout;
+  o.log = [](const std::string& line) { spdlog::warn("remote tier: {}", line); };
+  o.info = [](const std::string& line) { spdlog::info("remote tier: {}", line); };
+  if (!rc.secret_file.empty()) {
+    std::ifstream f(rc.secret_file, std::ios::binary);
+    if (!f)
+      return Status(ErrorCode::kConfig,
+                    "tiers.remote.secret_file " + rc.secret_file + " cannot be read: " + std::strerror(errno));
+    std::stringstream ss;
+    ss << f.rdbuf();
+    o.secret = ss.str();
+    while (!o.secret.empty() && (o.secret.back() == '\n' || o.secret.back() == '\r')) o.secret.pop_back();
+    if (o.secret.size() < 16)
+      return Status(ErrorCode::kConfig, "tiers.remote.secret_file " + rc.secret_file + " holds " +
+                                            std::to_string(o.secret.size()) +
+                                            " bytes; a shared key needs at least 16 (e.g. openssl rand -hex 32)");
+  }
+  auto r = store::RemoteStore::create(o, index, metrics);
+  if (!r.ok()) return r.status().with_context("tiers.remote");
+  spdlog::info("remote tier: member '{}' on port {} ({} membership{}, UCX_TLS={}, {})", (*r)->id(), (*r)->port(),
+               rc.etcd.empty() ? "static" : "etcd", rc.etcd.empty() ? "" : " at " + rc.etcd, rc.transport,
+               o.secret.empty() ? "no secret: loopback only" : "peers prove the shared secret");
+  return r;
+}
+
 }  // namespace
 
 struct DataOps::Impl {
@@ -201,14 +257,18 @@ struct DataOps::Impl {
   std::shared_ptr<store::BlockIndex> index;
   store::Registry metrics;
   std::unique_ptr<store::OffloadService> svc;
-  std::unique_ptr<store::TieredStore> tiers;  // the host pool over the disk tier (when configured)
+  std::unique_ptr<store::TieredStore> tiers;   // the host pool over the disk tier (when configured)
+  std::unique_ptr<store::RemoteStore> remote;  // the remote tier (tiers.remote.listen set); before its users
+  std::chrono::milliseconds remote_timeout{5000}, remote_lookup_timeout{500};
   std::unique_ptr<WorkerPool> workers;
+  std::unique_ptr<WorkerPool> remote_workers;  // remote lookups and waits: never queued behind transfers
   RingService* rings = nullptr;
   std::atomic<int64_t> request_timeout_ms{30000};
 
   store::Counter* lookups_hit = nullptr;
   store::Counter* lookups_miss = nullptr;
   store::Counter* quota_refusals = nullptr;
+  store::Counter* push_failures = nullptr;
   store::Histogram* op_seconds[proto::kOpTableSize] = {};
 
   std::mutex inflight_mu;
@@ -322,6 +382,13 @@ struct DataOps::Impl {
     auto region = region_of(c, req, out);
     if (!region) return true;
     auto t = std::make_shared<Transfer>();
+    if (req.op == static_cast<uint16_t>(proto::Op::kSend)) {
+      if (!remote) return set_status(out, ErrorCode::kUnavailable), true;  // tiers.remote is off
+      auto peer = peer_name(c, req);
+      if (!peer) return set_status(out, ErrorCode::kInvalidArgument), true;
+      t->send = true;
+      t->peer = std::move(*peer);
+    }
     if (!namespace_of(c, *region, out, &t->ns)) return true;
     t->bytes = uint64_t{req.count} * static_cast<uint64_t>(region->desc().spec.block_bytes());
     uint64_t used = 0;
@@ -367,8 +434,14 @@ struct DataOps::Impl {
     }
     const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next);
     const auto ids = std::span<const int64_t>(t->ids).subspan(t->next);
-    const std::vector<Status> res = t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline, turn)
-                                            : tiers->save(acc, t->ns, keys, ids, t->deadline, turn);
+    std::vector<Status> res = t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline, turn)
+                                      : tiers->save(acc, t->ns, keys, ids, t->deadline, turn);
+    if (remote && !res.empty()) {
+      if (t->load)
+        fetch_missing(*t, acc, keys, ids, res);
+      else
+        push_saved(*t, keys, res);
+    }
     for (const Status& r : res) {
       t->codes.push_back(r.code());
       if (t->why.empty() && !r.ok()) t->why = r.to_string();
@@ -390,6 +463,73 @@ struct DataOps::Impl {
     return std::adjacent_find(v.begin(), v.end()) != v.end();
   }
 
+  /// Send's peer: the member id after the request's keys, ids and statuses (args[1] bytes),
+  /// copied out of the arena once. nullopt when its length or place is out of bounds.
+  static std::optional<std::string> peer_name(const ClientChannel& c, const ring::SubmitEntry& req) {
+    const uint64_t off = uint64_t{req.arena_offset} + ops::request_bytes(req.op, req.count);
+    const uint64_t len = req.args[1];
+    if (len == 0 || len > ops::kMaxPeerName || off + len > c.ch.arena_bytes) return std::nullopt;
+    std::string name(len, '\0');
+    std::memcpy(name.data(), c.ch.arena + off, len);
+    return name;
+  }
+
+  /// A load's host and disk misses are asked of their owners; the ones fetched (now on the
+  /// host) are loaded. A remote miss stays a miss; a peer's failure is that block's error.
+  void fetch_missing(const Transfer& t, const store::RegionAccess& acc, std::span<const store::BlockKey> keys,
+                     std::span<const int64_t> ids, std::vector<Status>& res) {
+    std::vector<size_t> miss;
+    for (size_t i = 0; i < res.size(); ++i)
+      if (res[i].code() == ErrorCode::kNotFound) miss.push_back(i);
+    const auto name = index->namespace_name(t.ns);
+    if (miss.empty() || !name) return;
+    std::vector<store::BlockKey> mk;
+    for (size_t i : miss) mk.push_back(keys[i]);
+    const auto got = remote->fetch(t.ns, *name, mk, std::min(t.deadline, Clock::now() + remote_timeout));
+    std::vector<store::BlockKey> lk;
+    std::vector<int64_t> li;
+    std::vector<size_t> where;
+    for (size_t j = 0; j < miss.size(); ++j) {
+      if (got[j].ok()) {
+        lk.push_back(keys[miss[j]]);
+        li.push_back(ids[miss[j]]);
+        where.push_back(miss[j]);
+      } else if (got[j].code() != ErrorCode::kNotFound) {
+        res[miss[j]] = got[j];
+      }
+    }
+    if (lk.empty()) return;
+    const auto again = tiers->load(acc, t.ns, lk, li, t.deadline);
+    for (size_t j = 0; j < again.size() && j < where.size(); ++j) res[where[j]] = again[j];
+  }
+
+  /// A save's stored blocks go to their owners (write-through), or a send's to its peer. A
+  /// save's blocks stay saved here when an owner cannot take them (counted, logged); a send
+  /// reports the peer's outcome per block.
+  void push_saved(const Transfer& t, std::span<const store::BlockKey> keys, std::vector<Status>& res) {
+    std::vector<size_t> saved;
+    for (size_t i = 0; i < res.size(); ++i)
+      if (res[i].ok()) saved.push_back(i);
+    const auto name = index->namespace_name(t.ns);
+    if (saved.empty() || !name) return;
+    std::vector<store::BlockKey> sk;
+    for (size_t i : saved) sk.push_back(keys[i]);
+    const auto st = remote->push(t.ns, *name, sk, std::min(t.deadline, Clock::now() + remote_timeout), t.peer);
+    uint64_t failed = 0;
+    const Status* first = nullptr;
+    for (size_t j = 0; j < saved.size(); ++j) {
+      if (st[j].ok()) continue;
+      ++failed;
+      if (!first) first = &st[j];
+      if (t.send) res[saved[j]] = st[j];
+    }
+    if (failed && !t.send) {
+      push_failures->add(failed);
+      spdlog::warn("remote tier: {} of {} saved blocks did not reach their owner (kept here): {}", failed, saved.size(),
+                   first->to_string());
+    }
+  }
+
   void finish(Transfer& t) {
     ErrorCode first = ErrorCode::kOk;
     for (ErrorCode c : t.codes)
@@ -399,7 +539,10 @@ struct DataOps::Impl {
       }
     if (first != ErrorCode::kOk)
       spdlog::debug("client {}: {} failed for some blocks, the first: {}", t.client->client_id,
-                    t.load ? "load" : "save", t.why);
+                    t.load   ? "load"
+                    : t.send ? "send"
+                             : "save",
+                    t.why);
     write_statuses(*t.client, t.status_offset, t.codes, t.out);
     set_status(t.out, first);
     observe(t.req.op, t.t0);
@@ -416,20 +559,102 @@ struct DataOps::Impl {
     if (!region) return true;
     store::NamespaceId ns;
     if (!namespace_of(c, *region, out, &ns)) return true;
-    const auto keys = block_keys(*in);
+    auto keys = block_keys(*in);
     auto r = tiers->lookup(ns, keys);
-    std::vector<ErrorCode> codes(keys.size());
-    uint64_t hits = 0;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      codes[i] = r.present[i] ? ErrorCode::kOk : ErrorCode::kNotFound;
-      hits += r.present[i];
+    if (remote && r.prefix < keys.size()) {
+      // Misses are asked of their owners (or, with kLookupWait, awaited) off the ring thread.
+      const bool wait = (req.args[0] & ops::kLookupWait) != 0;
+      const auto wait_for = std::chrono::milliseconds(std::min<uint64_t>(req.args[1], ops::kMaxLookupWaitMs));
+      auto name = index->namespace_name(ns);
+      remote_workers->post(c.owner,
+                           [this, cp, out, t0, ns, wait, wait_for, name = name.value_or(""), keys = std::move(keys),
+                            present = std::move(r.present), status_offset = in->status_offset]() mutable {
+                             if (wait) {
+                               present = remote->wait_for(ns, keys, Clock::now() + wait_for);
+                             } else {
+                               std::vector<size_t> miss;
+                               std::vector<store::BlockKey> mk;
+                               for (size_t i = 0; i < keys.size(); ++i)
+                                 if (!present[i]) {
+                                   miss.push_back(i);
+                                   mk.push_back(keys[i]);
+                                 }
+                               const auto found = remote->lookup(name, mk, Clock::now() + remote_lookup_timeout);
+                               for (size_t j = 0; j < miss.size(); ++j) present[miss[j]] = found[j];
+                             }
+                             uint32_t prefix = 0;
+                             while (prefix < present.size() && present[prefix]) ++prefix;
+                             complete_lookup(*cp, present, prefix, status_offset, out);
+                             observe(static_cast<uint16_t>(proto::Op::kLookup), t0);
+                             rings->post(cp, out);
+                           });
+      return false;
     }
-    lookups_hit->add(hits);
-    lookups_miss->add(keys.size() - hits);
-    write_statuses(c, in->status_offset, codes, out);
-    out.result[0] = r.prefix;
+    complete_lookup(c, r.present, r.prefix, in->status_offset, out);
     observe(req.op, t0);
     return true;
+  }
+
+  void complete_lookup(ClientChannel& c, const std::vector<uint8_t>& present, uint32_t prefix, uint64_t status_offset,
+                       ring::CompletionEntry& out) {
+    std::vector<ErrorCode> codes(present.size());
+    uint64_t hits = 0;
+    for (size_t i = 0; i < present.size(); ++i) {
+      codes[i] = present[i] ? ErrorCode::kOk : ErrorCode::kNotFound;
+      hits += present[i];
+    }
+    lookups_hit->add(hits);
+    lookups_miss->add(present.size() - hits);
+    write_statuses(c, status_offset, codes, out);
+    out.result[0] = prefix;
+  }
+
+  /// The remote tier's members as JSON text (kvferry peers).
+  bool peers(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
+    ClientChannel& c = *cp;
+    if (!remote) return set_status(out, ErrorCode::kUnavailable), true;
+    if (Status st = check_result_area(req, c.ch.arena_bytes, 1); !st.ok()) return set_status(out, st.code()), true;
+    const std::string text = peers_json();
+    const uint64_t room = c.ch.arena_bytes - req.arena_offset;
+    const uint64_t n = std::min<uint64_t>({text.size(), room, req.args[0] ? req.args[0] : room});
+    std::memcpy(c.ch.arena + req.arena_offset, text.data(), n);
+    out.arena_offset = req.arena_offset;
+    out.count = static_cast<uint32_t>(n);
+    out.result[0] = n;
+    out.result[1] = text.size();
+    return true;
+  }
+
+  static std::string json_str(const std::string& v) {
+    std::string o = "\"";
+    for (char ch : v) {
+      if (ch == '"' || ch == '\\') {
+        o += '\\';
+        o += ch;
+      } else if (static_cast<unsigned char>(ch) < 0x20) {
+        o += ' ';
+      } else {
+        o += ch;
+      }
+    }
+    return o + "\"";
+  }
+
+  std::string peers_json() const {
+    std::ostringstream o;
+    const Status h = remote->health();
+    o << "{\"self\":" << json_str(remote->id()) << ",\"healthy\":" << (h.ok() ? "true" : "false")
+      << ",\"reason\":" << json_str(h.ok() ? "" : h.message()) << ",\"members\":[";
+    bool first = true;
+    for (const auto& p : remote->peers()) {
+      o << (first ? "" : ",") << "{\"id\":" << json_str(p.id) << ",\"address\":" << json_str(p.address)
+        << ",\"incarnation\":" << p.incarnation << ",\"state\":" << json_str(p.state)
+        << ",\"blocks_out\":" << p.blocks_out << ",\"bytes_out\":" << p.bytes_out << ",\"blocks_in\":" << p.blocks_in
+        << ",\"bytes_in\":" << p.bytes_in << ",\"errors\":" << p.errors << "}";
+      first = false;
+    }
+    o << "]}";
+    return o.str();
   }
 
   bool pin(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
@@ -622,10 +847,6 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   impl->pool = std::move(*pool);
   spdlog::info("host pool: {} MiB ready in {:.2f} s ({}, NUMA node {})", impl->pool->capacity() >> 20,
                seconds_since(t0), impl->pool->pinned() ? "page-locked" : "pageable", cfg.host.numa_node);
-  if (!cfg.remote.listen.empty())
-    return Status(ErrorCode::kConfig, "tiers.remote.listen is '" + cfg.remote.listen +
-                                          "' but the remote tier (G4) is not built yet; remove tiers.remote.listen "
-                                          "(nothing would be served there)");
   std::unique_ptr<store::Tier> disk;
   if (!cfg.disk.path.empty()) {
     auto t = open_disk_tier(cfg, impl->opts, *impl->pool);
@@ -654,17 +875,29 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   // The disk tier checks every read's XXH3 itself; a test wrapper may corrupt bytes after it.
   to.trust_lower_reads = impl->opts.test_disk_faults.empty();
   impl->tiers = std::make_unique<store::TieredStore>(*impl->index, *impl->svc, impl->metrics, std::move(disk), to);
+  if (!cfg.remote.listen.empty()) {
+    auto r = open_remote_tier(cfg, *impl->index, impl->metrics);
+    if (!r.ok()) return r.status();
+    impl->remote = std::move(*r);
+    impl->remote_timeout = cfg.remote.timeout;
+    impl->remote_lookup_timeout = cfg.remote.lookup_timeout;
+    impl->remote_workers = std::make_unique<WorkerPool>(2);
+  }
 
   Impl& d = *impl;
   auto& m = d.metrics;
   d.lookups_hit = &m.counter("kvferry_lookups_total", "Keys looked up", "result=\"hit\"");
   d.lookups_miss = &m.counter("kvferry_lookups_total", "Keys looked up", "result=\"miss\"");
+  d.push_failures =
+      &m.counter("kvferry_remote_push_failures_total",
+                 "Saved blocks that did not reach their remote owner (kept on this daemon)", "tier=\"remote\"");
   d.quota_refusals = &m.counter("kvferry_quota_refusals_total",
                                 "Pins and transfers refused by a tenant quota (limits.tenant, tenants[].quota)");
   static const std::pair<proto::Op, const char*> names[] = {
       {proto::Op::kLookup, "lookup"}, {proto::Op::kSave, "save"},   {proto::Op::kLoad, "load"},
       {proto::Op::kPin, "pin"},       {proto::Op::kUnpin, "unpin"}, {proto::Op::kEvict, "evict"},
-      {proto::Op::kStats, "stats"},   {proto::Op::kLs, "ls"}};
+      {proto::Op::kStats, "stats"},   {proto::Op::kLs, "ls"},       {proto::Op::kSend, "send"},
+      {proto::Op::kPeers, "peers"}};
   for (auto& [op, name] : names)
     d.op_seconds[static_cast<uint16_t>(op)] =
         &m.histogram("kvferry_ring_op_seconds", "Data op latency from the ring to the completion",
@@ -733,6 +966,8 @@ void DataOps::install(RingService& rings) {
   rings.set_handler(static_cast<uint16_t>(proto::Op::kLookup), bind(&Impl::lookup));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kSave), bind(&Impl::transfer));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kLoad), bind(&Impl::transfer));
+  rings.set_handler(static_cast<uint16_t>(proto::Op::kSend), bind(&Impl::transfer));
+  rings.set_handler(static_cast<uint16_t>(proto::Op::kPeers), bind(&Impl::peers));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kPin), bind(&Impl::pin));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kUnpin), bind(&Impl::pin));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kEvict), bind(&Impl::evict));
@@ -758,6 +993,7 @@ Status DataOps::reload(const config::Config& cfg) {
 void DataOps::client_gone(uint32_t client_id) { impl_->index->release_client(client_id); }
 
 void DataOps::stop() {
+  if (impl_ && impl_->remote_workers) impl_->remote_workers->stop();
   if (impl_ && impl_->workers) impl_->workers->stop();
 }
 
@@ -777,6 +1013,24 @@ bool DataOps::healthy(std::string* body) const {
                " blocks, " + std::to_string(u.used_bytes >> 20) + " of " + std::to_string(u.capacity_bytes >> 20) +
                " MiB, " + std::to_string(h.io_errors) + " I/O errors, " + std::to_string(h.checksum_failures) +
                " checksum failures" + (h.ok ? std::string() : " (" + h.reason + ")") + "\n";
+    }
+    if (const store::RemoteStore* r = impl_->remote.get()) {
+      const Status h = r->health();
+      uint64_t live = 0, lost = 0;
+      std::string lost_ids;
+      for (const auto& p : r->peers()) {
+        if (p.state == "self") continue;
+        if (p.state.rfind("unreachable", 0) == 0 || p.state == "left") {
+          ++lost;
+          lost_ids += (lost_ids.empty() ? "" : ", ") + p.id;
+        } else {
+          ++live;
+        }
+      }
+      *body += "remote " + std::string(h.ok() ? "ok" : "degraded") + ": member " + r->id() + ", " +
+               std::to_string(live) + " peers live" +
+               (lost ? ", " + std::to_string(lost) + " lost (" + lost_ids + ")" : std::string()) +
+               (h.ok() ? std::string() : " (" + h.message() + ")") + "\n";
     }
   }
   return ok;

@@ -13,7 +13,7 @@ import pathlib
 import threading
 
 #: The C ABI version this package was written against (KVFERRY_ABI_VERSION of kvferry.h).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 c_int = ctypes.c_int
 c_int16 = ctypes.c_int16
@@ -198,6 +198,9 @@ _PROTOS = {
     "kvferry_ls": (c_int, [c_void_p, c_uint32, P(LsEntry), c_uint32, P(c_uint32)]),
     "kvferry_debug_read": (c_int, [c_void_p, c_uint32, c_uint64, c_void_p, c_uint32]),
     "kvferry_daemon_status_json": (c_int, [c_void_p, c_char_p, c_uint32, P(c_uint32)]),
+    "kvferry_send": (c_int, [c_void_p, c_uint32, c_void_p, c_void_p, c_uint32, c_char_p, c_void_p, P(c_uint32)]),
+    "kvferry_lookup_wait": (c_int, [c_void_p, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, P(c_uint32)]),
+    "kvferry_peers_json": (c_int, [c_void_p, c_char_p, c_uint32, P(c_uint32)]),
 }
 
 _lock = threading.Lock()

@@ -657,6 +657,55 @@ class Client:
         r = EvictResult("evict", st, int(n - np.count_nonzero(st)), rc, evicted=ev.value)
         return r.raise_for_status() if check else r
 
+    # ---- the remote tier (tiers.remote) ----
+    def send(self, region, keys, block_ids, peer: str, check: bool = True) -> OpResult:
+        """Prefill → decode: saves the blocks here, then writes them to the peer daemon ``peer``
+        (its member id, as ``peers()`` lists it) so that the peer's clients find them. Raises with
+        per-block statuses unless every block reached the peer, or check=False."""
+        conn = self._conn_or_raise()
+        k = keys_array(keys)
+        b = block_ids_array(block_ids)
+        n = len(k)
+        if len(b) != n:
+            raise InvalidArgumentError(f"send: {n} keys but {len(b)} block ids")
+        st = np.zeros(n, dtype=np.int16)
+        done = L.c_uint32(0)
+        rc = L.lib().kvferry_send(conn.handle, self._rid(region), _ptr(k), _ptr(b), n, peer.encode(), _ptr(st),
+                                  ctypes.byref(done))
+        if rc != 0 and done.value == 0 and not st.any():
+            _check(rc, "send")
+        if rc == 0 and st.any():
+            rc = int(st[np.nonzero(st)[0][0]])
+        r = OpResult("send", st, done.value, rc)
+        return r.raise_for_status() if check else r
+
+    def lookup_wait(self, region, keys, wait: float) -> LookupResult:
+        """A lookup that waits up to ``wait`` seconds for keys not stored yet (a peer's send
+        landing). ``.hits[i]``: key i is stored now."""
+        conn = self._conn_or_raise()
+        k = keys_array(keys)
+        n = len(k)
+        st = np.zeros(n, dtype=np.int16)
+        prefix = L.c_uint32(0)
+        ms = max(0, min(int(wait * 1000), 600000))
+        _check(L.lib().kvferry_lookup_wait(conn.handle, self._rid(region), _ptr(k), n, ms, _ptr(st),
+                                           ctypes.byref(prefix)), "lookup_wait")
+        return LookupResult("lookup", st, int(np.count_nonzero(st == 0)), 0, prefix=prefix.value)
+
+    def peers(self) -> dict:
+        """The remote tier's cluster (as `kvferry peers --json`): self, healthy, members[]."""
+        lib = L.lib()
+        need = L.c_uint32(0)
+        cap = 16384
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            rc = lib.kvferry_peers_json(self._handle(), buf, cap, ctypes.byref(need))
+            if rc == 2 and need.value > cap:
+                cap = need.value
+                continue
+            _check(rc, "peers")
+            return json.loads(buf.value.decode())
+
     # ---- the store and the daemon ----
     def stats(self) -> dict:
         """The daemon's store counters (as `kvferry stats --json`)."""

@@ -98,14 +98,22 @@ class DaemonProcess {
       ::execv(KVFERRYD_PATH, argv.data());
       ::_exit(127);
     }
+    bool exited = false;
     ready_ = wait_until(
-        [&] {
-          int fd = connect_raw(socket_);
-          if (fd < 0) return false;
-          ::close(fd);
-          return true;
-        },
-        std::chrono::seconds(10));
+                 [&] {
+                   int fd = connect_raw(socket_);
+                   if (fd >= 0) {
+                     ::close(fd);
+                     return true;
+                   }
+                   // A daemon that refused to start has exited: stop waiting (without reaping it).
+                   siginfo_t si{};
+                   exited = ::waitid(P_PID, static_cast<id_t>(pid_), &si, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+                            si.si_pid == pid_;
+                   return exited;
+                 },
+                 std::chrono::seconds(10)) &&
+             !exited;
   }
   ~DaemonProcess() {
     if (pid_ > 0 && !stopped_) stop();

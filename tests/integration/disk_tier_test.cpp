@@ -451,12 +451,5 @@ TEST(DiskTierConvert, LoadFromDiskConvertsFormat) {
         << "block " << i;
 }
 
-// tiers.remote.listen is refused at start with a message saying why.
-TEST(DiskTierConfig, RemoteListenIsAStartError) {
-  DaemonProcess d("tiers:\n  host:\n    capacity: 64MiB\n  remote:\n    listen: 127.0.0.1:7999\n");
-  EXPECT_FALSE(d.ready());
-  EXPECT_NE(d.log().find("remote tier (G4) is not built yet"), std::string::npos) << d.log();
-}
-
 }  // namespace
 }  // namespace kvferry

@@ -346,6 +346,10 @@ TEST(ConfigLoad, BadValues) {
       {"tiers:\n  remote:\n    listen: 127.0.0.1:9464",
        "tiers.remote.listen: '127.0.0.1:9464' is also daemon.metrics_listen"},
       {"integrity:\n  checksum: crc32", "integrity.checksum: 'crc32' is not xxh3 or none"},
+      {"tiers:\n  remote:\n    listen: 127.0.0.1:7001\n    etcd: 127.0.0.1:2379", "is not an http://host:port URL"},
+      {"tiers:\n  remote:\n    ttl: 2500ms", "tiers.remote.ttl: must be whole seconds"},
+      {"tiers:\n  remote:\n    replicas: 3", "tiers.remote.replicas: '3' is outside [1, 2]"},
+      {"tiers:\n  remote:\n    id: 'a b'", "tiers.remote.id: 'a b' may hold only"},
       {"tiers: 3", "t.yaml:1: tiers: '3' is not a mapping of keys"},
       {"- a\n- b", "t.yaml:1: the top level is a list, not a mapping"},
       {"daemon:\n  socket: /a\n  socket: /b", "t.yaml:3: daemon.socket: duplicate key"},
@@ -471,7 +475,17 @@ Config everything_changed() {
   c.tenants.push_back({"team.b", {}, {2000}, {}});
   c.host = {(3ull << 30) + 4096, 1, 0.7, 0.123456789};
   c.disk = {"/var/lib/kv", 1000000007ull, 32, false, DiskDurability::kEach, DiskIoEngine::kPosix, true};
-  c.remote = {"0.0.0.0:1", {"a:2", "[::1]:3"}, "rc,sm"};
+  c.remote = {"0.0.0.0:1",
+              {"a:2", "[::1]:3"},
+              "rc,sm",
+              "node-1",
+              "http://127.0.0.1:2379",
+              "/kv/",
+              std::chrono::milliseconds(3000),
+              "/etc/kv.key",
+              2,
+              std::chrono::milliseconds(1500),
+              std::chrono::milliseconds(20)};
   c.integrity = {Checksum::kNone, false};
   c.limits = {3,
               16,

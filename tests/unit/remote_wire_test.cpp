@@ -46,21 +46,26 @@ TEST(RemoteWire, BodiesRoundTrip) {
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->entries, r.entries);
 
-  ReserveRequest rv{"ns", {3, 4}, 1u << 20, "mla_fp8_656"};
+  ReserveRequest rv{"ns", "mla_fp8@61x64", 1u << 20, {{3, 4}, {5, 6}}, true};
   auto rv2 = ReserveRequest::decode(rv.encode());
   ASSERT_TRUE(rv2.ok());
-  EXPECT_EQ(rv2->key, rv.key);
+  EXPECT_EQ(rv2->keys, rv.keys);
   EXPECT_EQ(rv2->bytes, rv.bytes);
   EXPECT_EQ(rv2->format, rv.format);
+  EXPECT_TRUE(rv2->send);
 
-  auto rr = ReserveReply::decode(ReserveReply{8192, 77}.encode());
-  ASSERT_TRUE(rr.ok());
-  EXPECT_EQ(rr->offset, 8192u);
-  EXPECT_EQ(rr->reservation, 77u);
+  ReserveReply rr{{{ErrorCode::kOk, 8192, 77}, {ErrorCode::kAlreadyExists, 0, 0}}};
+  auto rr2 = ReserveReply::decode(rr.encode());
+  ASSERT_TRUE(rr2.ok());
+  EXPECT_EQ(rr2->entries, rr.entries);
 
-  auto c = CommitRequest::decode(CommitRequest{77, 0xfeed}.encode());
-  ASSERT_TRUE(c.ok());
-  EXPECT_EQ(c->checksum, 0xfeedu);
+  CommitRequest c{{{77, 0xfeed, true}, {78, 0, false}}};
+  auto c2 = CommitRequest::decode(c.encode());
+  ASSERT_TRUE(c2.ok());
+  EXPECT_EQ(c2->items, c.items);
+  auto cr = CommitReply::decode(CommitReply{{ErrorCode::kOk, ErrorCode::kChecksumMismatch}}.encode());
+  ASSERT_TRUE(cr.ok());
+  EXPECT_EQ(cr->codes, (std::vector<ErrorCode>{ErrorCode::kOk, ErrorCode::kChecksumMismatch}));
 
   Notify n{"ns", {{1, 1}, {2, 2}}, {ErrorCode::kOk, ErrorCode::kUnavailable}};
   auto n2 = Notify::decode(n.encode());
@@ -88,6 +93,9 @@ TEST(RemoteWire, DecodingNeverTrustsALength) {
     (void)LookupRequest::decode(junk);
     (void)LookupReply::decode(junk);
     (void)ReserveRequest::decode(junk);
+    (void)ReserveReply::decode(junk);
+    (void)CommitRequest::decode(junk);
+    (void)CommitReply::decode(junk);
     (void)Notify::decode(junk);
     Reader r(junk);
     (void)PeerHello::decode(r);

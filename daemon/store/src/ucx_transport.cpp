@@ -386,6 +386,10 @@ struct UcxTransport::Impl {
   // ---- set-up ----
 
   Status init() {
+    // A daemon restarted on its port (after a crash, say) must be able to listen at once: the
+    // accepted connections of the one before sit in TIME_WAIT on that port for a minute. UCX
+    // reads its transports' options from the environment only; an operator's setting wins.
+    ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
     ucp_config_t* cfg = nullptr;
     KVFERRY_UCX_TRY(ucp_config_read(nullptr, nullptr, &cfg));
     Status s = KVFERRY_UCX_STATUS(ucp_config_modify(cfg, "TLS", opts.tls.c_str()), "setting UCX_TLS");

@@ -88,9 +88,17 @@ struct DiskTierConfig {
 };
 
 struct RemoteTierConfig {
-  std::string listen;              ///< "" = remote tier off; "host:port"
-  std::vector<std::string> peers;  ///< "host:port" of peer daemons
-  std::string transport = "tcp";   ///< UCX_TLS value
+  std::string listen;                             ///< "" = remote tier off; "host:port"
+  std::vector<std::string> peers;                 ///< "host:port" of peer daemons (static membership; ids = addresses)
+  std::string transport = "tcp";                  ///< UCX_TLS value
+  std::string id;                                 ///< member id under etcd ("" = the listen address)
+  std::string etcd;                               ///< etcd endpoint http://host:port ("" = static peers)
+  std::string prefix = "/kvferry/members/";       ///< the cluster's key prefix in etcd
+  std::chrono::milliseconds ttl{10000};           ///< etcd lease TTL (whole seconds)
+  std::string secret_file;                        ///< shared key of the cluster ("" = none: loopback only)
+  uint32_t replicas = 1;                          ///< owners per block
+  std::chrono::milliseconds timeout{5000};        ///< deadline of a remote transfer batch
+  std::chrono::milliseconds lookup_timeout{500};  ///< deadline of a remote lookup
 
   bool operator==(const RemoteTierConfig&) const = default;
 };

@@ -156,6 +156,19 @@ class Client {
   Result<ops::StatsWire> stats(int64_t timeout_us = kOpTimeoutUs);
   /// Stored blocks of region_id's namespace (0 = every namespace), at most `limit` (0 = what fits).
   Result<std::vector<ops::LsEntry>> ls(uint32_t region_id, uint32_t limit = 0, int64_t timeout_us = kOpTimeoutUs);
+  /// Remote tier: saves the blocks here, then writes them to the peer daemon `peer` (its member
+  /// id, as `kvferry peers` lists it) so that the peer's clients find them (prefill → decode).
+  /// Per block: kOk once stored on the peer and verified; the peer's error otherwise.
+  Result<uint64_t> submit_send(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
+                               const std::string& peer);
+  Result<OpResult> send(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
+                        const std::string& peer, int64_t timeout_us = kOpTimeoutUs);
+  /// Lookup that waits up to `wait_ms` for keys not stored yet (a peer's send landing): each key
+  /// completes kOk once stored, kNotFound if still absent then. Without a remote tier it does not wait.
+  Result<OpResult> lookup_wait(uint32_t region_id, std::span<const ops::Key> keys, uint32_t wait_ms,
+                               int64_t timeout_us = kOpTimeoutUs);
+  /// The remote tier's members as JSON text (kvferry peers); kUnavailable without a remote tier.
+  Result<std::string> peers(int64_t timeout_us = kOpTimeoutUs);
   /// The fault knob (kvferryd --enable-test-faults only): flips byte `byte` of the stored block `key`.
   Result<OpResult> corrupt_for_test(uint32_t region_id, const ops::Key& key, uint64_t byte,
                                     int64_t timeout_us = kOpTimeoutUs);
@@ -180,7 +193,8 @@ class Client {
   /// Reserves `bytes` of the arena (8-aligned); kBusy when it does not fit now.
   Result<uint32_t> arena_alloc(uint64_t bytes);
   Result<uint64_t> submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
-                               std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes);
+                               std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes,
+                               uint64_t arg1 = 0, std::span<const uint8_t> tail = {});
   /// Files a completion: a data op's result (reading its arena part, then freeing it) or a raw one.
   /// Called with ops_mu_ held.
   void absorb(const ring::CompletionEntry& c);

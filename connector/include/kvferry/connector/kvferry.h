@@ -51,8 +51,8 @@ extern "C" {
 #endif
 
 /* The ABI version of this header (1: the first release; 2: versions, params structs, the full
- * status list, kvferry_connection_status). */
-#define KVFERRY_ABI_VERSION 2
+ * status list, kvferry_connection_status; 3: the remote tier's send, lookup_wait and peers). */
+#define KVFERRY_ABI_VERSION 3
 
 /* Every status code (the daemon's ErrorCode values; wire-stable, only appended to). */
 typedef enum kvferry_error {
@@ -354,6 +354,25 @@ KVFERRY_API int kvferry_get_stats(kvferry_client* c, kvferry_store_stats* out);
  * backend, regions[], clients[]), NUL-terminated into buf (cap bytes). *needed = bytes with the
  * NUL; KVFERRY_ERROR_OUT_OF_RANGE when cap is smaller (call again with *needed). */
 KVFERRY_API int kvferry_daemon_status_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed);
+
+/* ---- ABI 3: the remote tier (tiers.remote) ---- */
+
+/* Prefill → decode: saves block_ids[i] under keys[i] here, then writes the blocks to the peer
+ * daemon whose member id is `peer` (as kvferry_peers_json lists it), so that the peer's clients
+ * find them. statuses[i] = 0 once stored on the peer and verified there, else the error
+ * (KVFERRY_ERROR_UNAVAILABLE: the peer is lost or unreachable; KVFERRY_E_NOT_FOUND: no such peer).
+ * The call fails with KVFERRY_ERROR_UNAVAILABLE when the daemon has no remote tier. */
+KVFERRY_API int kvferry_send(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
+                             uint32_t n, const char* peer, int16_t* statuses, uint32_t* done);
+/* A lookup that waits up to wait_ms for keys not stored yet (a peer's send landing): statuses[i]
+ * = 0 once stored, KVFERRY_E_NOT_FOUND if still absent then. Without a remote tier it does not wait. */
+KVFERRY_API int kvferry_lookup_wait(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n,
+                                    uint32_t wait_ms, int16_t* statuses, uint32_t* prefix);
+/* The remote tier's members as JSON ({"self", "healthy", "reason", "members": [{"id", "address",
+ * "incarnation", "state", "blocks_out", "bytes_out", "blocks_in", "bytes_in", "errors"}]}),
+ * NUL-terminated into buf (cap bytes). *needed = bytes with the NUL; KVFERRY_ERROR_OUT_OF_RANGE
+ * when cap is smaller; KVFERRY_ERROR_UNAVAILABLE without a remote tier. */
+KVFERRY_API int kvferry_peers_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed);
 
 #ifdef __cplusplus
 }

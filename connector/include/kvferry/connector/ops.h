@@ -21,6 +21,15 @@
 //   ls       | region or 0   | args[0] = most entries             | LsEntry[count] at arena_offset
 //            | (0 = every    |                                    | (count = entries written)
 //            | namespace)    |                                    |
+//   send     | the region    | Key[count], int64 block_id[count], | int16[count]: saved here and
+//            |               | then (at request_bytes) the peer's | stored on the peer (verified)
+//            |               | member id, args[1] bytes (<= 255)  |
+//   peers    | 0             | args[0] = arena bytes to fill      | JSON text at arena_offset,
+//            |               |                                    | result[0] = bytes written,
+//            |               |                                    | result[1] = bytes of the whole text
+//
+// lookup with args[0] & kLookupWait waits up to args[1] ms for keys that are not stored yet (a
+// peer's send landing); each key completes kOk once stored, kNotFound if still absent at the end.
 //
 // A block's namespace is `model|format family of the region|tenant` (model and tenant from the
 // client's Hello; see Client::Options), so the region an op names picks the family.
@@ -37,11 +46,14 @@ struct Key {
 };
 static_assert(sizeof(Key) == 16);
 
-inline constexpr uint64_t kEvictAll = 1;    ///< evict args[0]: every unpinned block of the region's namespace
-inline constexpr uint64_t kEvictAllNs = 2;  ///< evict args[0]: every unpinned block of every namespace
+inline constexpr uint64_t kEvictAll = 1;              ///< evict args[0]: every unpinned block of the region's namespace
+inline constexpr uint64_t kEvictAllNs = 2;            ///< evict args[0]: every unpinned block of every namespace
+inline constexpr uint64_t kLookupWait = 1;            ///< lookup args[0]: wait up to args[1] ms for absent keys
+inline constexpr uint64_t kMaxLookupWaitMs = 600000;  ///< the longest wait a lookup may ask for
+inline constexpr uint64_t kMaxPeerName = 255;         ///< send: the longest peer member id
 
-/// Whether `op` carries block ids after its keys (save, load).
-inline constexpr bool has_block_ids(uint16_t op) { return op == 17 || op == 18; }
+/// Whether `op` carries block ids after its keys (save, load, send).
+inline constexpr bool has_block_ids(uint16_t op) { return op == 17 || op == 18 || op == 25; }
 /// Bytes of the input of `count` keys of `op`.
 inline constexpr uint64_t input_bytes(uint16_t op, uint64_t count) {
   return count * (sizeof(Key) + (has_block_ids(op) ? sizeof(int64_t) : 0));

@@ -38,8 +38,8 @@ enum class MsgType : uint16_t {
 /// Operations carried by kRequest (the body layouts below).
 enum class RemoteOp : uint16_t {
   kLookup = 1,   ///< LookupRequest → LookupReply
-  kReserve = 2,  ///< ReserveRequest → ReserveReply: a slot in the owner's pool to put a block into
-  kCommit = 3,   ///< CommitRequest → empty: the put block is complete, check and index it
+  kReserve = 2,  ///< ReserveRequest → ReserveReply: slots in the owner's pool to put blocks into
+  kCommit = 3,   ///< CommitRequest → CommitReply: the put blocks are complete, check and index them
   kNotify = 4,   ///< Notify → empty: per-block outcome of a send (prefill → decode)
   kPing = 5,     ///< any bytes → the same bytes
 };
@@ -269,67 +269,128 @@ struct LookupReply {
   }
 };
 
-/// Asks the owner for a pool slot to put one block into (one-sided), held until commit or a timeout.
+/// Asks the owner for pool slots to put blocks into (one-sided), one per key, all of one format
+/// and size; each is held until its commit or a timeout.
 struct ReserveRequest {
   std::string ns;
-  BlockKey key;
-  uint64_t bytes = 0;
-  std::string format;
+  std::string format;  ///< the record format (TieredStore::record_format: "bf16@32x16")
+  uint64_t bytes = 0;  ///< of each block
+  std::vector<BlockKey> keys;
+  /// Sent by a peer's send (prefill → decode) rather than by placement: the owner tells its
+  /// waiting clients when the blocks land.
+  bool send = false;
   std::vector<uint8_t> encode() const {
     Writer w;
     w.str(ns);
-    w.key(key);
-    w.u64(bytes);
     w.str(format);
+    w.u64(bytes);
+    w.u8(send ? 1 : 0);
+    w.u32(uint32_t(keys.size()));
+    for (auto& k : keys) w.key(k);
     return std::move(w.buffer());
   }
   static Result<ReserveRequest> decode(std::span<const uint8_t> b) {
     Reader r(b);
     ReserveRequest q;
     q.ns = r.str(255);
-    q.key = r.key();
-    q.bytes = r.u64();
     q.format = r.str(63);
+    q.bytes = r.u64();
+    q.send = r.u8() != 0;
+    uint32_t n = r.count(16);
+    q.keys.reserve(n);
+    for (uint32_t i = 0; i < n; ++i) q.keys.push_back(r.key());
     KVFERRY_TRY(r.finish("reserve request"));
     return q;
   }
 };
 
-struct ReserveReply {
+/// Per key of a ReserveRequest: kOk with the slot's pool offset and a reservation to commit;
+/// kAlreadyExists (the owner holds the key: nothing to put); another code: refused.
+struct ReserveEntry {
+  ErrorCode code = ErrorCode::kOk;
   uint64_t offset = 0;       ///< into the owner's pool
   uint64_t reservation = 0;  ///< handed back in the commit
+  bool operator==(const ReserveEntry&) const = default;
+};
+
+struct ReserveReply {
+  std::vector<ReserveEntry> entries;
   std::vector<uint8_t> encode() const {
     Writer w;
-    w.u64(offset);
-    w.u64(reservation);
+    w.u32(uint32_t(entries.size()));
+    for (auto& e : entries) {
+      w.u16(uint16_t(e.code));
+      w.u64(e.offset);
+      w.u64(e.reservation);
+    }
     return std::move(w.buffer());
   }
   static Result<ReserveReply> decode(std::span<const uint8_t> b) {
     Reader r(b);
     ReserveReply q;
-    q.offset = r.u64();
-    q.reservation = r.u64();
+    uint32_t n = r.count(18);
+    q.entries.resize(n);
+    for (auto& e : q.entries) {
+      e.code = ErrorCode(int16_t(r.u16()));
+      e.offset = r.u64();
+      e.reservation = r.u64();
+    }
     KVFERRY_TRY(r.finish("reserve reply"));
     return q;
   }
 };
 
-/// The block put into a reserved slot is complete: the owner checks the checksum and indexes it.
-struct CommitRequest {
+/// The blocks put into reserved slots are complete (`done`) or are to be dropped (not done: their
+/// put failed): the owner checks each done one's checksum and indexes it. Answered by a
+/// CommitReply with one code per item.
+struct CommitItem {
   uint64_t reservation = 0;
   uint64_t checksum = 0;
+  bool done = true;
+  bool operator==(const CommitItem&) const = default;
+};
+
+struct CommitRequest {
+  std::vector<CommitItem> items;
   std::vector<uint8_t> encode() const {
     Writer w;
-    w.u64(reservation);
-    w.u64(checksum);
+    w.u32(uint32_t(items.size()));
+    for (auto& i : items) {
+      w.u64(i.reservation);
+      w.u64(i.checksum);
+      w.u8(i.done ? 1 : 0);
+    }
     return std::move(w.buffer());
   }
   static Result<CommitRequest> decode(std::span<const uint8_t> b) {
     Reader r(b);
     CommitRequest q;
-    q.reservation = r.u64();
-    q.checksum = r.u64();
+    uint32_t n = r.count(17);
+    q.items.resize(n);
+    for (auto& i : q.items) {
+      i.reservation = r.u64();
+      i.checksum = r.u64();
+      i.done = r.u8() != 0;
+    }
     KVFERRY_TRY(r.finish("commit request"));
+    return q;
+  }
+};
+
+struct CommitReply {
+  std::vector<ErrorCode> codes;
+  std::vector<uint8_t> encode() const {
+    Writer w;
+    w.u32(uint32_t(codes.size()));
+    for (auto c : codes) w.u16(uint16_t(c));
+    return std::move(w.buffer());
+  }
+  static Result<CommitReply> decode(std::span<const uint8_t> b) {
+    Reader r(b);
+    CommitReply q;
+    uint32_t n = r.count(2);
+    for (uint32_t i = 0; i < n; ++i) q.codes.push_back(ErrorCode(int16_t(r.u16())));
+    KVFERRY_TRY(r.finish("commit reply"));
     return q;
   }
 };

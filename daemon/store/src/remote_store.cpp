@@ -1,0 +1,916 @@
+#include "kvferry/store/remote_store.h"
+
+#if defined(KVFERRY_WITH_UCX)
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "kvferry/store/membership.h"
+#include "kvferry/store/placement.h"
+#include "kvferry/store/remote_wire.h"
+#include "kvferry/store/tiered_store.h"
+#include "kvferry/store/ucx_transport.h"
+#endif
+
+namespace kvferry::store {
+
+#if defined(KVFERRY_WITH_UCX)
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+/// Blocks per control call: a reserve reply of 4096 entries is 72 KiB, well under wire::kMaxBody.
+constexpr size_t kBatch = 4096;
+
+Status split_host_port(const std::string& hp, std::string* host, uint16_t* port) {
+  const size_t colon = hp.rfind(':');
+  if (colon == std::string::npos || colon == 0) return {ErrorCode::kInvalidArgument, "'" + hp + "' is not host:port"};
+  *host = hp.substr(0, colon);
+  if (host->size() > 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
+  char* end = nullptr;
+  const unsigned long p = std::strtoul(hp.c_str() + colon + 1, &end, 10);
+  if (*end != '\0' || p > 65535) return {ErrorCode::kInvalidArgument, "'" + hp + "' has a bad port"};
+  *port = static_cast<uint16_t>(p);
+  return Status::Ok();
+}
+
+/// Milliseconds left until `deadline` (at least 1 while it is ahead; 0 once passed).
+milliseconds left_until(Clock::time_point deadline) {
+  const auto now = Clock::now();
+  if (now >= deadline) return milliseconds(0);
+  return std::max(milliseconds(1), std::chrono::duration_cast<milliseconds>(deadline - now));
+}
+
+bool peer_failure(ErrorCode c) { return c == ErrorCode::kUnavailable || c == ErrorCode::kTimeout; }
+
+}  // namespace
+
+struct RemoteStore::Impl {
+  struct PeerState {
+    MemberRecord rec;
+    bool live = false;  ///< in the current view
+    PeerId ep = 0;      ///< our endpoint to it (0: none)
+    Clock::time_point retry_after{};
+    std::string last_error;
+    Counter *blocks_out = nullptr, *bytes_out = nullptr, *blocks_in = nullptr, *bytes_in = nullptr, *errors = nullptr;
+  };
+  struct Pending {
+    SaveReservation r;
+    NamespaceId ns = 0;  ///< the namespace lease this reservation holds
+    Clock::time_point expiry;
+    std::string peer;  ///< who reserved it (member id)
+    bool send = false;
+  };
+
+  RemoteStoreOptions opts;
+  BlockIndex& index;
+  Registry& metrics;
+  std::string self_id;
+  std::unique_ptr<UcxTransport> transport;
+  std::unique_ptr<Membership> membership;
+
+  mutable std::mutex mu;  // peers, placement, serving; never held across a transport call
+  std::map<std::string, PeerState> peers;
+  std::shared_ptr<const RendezvousPlacement> placement;
+  bool serving = true;
+  std::string lost_reason;
+
+  std::mutex res_mu;  // reservations made by peers (owner side)
+  std::unordered_map<uint64_t, Pending> pending;
+  uint64_t next_reservation = 1;
+
+  std::mutex commit_mu;  // wakes wait_for() on every commit from a peer
+  std::condition_variable commit_cv;
+  uint64_t commits = 0;
+
+  std::mutex sweep_mu;
+  std::condition_variable sweep_cv;
+  bool stopping = false;
+  std::thread sweeper;
+
+  Counter *served_lookups = nullptr, *served_blocks_in = nullptr, *torn_reads = nullptr, *refused = nullptr,
+          *commit_mismatch = nullptr;
+
+  Impl(RemoteStoreOptions o, BlockIndex& i, Registry& m) : opts(std::move(o)), index(i), metrics(m) {}
+
+  void warn(const std::string& s) const {
+    if (opts.log)
+      opts.log(s);
+    else
+      std::fprintf(stderr, "remote tier: %s\n", s.c_str());
+  }
+  void note(const std::string& s) const {
+    if (opts.info) opts.info(s);
+  }
+
+  PeerState& peer_locked(const std::string& id) {
+    auto [it, fresh] = peers.try_emplace(id);
+    if (fresh) {
+      const std::string l = "tier=\"remote\",peer=\"" + id + "\"";
+      auto c = [&](const char* name, const char* help, const char* dir) {
+        return &metrics.counter(name, help, l + ",dir=\"" + dir + "\"");
+      };
+      it->second.blocks_out = c("kvferry_remote_blocks_total", "Blocks moved to (out) or from (in) a peer", "out");
+      it->second.blocks_in = c("kvferry_remote_blocks_total", "Blocks moved to (out) or from (in) a peer", "in");
+      it->second.bytes_out = c("kvferry_remote_bytes_total", "Bytes moved to (out) or from (in) a peer", "out");
+      it->second.bytes_in = c("kvferry_remote_bytes_total", "Bytes moved to (out) or from (in) a peer", "in");
+      it->second.errors = &metrics.counter(
+          "kvferry_remote_errors_total", "Blocks whose move to or from a peer failed (peer lost, timeout, refused)", l);
+    }
+    return it->second;
+  }
+
+  // ---- view ----
+
+  void apply_view() {
+    auto view = membership->members();
+    std::vector<std::string> ids;
+    std::vector<PeerId> drop;
+    {
+      std::lock_guard g(mu);
+      for (auto& [id, p] : peers) p.live = false;
+      for (auto& m : view) {
+        ids.push_back(m.id);
+        if (m.id == self_id) continue;
+        PeerState& p = peer_locked(m.id);
+        if (p.ep && (p.rec.incarnation != m.incarnation || p.rec.address != m.address)) {
+          drop.push_back(p.ep);  // restarted or moved: its endpoint and rkey are stale
+          p.ep = 0;
+        }
+        p.rec = m;
+        p.live = true;
+      }
+      for (auto& [id, p] : peers)
+        if (!p.live && p.ep) {
+          drop.push_back(p.ep);
+          p.ep = 0;
+        }
+      placement = std::make_shared<const RendezvousPlacement>(std::move(ids));
+    }
+    for (PeerId e : drop) transport->disconnect(e);
+  }
+
+  void on_event(const MembershipEvent& ev) {
+    switch (ev.type) {
+      case MembershipEventType::kLost: {
+        std::lock_guard g(mu);
+        serving = false;
+        lost_reason = ev.reason;
+        warn("this daemon lost its cluster membership (" + ev.reason + "): it stops serving remote reads");
+        return;
+      }
+      case MembershipEventType::kRestored: {
+        std::lock_guard g(mu);
+        serving = true;
+        lost_reason.clear();
+        note("cluster membership restored");
+        break;
+      }
+      case MembershipEventType::kJoined: note("peer " + ev.member.id + " joined at " + ev.member.address); break;
+      case MembershipEventType::kUpdated:
+        note("peer " + ev.member.id + " restarted (incarnation " + std::to_string(ev.member.incarnation) + ")");
+        break;
+      case MembershipEventType::kLeft: note("peer " + ev.member.id + " left"); break;
+    }
+    apply_view();
+  }
+
+  std::shared_ptr<const RendezvousPlacement> view() const {
+    std::lock_guard g(mu);
+    return placement;
+  }
+
+  // ---- endpoints ----
+
+  /// Our endpoint to member `id`, connecting when there is none. kUnavailable ("peer lost: ...")
+  /// when it is not a live member or cannot be reached (a failed attempt is not repeated for 1 s).
+  Result<PeerId> endpoint(const std::string& id) {
+    std::string address;
+    {
+      std::lock_guard g(mu);
+      auto it = peers.find(id);
+      if (it == peers.end() || !it->second.live)
+        return Status(ErrorCode::kUnavailable, "peer lost: " + id + " is not a live member of the cluster");
+      if (it->second.ep) return it->second.ep;
+      if (Clock::now() < it->second.retry_after)
+        return Status(ErrorCode::kUnavailable, "peer lost: " + id + " is unreachable (" + it->second.last_error + ")");
+      address = it->second.rec.address;
+    }
+    std::string host;
+    uint16_t port = 0;
+    Status st = split_host_port(address, &host, &port);
+    Result<PeerId> ep = st.ok() ? transport->connect(host, port) : Result<PeerId>(st);
+    if (ep.ok()) {
+      auto info = transport->peer(*ep);
+      if (!info || info->name != id) {
+        transport->disconnect(*ep);
+        ep = Status(ErrorCode::kPermissionDenied,
+                    "the daemon at " + address + " says it is '" + (info ? info->name : "?") + "', not '" + id + "'");
+      }
+    }
+    std::lock_guard g(mu);
+    auto it = peers.find(id);
+    if (!ep.ok()) {
+      if (it != peers.end()) {
+        it->second.retry_after = Clock::now() + milliseconds(1000);
+        it->second.last_error = ep.status().to_string();
+      }
+      return Status(ErrorCode::kUnavailable,
+                    "peer lost: cannot reach " + id + " at " + address + ": " + ep.status().to_string());
+    }
+    if (it == peers.end() || !it->second.live || it->second.ep) {
+      const PeerId keep = it != peers.end() && it->second.live ? it->second.ep : 0;
+      transport->disconnect(*ep);  // another thread connected meanwhile, or the peer left
+      if (keep) return keep;
+      return Status(ErrorCode::kUnavailable, "peer lost: " + id + " left the cluster");
+    }
+    it->second.ep = *ep;
+    it->second.last_error.clear();
+    return *ep;
+  }
+
+  /// A transfer to `id` over `ep` failed with `st`: forget the endpoint when the failure was the peer's.
+  void failed(const std::string& id, PeerId ep, const Status& st) {
+    if (!peer_failure(st.code())) return;
+    {
+      std::lock_guard g(mu);
+      auto it = peers.find(id);
+      if (it != peers.end() && it->second.ep == ep) {
+        it->second.ep = 0;
+        it->second.last_error = st.to_string();
+      }
+    }
+    transport->disconnect(ep);
+  }
+
+  void count(const std::string& id, bool out, uint64_t blocks, uint64_t bytes, uint64_t errors) {
+    std::lock_guard g(mu);
+    PeerState& p = peer_locked(id);
+    (out ? p.blocks_out : p.blocks_in)->add(blocks);
+    (out ? p.bytes_out : p.bytes_in)->add(bytes);
+    p.errors->add(errors);
+  }
+
+  // ---- owner side (the transport's progress thread) ----
+
+  Result<std::vector<uint8_t>> serve(const PeerInfo& peer, uint16_t op, std::span<const uint8_t> body) {
+    {
+      std::lock_guard g(mu);
+      if (!serving)
+        return Status(ErrorCode::kUnavailable,
+                      "peer lost: " + self_id + " lost its cluster membership (" + lost_reason + ")");
+    }
+    switch (static_cast<wire::RemoteOp>(op)) {
+      case wire::RemoteOp::kLookup: return serve_lookup(body);
+      case wire::RemoteOp::kReserve: return serve_reserve(peer, body);
+      case wire::RemoteOp::kCommit: return serve_commit(peer, body);
+      case wire::RemoteOp::kPing: return std::vector<uint8_t>(body.begin(), body.end());
+      default: break;
+    }
+    refused->add();
+    return Status(ErrorCode::kUnsupported, "remote op " + std::to_string(op) + " is not served");
+  }
+
+  Result<std::vector<uint8_t>> serve_lookup(std::span<const uint8_t> body) {
+    KVFERRY_ASSIGN_OR_RETURN(auto q, wire::LookupRequest::decode(body));
+    wire::LookupReply rep;
+    rep.entries.resize(q.keys.size());
+    const auto ns = index.namespace_id(q.ns);
+    for (size_t i = 0; ns && i < q.keys.size(); ++i) {
+      auto h = index.acquire(NsKey{*ns, q.keys[i]});
+      if (!h.ok()) continue;
+      rep.entries[i] = {true, h->slot.offset, h->meta.bytes, h->meta.checksum,
+                        TieredStore::record_format(h->meta.shape)};
+      index.release(*h);
+    }
+    served_lookups->add(q.keys.size());
+    return rep.encode();
+  }
+
+  Result<std::vector<uint8_t>> serve_reserve(const PeerInfo& peer, std::span<const uint8_t> body) {
+    KVFERRY_ASSIGN_OR_RETURN(auto q, wire::ReserveRequest::decode(body));
+    auto shape = TieredStore::shape_of(q.format);
+    if (!shape || static_cast<uint64_t>(shape->bytes()) != q.bytes)
+      return Status(ErrorCode::kInvalidArgument, "reserve: format '" + q.format + "' does not describe blocks of " +
+                                                     std::to_string(q.bytes) + " bytes");
+    const std::string tenant = TieredStore::tenant_of(q.ns);
+    wire::ReserveReply rep;
+    rep.entries.resize(q.keys.size());
+    const auto expiry = Clock::now() + 2 * opts.timeout;
+    for (size_t i = 0; i < q.keys.size(); ++i) {
+      auto ns = index.acquire_namespace(q.ns, tenant);
+      if (!ns.ok()) {
+        rep.entries[i].code = ns.status().code();
+        continue;
+      }
+      auto r = index.reserve(NsKey{*ns, q.keys[i]}, *shape);
+      if (!r.ok()) {
+        index.release_namespace(*ns);
+        rep.entries[i].code = r.status().code();
+        continue;
+      }
+      std::lock_guard g(res_mu);
+      const uint64_t id = next_reservation++;
+      pending.emplace(id, Pending{*r, *ns, expiry, peer.name, q.send});
+      rep.entries[i] = {ErrorCode::kOk, r->slot.offset, id};
+    }
+    return rep.encode();
+  }
+
+  Result<std::vector<uint8_t>> serve_commit(const PeerInfo& peer, std::span<const uint8_t> body) {
+    KVFERRY_ASSIGN_OR_RETURN(auto q, wire::CommitRequest::decode(body));
+    wire::CommitReply rep;
+    rep.codes.resize(q.items.size(), ErrorCode::kOk);
+    uint64_t committed = 0;
+    for (size_t i = 0; i < q.items.size(); ++i) {
+      Pending p;
+      {
+        std::lock_guard g(res_mu);
+        auto it = pending.find(q.items[i].reservation);
+        if (it == pending.end() || it->second.peer != peer.name) {
+          rep.codes[i] = ErrorCode::kNotFound;  // expired (and dropped) or never this peer's
+          continue;
+        }
+        p = it->second;
+        pending.erase(it);
+      }
+      if (!q.items[i].done) {
+        index.abort(p.r);
+        rep.codes[i] = ErrorCode::kCancelled;
+      } else if (block_checksum(p.r.data, p.r.bytes) != q.items[i].checksum) {
+        // The bytes that landed are not the block the peer hashed: never index them.
+        index.abort(p.r);
+        commit_mismatch->add();
+        rep.codes[i] = ErrorCode::kChecksumMismatch;
+      } else {
+        index.commit(p.r, q.items[i].checksum);
+        served_blocks_in->add();
+        ++committed;
+      }
+      index.release_namespace(p.ns);
+    }
+    if (committed) {
+      std::lock_guard g(commit_mu);
+      commits += committed;
+      commit_cv.notify_all();
+    }
+    return rep.encode();
+  }
+
+  /// Drops reservations whose commit never came (the peer died or gave up).
+  void sweep() {
+    std::unique_lock lk(sweep_mu);
+    while (!stopping) {
+      sweep_cv.wait_for(lk, milliseconds(250));
+      std::vector<Pending> expired;
+      {
+        std::lock_guard g(res_mu);
+        const auto now = Clock::now();
+        for (auto it = pending.begin(); it != pending.end();)
+          if (stopping || it->second.expiry < now) {
+            expired.push_back(it->second);
+            it = pending.erase(it);
+          } else {
+            ++it;
+          }
+      }
+      for (auto& p : expired) {
+        index.abort(p.r);
+        index.release_namespace(p.ns);
+      }
+      if (!expired.empty() && !stopping)
+        warn(std::to_string(expired.size()) + " reserved block(s) of peer " + expired.front().peer +
+             " were never committed; dropped");
+    }
+  }
+
+  // ---- requester side ----
+
+  /// The remote owners of `key` in rank order (self excluded).
+  static std::vector<std::string> owners(const RendezvousPlacement& pl, const BlockKey& key, size_t replicas,
+                                         const std::string& self) {
+    std::vector<std::string> out;
+    for (size_t i : pl.owners(key, replicas))
+      if (pl.ids()[i] != self) out.push_back(pl.ids()[i]);
+    return out;
+  }
+
+  void push_to(const std::string& peer, NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
+               const std::vector<size_t>& idx, Clock::time_point deadline, bool send, std::vector<Status>& out) {
+    auto fail = [&](size_t i, const Status& s) {
+      if (out[i].ok()) out[i] = s;
+    };
+    // Hold the local copies for the whole move: eviction must not reuse a slot a put reads.
+    std::vector<Hold> holds;
+    std::vector<size_t> which;
+    for (size_t i : idx) {
+      auto h = index.acquire(NsKey{ns, keys[i]});
+      if (!h.ok()) {
+        fail(i, Status(ErrorCode::kNotFound, "block " + keys[i].hex() + " is not stored on " + self_id));
+        continue;
+      }
+      holds.push_back(*h);
+      which.push_back(i);
+    }
+    auto release = [&] {
+      for (auto& h : holds) index.release(h);
+    };
+    if (holds.empty()) return;
+    auto ep = endpoint(peer);
+    if (!ep.ok()) {
+      for (size_t i : which) fail(i, ep.status());
+      count(peer, true, 0, 0, which.size());
+      release();
+      return;
+    }
+    uint64_t moved = 0, moved_bytes = 0, errors = 0;
+    for (size_t a = 0; a < holds.size();) {
+      // One call per run of holds of one format (a region's blocks are all one), at most kBatch.
+      const std::string fmt = TieredStore::record_format(holds[a].meta.shape);
+      size_t b = a + 1;
+      while (b < holds.size() && b - a < kBatch && holds[b].meta.shape == holds[a].meta.shape) ++b;
+      wire::ReserveRequest q{ns_name, fmt, holds[a].meta.bytes, {}, send};
+      for (size_t k = a; k < b; ++k) q.keys.push_back(holds[k].key.key);
+      auto failed_run = [&](const Status& s) {
+        for (size_t k = a; k < b; ++k) fail(which[k], s);
+        errors += b - a;
+      };
+      const milliseconds budget = left_until(deadline);
+      if (budget.count() == 0) {
+        failed_run(Status(ErrorCode::kTimeout, "the deadline passed before the blocks went to " + peer));
+        a = b;
+        continue;
+      }
+      auto rep = transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kReserve), q.encode(), budget);
+      Result<wire::ReserveReply> rr =
+          rep.ok() ? wire::ReserveReply::decode(*rep) : Result<wire::ReserveReply>(rep.status());
+      if (rr.ok() && rr->entries.size() != b - a)
+        rr = Status(ErrorCode::kProtocol, peer + " answered a reserve of " + std::to_string(b - a) + " blocks with " +
+                                              std::to_string(rr->entries.size()));
+      if (!rr.ok()) {
+        failed_run(rr.status().with_context("reserving room on " + peer));
+        failed(peer, *ep, rr.status());
+        if (peer_failure(rr.status().code())) break;
+        a = b;
+        continue;
+      }
+      std::vector<RemoteCopy> copies;
+      std::vector<size_t> put_of;  // hold index per copy
+      for (size_t k = a; k < b; ++k) {
+        const auto& e = rr->entries[k - a];
+        if (e.code == ErrorCode::kAlreadyExists) continue;  // the target holds it already
+        if (e.code != ErrorCode::kOk) {
+          fail(which[k], Status(e.code, peer + " refused block " + holds[k].key.key.hex()));
+          ++errors;
+          continue;
+        }
+        copies.push_back({holds[k].slot.offset, e.offset, holds[k].meta.bytes});
+        put_of.push_back(k);
+      }
+      if (!copies.empty()) {
+        auto sts = transport->put(*ep, copies, left_until(deadline));
+        wire::CommitRequest c;
+        for (size_t j = 0; j < copies.size(); ++j)
+          c.items.push_back(
+              {rr->entries[put_of[j] - a].reservation, holds[put_of[j]].meta.checksum, j < sts.size() && sts[j].ok()});
+        Status lost;
+        for (size_t j = 0; j < copies.size(); ++j)
+          if (j >= sts.size() || !sts[j].ok()) {
+            lost = j < sts.size() ? sts[j] : Status(ErrorCode::kInternal, "put returned too few statuses");
+            fail(which[put_of[j]], lost.with_context("writing to " + peer));
+            ++errors;
+          }
+        // The commit tells the owner which puts landed (the others' slots are freed at once).
+        auto cr = transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kCommit), c.encode(),
+                                  std::max(left_until(deadline), milliseconds(100)));
+        Result<wire::CommitReply> crr =
+            cr.ok() ? wire::CommitReply::decode(*cr) : Result<wire::CommitReply>(cr.status());
+        if (crr.ok() && crr->codes.size() != copies.size())
+          crr = Status(ErrorCode::kProtocol, peer + " answered a commit with the wrong count");
+        for (size_t j = 0; j < copies.size(); ++j) {
+          if (!c.items[j].done) continue;
+          const size_t k = put_of[j];
+          if (!crr.ok()) {
+            fail(which[k], crr.status().with_context("committing on " + peer));
+            ++errors;
+          } else if (crr->codes[j] != ErrorCode::kOk) {
+            fail(which[k], Status(crr->codes[j], peer + " did not store block " + holds[k].key.key.hex() +
+                                                     (crr->codes[j] == ErrorCode::kChecksumMismatch
+                                                          ? ": the bytes that landed did not match their checksum"
+                                                          : "")));
+            ++errors;
+          } else {
+            ++moved;
+            moved_bytes += holds[k].meta.bytes;
+          }
+        }
+        if (!lost.ok()) failed(peer, *ep, lost);
+        if (!crr.ok()) failed(peer, *ep, crr.status());
+        if ((!lost.ok() && peer_failure(lost.code())) || (!crr.ok() && peer_failure(crr.status().code()))) {
+          for (size_t k = b; k < holds.size(); ++k) fail(which[k], lost.ok() ? crr.status() : lost);
+          errors += holds.size() - b;
+          break;
+        }
+      }
+      a = b;
+    }
+    count(peer, true, moved, moved_bytes, errors);
+    release();
+  }
+
+  /// Fetches keys `idx` from `peer`. Per key: out = kOk, or left kNotFound (a miss there), or the
+  /// error. `asked`: set for keys the peer answered for.
+  void fetch_from(const std::string& peer, NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
+                  const std::vector<size_t>& idx, Clock::time_point deadline, std::vector<Status>& out) {
+    auto ep = endpoint(peer);
+    if (!ep.ok()) {
+      for (size_t i : idx) out[i] = ep.status();
+      count(peer, false, 0, 0, idx.size());
+      return;
+    }
+    uint64_t moved = 0, moved_bytes = 0, errors = 0;
+    for (size_t a = 0; a < idx.size(); a += kBatch) {
+      const size_t b = std::min(idx.size(), a + kBatch);
+      const milliseconds budget = left_until(deadline);
+      if (budget.count() == 0) {
+        for (size_t k = a; k < b; ++k)
+          out[idx[k]] = Status(ErrorCode::kTimeout, "the deadline passed before the block was asked of " + peer);
+        continue;
+      }
+      wire::LookupRequest q{ns_name, {}};
+      for (size_t k = a; k < b; ++k) q.keys.push_back(keys[idx[k]]);
+      auto rep = transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kLookup), q.encode(), budget);
+      Result<wire::LookupReply> lr =
+          rep.ok() ? wire::LookupReply::decode(*rep) : Result<wire::LookupReply>(rep.status());
+      if (lr.ok() && lr->entries.size() != b - a)
+        lr = Status(ErrorCode::kProtocol, peer + " answered a lookup with the wrong count");
+      if (!lr.ok()) {
+        for (size_t k = a; k < b; ++k) out[idx[k]] = lr.status().with_context("asking " + peer);
+        errors += b - a;
+        failed(peer, *ep, lr.status());
+        if (peer_failure(lr.status().code())) {
+          for (size_t k = b; k < idx.size(); ++k) out[idx[k]] = lr.status().with_context("asking " + peer);
+          errors += idx.size() - b;
+          break;
+        }
+        continue;
+      }
+      std::vector<SaveReservation> res;
+      std::vector<RemoteCopy> copies;
+      std::vector<size_t> of;  // position in idx per copy
+      for (size_t k = a; k < b; ++k) {
+        const auto& e = lr->entries[k - a];
+        const size_t i = idx[k];
+        if (!e.found) continue;  // stays kNotFound
+        auto shape = TieredStore::shape_of(e.format);
+        if (!shape || static_cast<uint64_t>(shape->bytes()) != e.bytes) {
+          out[i] = Status(ErrorCode::kProtocol, peer + " described block " + keys[i].hex() + " as '" + e.format +
+                                                    "' of " + std::to_string(e.bytes) + " bytes");
+          ++errors;
+          continue;
+        }
+        auto r = index.reserve(NsKey{ns, keys[i]}, *shape);
+        if (!r.ok()) {
+          // Stored here meanwhile (another fetch or a save): done. Else no room.
+          out[i] = r.status().code() == ErrorCode::kAlreadyExists ? Status::Ok() : r.status();
+          continue;
+        }
+        res.push_back(*r);
+        copies.push_back({r->slot.offset, e.offset, e.bytes});
+        of.push_back(k);
+      }
+      if (copies.empty()) continue;
+      auto sts = transport->get(*ep, copies, left_until(deadline));
+      Status lost;
+      for (size_t j = 0; j < copies.size(); ++j) {
+        const size_t i = idx[of[j]];
+        const auto& e = lr->entries[of[j] - a];
+        if (j >= sts.size() || !sts[j].ok()) {
+          index.abort(res[j]);
+          lost = j < sts.size() ? sts[j] : Status(ErrorCode::kInternal, "get returned too few statuses");
+          out[i] = lost.with_context("reading from " + peer);
+          ++errors;
+        } else if (block_checksum(res[j].data, e.bytes) != e.checksum) {
+          // The owner dropped or reused the slot while it was read: a miss, never these bytes.
+          index.abort(res[j]);
+          torn_reads->add();
+          out[i] =
+              Status(ErrorCode::kNotFound, "block " + keys[i].hex() + " changed on " + peer + " while it was read");
+        } else {
+          index.commit(res[j], e.checksum);
+          out[i] = Status::Ok();
+          ++moved;
+          moved_bytes += e.bytes;
+        }
+      }
+      if (!lost.ok()) {
+        failed(peer, *ep, lost);
+        if (peer_failure(lost.code())) {
+          for (size_t k = b; k < idx.size(); ++k) out[idx[k]] = lost.with_context("reading from " + peer);
+          errors += idx.size() - b;
+          break;
+        }
+      }
+    }
+    count(peer, false, moved, moved_bytes, errors);
+  }
+};
+
+RemoteStore::RemoteStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+RemoteStore::~RemoteStore() {
+  Impl& d = *impl_;
+  if (d.membership) d.membership->stop();  // peers see this member go at once (etcd: lease revoked)
+  {
+    std::lock_guard g(d.sweep_mu);
+    d.stopping = true;
+  }
+  d.sweep_cv.notify_all();
+  if (d.sweeper.joinable()) d.sweeper.join();
+  d.transport.reset();  // closes every endpoint; the handler is not called after this
+  std::vector<Impl::Pending> left;
+  {
+    std::lock_guard g(d.res_mu);
+    for (auto& [id, p] : d.pending) left.push_back(p);
+    d.pending.clear();
+  }
+  for (auto& p : left) {
+    d.index.abort(p.r);
+    d.index.release_namespace(p.ns);
+  }
+}
+
+Result<std::unique_ptr<RemoteStore>> RemoteStore::create(RemoteStoreOptions opts, BlockIndex& index,
+                                                         Registry& metrics) {
+  auto impl = std::make_unique<Impl>(std::move(opts), index, metrics);
+  Impl& d = *impl;
+  if (d.opts.replicas < 1 || d.opts.replicas > 2) return Status(ErrorCode::kInvalidArgument, "replicas must be 1 or 2");
+  std::string host;
+  uint16_t port = 0;
+  KVFERRY_TRY(split_host_port(d.opts.listen, &host, &port));
+  const bool is_static = d.opts.etcd.empty();
+  if (is_static && port == 0)
+    return Status(ErrorCode::kInvalidArgument,
+                  "with static peers the listen port must be fixed (peers name this daemon by its address)");
+  d.self_id = is_static ? d.opts.listen : d.opts.id;
+  const uint64_t incarnation = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count());
+  auto& m = metrics;
+  d.served_lookups =
+      &m.counter("kvferry_remote_served_lookups_total", "Keys peers asked this daemon for", "tier=\"remote\"");
+  d.served_blocks_in = &m.counter("kvferry_remote_served_commits_total", "Blocks peers wrote into this daemon's pool",
+                                  "tier=\"remote\"");
+  d.torn_reads =
+      &m.counter("kvferry_remote_torn_reads_total",
+                 "Remote blocks that changed on their owner while read (dropped: a miss)", "tier=\"remote\"");
+  d.refused =
+      &m.counter("kvferry_remote_refused_requests_total", "Peer requests refused (unknown op)", "tier=\"remote\"");
+  d.commit_mismatch =
+      &m.counter("kvferry_remote_commit_mismatches_total",
+                 "Blocks peers wrote whose bytes did not match their checksum (dropped)", "tier=\"remote\"");
+
+  UcxTransport::Options to;
+  to.incarnation = incarnation;
+  to.listen = true;
+  to.listen_host = host;
+  to.listen_port = port;
+  to.tls = d.opts.tls;
+  to.secret = d.opts.secret;
+  to.pool = index.pool().base();
+  to.pool_bytes = index.pool().capacity();
+  to.op_timeout = d.opts.timeout;
+  to.log = d.opts.log;
+  Impl* ip = impl.get();
+  to.on_request = [ip](const PeerInfo& p, uint16_t op, std::span<const uint8_t> body) {
+    return ip->serve(p, op, body);
+  };
+  // The member id must be known before the transport tells it to peers; under etcd, an empty id
+  // is the advertised address, which needs the chosen port: pick it first.
+  if (!is_static && d.self_id.empty() && port == 0)
+    return Status(ErrorCode::kInvalidArgument, "with etcd membership set an id or a fixed listen port");
+  if (d.self_id.empty()) d.self_id = d.opts.listen;
+  to.name = d.self_id;
+  auto t = UcxTransport::create(to);
+  if (!t.ok()) return t.status().with_context("the remote tier's transport on " + d.opts.listen);
+  d.transport = std::move(*t);
+
+  MemberRecord self;
+  self.id = d.self_id;
+  self.incarnation = incarnation;
+  std::string adv_host = host;
+  if (adv_host == "0.0.0.0" || adv_host == "::") {
+    char hn[256] = {};
+    if (::gethostname(hn, sizeof hn - 1) == 0) adv_host = hn;
+  }
+  self.address = adv_host + ":" + std::to_string(d.transport->listen_port());
+  self.pool_bytes = index.pool().capacity();
+  self.slot_align = HostPool::kSlotAlign;
+  self.formats = d.opts.formats;
+  Result<std::unique_ptr<Membership>> mem = Status(ErrorCode::kInternal, "no membership");
+  if (is_static) {
+    std::vector<MemberRecord> others;
+    for (auto& p : d.opts.peers) {
+      if (p == d.self_id) continue;
+      MemberRecord r;
+      r.id = p;
+      r.address = p;
+      others.push_back(r);
+    }
+    mem = make_static_membership(self, std::move(others));
+  } else {
+    EtcdMembershipOptions eo;
+    eo.endpoint = d.opts.etcd;
+    eo.prefix = d.opts.prefix;
+    eo.ttl = d.opts.ttl;
+    eo.log = d.opts.log;
+    mem = make_etcd_membership(eo, self);
+  }
+  if (!mem.ok()) return mem.status().with_context("cluster membership");
+  d.membership = std::move(*mem);
+  d.membership->set_listener([ip](const MembershipEvent& ev) { ip->on_event(ev); });
+  Status st = d.membership->start();
+  if (!st.ok())
+    return st.with_context(is_static ? "cluster membership" : "joining the cluster in etcd at " + d.opts.etcd);
+  d.apply_view();
+  d.sweeper = std::thread([ip] { ip->sweep(); });
+  return std::unique_ptr<RemoteStore>(new RemoteStore(std::move(impl)));
+}
+
+const std::string& RemoteStore::id() const { return impl_->self_id; }
+uint16_t RemoteStore::port() const { return impl_->transport->listen_port(); }
+
+std::vector<uint8_t> RemoteStore::lookup(const std::string& ns_name, std::span<const BlockKey> keys,
+                                         Clock::time_point deadline) {
+  Impl& d = *impl_;
+  std::vector<uint8_t> found(keys.size(), 0);
+  auto pl = d.view();
+  if (!pl) return found;
+  std::map<std::string, std::vector<size_t>> by_owner;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto o = Impl::owners(*pl, keys[i], d.opts.replicas, d.self_id);
+    if (!o.empty()) by_owner[o.front()].push_back(i);
+  }
+  for (auto& [peer, idx] : by_owner) {
+    const milliseconds budget = left_until(deadline);
+    if (budget.count() == 0) break;
+    auto ep = d.endpoint(peer);
+    if (!ep.ok()) continue;
+    wire::LookupRequest q{ns_name, {}};
+    for (size_t i : idx) q.keys.push_back(keys[i]);
+    auto rep = d.transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kLookup), q.encode(), budget);
+    Result<wire::LookupReply> lr = rep.ok() ? wire::LookupReply::decode(*rep) : Result<wire::LookupReply>(rep.status());
+    if (!lr.ok() || lr->entries.size() != idx.size()) {
+      if (!lr.ok()) d.failed(peer, *ep, lr.status());
+      continue;
+    }
+    for (size_t k = 0; k < idx.size(); ++k) found[idx[k]] = lr->entries[k].found ? 1 : 0;
+  }
+  return found;
+}
+
+std::vector<Status> RemoteStore::fetch(NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
+                                       Clock::time_point deadline) {
+  Impl& d = *impl_;
+  std::vector<Status> out(keys.size(), Status(ErrorCode::kNotFound, "no daemon of the cluster holds the block"));
+  auto pl = d.view();
+  if (!pl) return out;
+  std::vector<std::vector<std::string>> own(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) own[i] = Impl::owners(*pl, keys[i], d.opts.replicas, d.self_id);
+  // Rank by rank: a key missing (or unreachable) at its first owner is asked of the next.
+  for (size_t rank = 0; rank < d.opts.replicas; ++rank) {
+    std::map<std::string, std::vector<size_t>> by_owner;
+    for (size_t i = 0; i < keys.size(); ++i)
+      if (!out[i].ok() && out[i].code() != ErrorCode::kResourceExhausted && rank < own[i].size())
+        by_owner[own[i][rank]].push_back(i);
+    for (auto& [peer, idx] : by_owner) {
+      std::vector<Status> got(keys.size(), Status(ErrorCode::kNotFound, "no daemon of the cluster holds the block"));
+      d.fetch_from(peer, ns, ns_name, keys, idx, deadline, got);
+      for (size_t i : idx)
+        // A miss at a later owner does not hide an earlier owner's error (peer lost).
+        if (got[i].ok() || got[i].code() != ErrorCode::kNotFound || rank == 0) out[i] = got[i];
+    }
+  }
+  return out;
+}
+
+std::vector<Status> RemoteStore::push(NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
+                                      Clock::time_point deadline, const std::string& to) {
+  Impl& d = *impl_;
+  std::vector<Status> out(keys.size(), Status::Ok());
+  std::map<std::string, std::vector<size_t>> by_owner;
+  if (!to.empty()) {
+    if (to == d.self_id) return out;  // sent to itself: the blocks are here already
+    {
+      std::lock_guard g(d.mu);
+      auto it = d.peers.find(to);
+      if (it == d.peers.end() || !it->second.live) {
+        std::string known;
+        for (auto& [id, p] : d.peers)
+          if (p.live) known += (known.empty() ? "" : ", ") + id;
+        return std::vector<Status>(
+            keys.size(), Status(ErrorCode::kNotFound,
+                                "no live peer is named '" + to + "' (live: " + (known.empty() ? "none" : known) + ")"));
+      }
+    }
+    for (size_t i = 0; i < keys.size(); ++i) by_owner[to].push_back(i);
+  } else if (auto pl = d.view()) {
+    for (size_t i = 0; i < keys.size(); ++i)
+      for (auto& o : Impl::owners(*pl, keys[i], d.opts.replicas, d.self_id)) by_owner[o].push_back(i);
+  }
+  for (auto& [peer, idx] : by_owner) d.push_to(peer, ns, ns_name, keys, idx, deadline, !to.empty(), out);
+  return out;
+}
+
+std::vector<uint8_t> RemoteStore::wait_for(NamespaceId ns, std::span<const BlockKey> keys, Clock::time_point deadline) {
+  Impl& d = *impl_;
+  for (;;) {
+    uint64_t seen;
+    {
+      std::lock_guard g(d.commit_mu);
+      seen = d.commits;
+    }
+    auto r = d.index.lookup(ns, keys);
+    if (r.prefix == keys.size() || Clock::now() >= deadline) return r.present;
+    std::unique_lock lk(d.commit_mu);
+    d.commit_cv.wait_until(lk, deadline, [&] { return d.commits != seen; });
+  }
+}
+
+std::vector<RemotePeerView> RemoteStore::peers() const {
+  Impl& d = *impl_;
+  std::vector<RemotePeerView> out;
+  const auto& self = d.membership->self();
+  out.push_back({self.id, self.address, self.incarnation, "self", 0, 0, 0, 0, 0});
+  std::lock_guard g(d.mu);
+  for (auto& [id, p] : d.peers) {
+    RemotePeerView v{id,
+                     p.rec.address,
+                     p.rec.incarnation,
+                     "",
+                     uint64_t(p.blocks_out->value()),
+                     uint64_t(p.bytes_out->value()),
+                     uint64_t(p.blocks_in->value()),
+                     uint64_t(p.bytes_in->value()),
+                     uint64_t(p.errors->value())};
+    if (!p.live)
+      v.state = "left";
+    else if (p.ep)
+      v.state = "connected";
+    else if (!p.last_error.empty())
+      v.state = "unreachable: " + p.last_error;
+    else
+      v.state = "live";
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+Status RemoteStore::health() const {
+  std::lock_guard g(impl_->mu);
+  if (!impl_->serving) return {ErrorCode::kUnavailable, "cluster membership lost: " + impl_->lost_reason};
+  return Status::Ok();
+}
+
+#else  // built without UCX: the remote tier refuses to start
+
+struct RemoteStore::Impl {
+  std::string id;
+};
+RemoteStore::RemoteStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RemoteStore::~RemoteStore() = default;
+Result<std::unique_ptr<RemoteStore>> RemoteStore::create(RemoteStoreOptions, BlockIndex&, Registry&) {
+  return Status(ErrorCode::kUnavailable,
+                "kvferry was built without UCX (libucx-dev), so the remote tier is not available; rebuild with "
+                "KVFERRY_WITH_UCX=ON or remove tiers.remote.listen");
+}
+const std::string& RemoteStore::id() const { return impl_->id; }
+uint16_t RemoteStore::port() const { return 0; }
+std::vector<uint8_t> RemoteStore::lookup(const std::string&, std::span<const BlockKey> keys, Clock::time_point) {
+  return std::vector<uint8_t>(keys.size(), 0);
+}
+std::vector<Status> RemoteStore::fetch(NamespaceId, const std::string&, std::span<const BlockKey> keys,
+                                       Clock::time_point) {
+  return std::vector<Status>(keys.size(), Status(ErrorCode::kUnavailable, "built without UCX"));
+}
+std::vector<Status> RemoteStore::push(NamespaceId, const std::string&, std::span<const BlockKey> keys,
+                                      Clock::time_point, const std::string&) {
+  return std::vector<Status>(keys.size(), Status(ErrorCode::kUnavailable, "built without UCX"));
+}
+std::vector<uint8_t> RemoteStore::wait_for(NamespaceId, std::span<const BlockKey> keys, Clock::time_point) {
+  return std::vector<uint8_t>(keys.size(), 0);
+}
+std::vector<RemotePeerView> RemoteStore::peers() const { return {}; }
+Status RemoteStore::health() const { return {ErrorCode::kUnavailable, "built without UCX"}; }
+
+#endif
+
+}  // namespace kvferry::store

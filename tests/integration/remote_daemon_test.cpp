@@ -1,0 +1,425 @@
+// The remote tier (G4) through kvferryd: daemons on 127.0.0.1 (each its own process, CPU backend,
+// UCX over TCP) as one cache. A client of one daemon saves, a client of another loads byte for
+// byte (with a format conversion); namespaces never cross; a prefill daemon sends blocks to a
+// decode daemon whose client waits for them; membership from a real etcd started by the test,
+// with a peer killed with -9 mid-use (typed errors within the bound, its lease expires and
+// placement moves, it restarts with a new incarnation and is used again); a peer with the wrong
+// secret is refused and garbage on the listener hurts nobody. Every wait is bounded.
+#include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <future>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "daemon_harness.h"
+#include "etcd_harness.h"
+#include "kvferry/connector/client.h"
+#include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/write.h"
+#include "kvferry/layouts/dtype.h"
+
+namespace kvferry {
+namespace {
+
+using testing::DaemonProcess;
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+std::unique_ptr<Client> connect(const DaemonProcess& d, const std::string& model = "m",
+                                const std::string& tenant = "") {
+  Client::Options o;
+  o.socket = d.socket();
+  o.name = "remote-test";
+  o.model = model;
+  o.tenant = tenant;
+  auto c = Client::connect(o);
+  EXPECT_TRUE(c.ok()) << c.status().to_string() << "\n" << d.log();
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+struct Region {
+  uint32_t id = 0;
+  KvCacheSpec spec;
+  uint8_t* base = nullptr;
+  const uint8_t* block(int64_t b) const { return base + spec.page_offset(0, b); }
+};
+
+/// `blocks` blocks of 4 layers x 64 tokens, block-major.
+KvCacheSpec spec_of(EntryFormat f, int64_t blocks) { return {4, blocks, 64, f, Layout::kBlockMajor}; }
+
+Region create(Client& c, const std::string& name, const KvCacheSpec& spec) {
+  Region r;
+  auto id = c.create_region(name, spec);
+  EXPECT_TRUE(id.ok()) << id.status().to_string();
+  if (!id.ok()) return r;
+  r.id = *id;
+  r.spec = spec;
+  auto b = c.map_region(*id);
+  EXPECT_TRUE(b.ok());
+  r.base = b.ok() ? static_cast<uint8_t*>(*b) : nullptr;
+  return r;
+}
+
+/// Real MLA cache contents (so fp8 → fp8_ds conversion has meaningful scales).
+void fill_mla(Region& r, uint32_t seed) {
+  const int64_t tokens = r.spec.blocks * r.spec.block_size;
+  std::vector<int64_t> slots(static_cast<size_t>(tokens));
+  std::iota(slots.begin(), slots.end(), 0);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-2.f, 2.f);
+  for (int64_t l = 0; l < r.spec.layers; ++l) {
+    std::vector<uint16_t> kv(static_cast<size_t>(tokens * 512)), pe(static_cast<size_t>(tokens * 64));
+    for (auto& v : kv) v = float_to_bf16(u(rng));
+    for (auto& v : pe) v = float_to_bf16(u(rng));
+    kernels::WriteMlaParams p;
+    p.kv_c = kv.data();
+    p.k_pe = pe.data();
+    p.slots = slots.data();
+    p.tokens = tokens;
+    p.cache = {r.base, r.spec.region_bytes(), r.spec.layer_view(l)};
+    p.mode = r.spec.format.kind == FormatKind::kMlaFp8 ? kernels::MlaWriteMode::kFp8 : kernels::MlaWriteMode::kCopy;
+    ASSERT_TRUE(kernels::write_mla_cpu(p).ok());
+  }
+}
+
+std::vector<ops::Key> keys_for(int64_t n, uint64_t round) {
+  std::vector<ops::Key> k;
+  for (int64_t i = 0; i < n; ++i)
+    k.push_back({0x4E3E000000000000ull ^ round, static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + 7});
+  return k;
+}
+
+std::vector<int64_t> iota_ids(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+/// Blocks of `got` equal to those of `want`, block by block.
+int64_t equal_blocks(const Region& got, const Region& want, int64_t n) {
+  int64_t eq = 0;
+  for (int64_t b = 0; b < n; ++b)
+    eq += std::memcmp(got.block(b), want.block(b), static_cast<size_t>(got.spec.block_bytes())) == 0;
+  return eq;
+}
+
+int64_t count(const std::vector<ErrorCode>& v, ErrorCode c) { return std::count(v.begin(), v.end(), c); }
+
+/// The config of a daemon on the remote tier listening on `port`.
+std::string remote_yaml(int port, const std::string& more) {
+  return "tiers:\n  host:\n    capacity: 64MiB\n  remote:\n    listen: 127.0.0.1:" + std::to_string(port) +
+         "\n    transport: tcp\n    timeout: 3s\n" + more;
+}
+
+std::string static_peers(const std::vector<int>& ports) {
+  std::string s = "    peers: [";
+  for (size_t i = 0; i < ports.size(); ++i)
+    s += (i ? ", " : "") + std::string("\"127.0.0.1:") + std::to_string(ports[i]) + "\"";
+  return s + "]\n";
+}
+
+/// Starts a daemon and fails the test (with its log) when it does not come up.
+std::unique_ptr<DaemonProcess> start(const std::string& yaml) {
+  auto d = std::make_unique<DaemonProcess>(yaml);
+  EXPECT_TRUE(d->ready()) << d->log();
+  return d;
+}
+
+// A client of A saves; clients of B and C look up and load every block, byte for byte, and C
+// loads them converted into another format; another model's namespace sees none of them.
+TEST(RemoteDaemons, SaveOnOneLoadOnAnother) {
+  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port(), testing::etcd::free_port()};
+  std::vector<std::unique_ptr<DaemonProcess>> d;
+  for (int p : ports) d.push_back(start(remote_yaml(p, static_peers(ports))));
+  for (auto& x : d) ASSERT_TRUE(x->ready());
+  auto a = connect(*d[0]), b = connect(*d[1]), c = connect(*d[2]);
+  ASSERT_TRUE(a && b && c);
+  constexpr int64_t n = 48;
+  Region src = create(*a, "src", spec_of(EntryFormat::mla_fp8(), n));
+  fill_mla(src, 7);
+  const auto keys = keys_for(n, 1);
+  auto sv = a->save(src.id, keys, iota_ids(n));
+  ASSERT_TRUE(sv.ok());
+  ASSERT_EQ(sv->done, uint64_t(n)) << d[0]->log();
+
+  // Every key is found from B (local hits for the ones B owns, owners asked for the rest).
+  auto lk = b->lookup(create(*b, "probe", spec_of(EntryFormat::mla_fp8(), 1)).id, keys);
+  ASSERT_TRUE(lk.ok());
+  EXPECT_EQ(lk->done, uint64_t(n)) << d[1]->log();
+  EXPECT_EQ(lk->result[0], uint64_t(n));
+
+  for (int k = 1; k < 3; ++k) {
+    Client& cl = k == 1 ? *b : *c;
+    Region dst = create(cl, "dst", spec_of(EntryFormat::mla_fp8(), n));
+    auto ld = cl.load(dst.id, keys, iota_ids(n));
+    ASSERT_TRUE(ld.ok());
+    EXPECT_EQ(ld->done, uint64_t(n)) << d[size_t(k)]->log();
+    EXPECT_EQ(equal_blocks(dst, src, n), n) << "daemon " << k;
+  }
+
+  // C converts on the way (mla_fp8 → mla_fp8_ds), exactly as a local load would.
+  Region ds = create(*c, "ds", spec_of(EntryFormat::mla_fp8_ds(), n));
+  std::vector<uint8_t> want(static_cast<size_t>(ds.spec.region_bytes()), 0);
+  ASSERT_TRUE(kernels::convert_blocks_cpu(src.base, src.spec, iota_ids(n), want.data(), ds.spec, iota_ids(n)).ok());
+  auto cv = c->load(ds.id, keys, iota_ids(n));
+  ASSERT_TRUE(cv.ok());
+  EXPECT_EQ(cv->done, uint64_t(n)) << d[2]->log();
+  EXPECT_EQ(std::memcmp(ds.base, want.data(), want.size()), 0);
+
+  // Another model on C (another namespace): every key misses, locally and remotely.
+  auto other = connect(*d[2], "other-model");
+  ASSERT_TRUE(other);
+  Region od = create(*other, "od", spec_of(EntryFormat::mla_fp8(), n));
+  std::memset(od.base, 0x5a, static_cast<size_t>(od.spec.region_bytes()));
+  auto ol = other->load(od.id, keys, iota_ids(n));
+  ASSERT_TRUE(ol.ok());
+  EXPECT_EQ(ol->done, 0u);
+  EXPECT_EQ(count(ol->blocks, ErrorCode::kNotFound), n);
+  for (int64_t i = 0; i < od.spec.region_bytes(); ++i) ASSERT_EQ(od.base[i], 0x5a) << "byte " << i << " was written";
+
+  // `kvferry peers` (the op behind it) names the members and the traffic.
+  auto pj = b->peers();
+  ASSERT_TRUE(pj.ok()) << pj.status().to_string();
+  for (int p : ports) EXPECT_NE(pj->find("127.0.0.1:" + std::to_string(p)), std::string::npos) << *pj;
+  EXPECT_NE(pj->find("\"healthy\":true"), std::string::npos) << *pj;
+}
+
+// Prefill → decode: a client of A sends blocks to B; a client of B waiting for them sees each
+// complete, and loads them byte for byte. A send to an unknown peer fails every block, clearly.
+TEST(RemoteDaemons, SendPrefillToDecode) {
+  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port()};
+  auto pa = start(remote_yaml(ports[0], static_peers(ports)));
+  auto pb = start(remote_yaml(ports[1], static_peers(ports)));
+  ASSERT_TRUE(pa->ready() && pb->ready());
+  auto a = connect(*pa), b = connect(*pb);
+  ASSERT_TRUE(a && b);
+  constexpr int64_t n = 32;
+  Region src = create(*a, "prefill", spec_of(EntryFormat::mla_bf16(), n));
+  fill_mla(src, 11);
+  Region dst = create(*b, "decode", spec_of(EntryFormat::mla_bf16(), n));
+  const auto keys = keys_for(n, 2);
+
+  // The decode side waits (up to 20 s) for keys that are not there yet.
+  auto waiter = std::async(std::launch::async, [&] { return b->lookup_wait(dst.id, keys, 20000); });
+  std::this_thread::sleep_for(100ms);
+  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  auto sd = a->send(src.id, keys, iota_ids(n), peer_b);
+  ASSERT_TRUE(sd.ok()) << sd.status().to_string();
+  EXPECT_EQ(sd->done, uint64_t(n)) << pa->log();
+  ASSERT_EQ(waiter.wait_for(25s), std::future_status::ready);
+  auto w = waiter.get();
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(w->done, uint64_t(n)) << pb->log();
+  auto ld = b->load(dst.id, keys, iota_ids(n));
+  ASSERT_TRUE(ld.ok());
+  EXPECT_EQ(ld->done, uint64_t(n));
+  EXPECT_EQ(equal_blocks(dst, src, n), n);
+
+  auto bad = a->send(src.id, keys, iota_ids(n), "127.0.0.1:1");
+  ASSERT_TRUE(bad.ok());
+  EXPECT_EQ(bad->done, 0u);
+  EXPECT_EQ(count(bad->blocks, ErrorCode::kNotFound), n);
+  // A wait with nothing coming ends at its bound with misses.
+  const auto t0 = Clock::now();
+  auto miss = b->lookup_wait(dst.id, keys_for(4, 99), 300);
+  ASSERT_TRUE(miss.ok());
+  EXPECT_EQ(miss->done, 0u);
+  EXPECT_LT(Clock::now() - t0, 10s);
+}
+
+// A secret on both sides that differs: the daemons refuse each other (logged), each keeps
+// serving its own clients, and bytes of garbage on a remote listener hurt nobody.
+TEST(RemoteDaemons, WrongSecretIsRefusedAndGarbageIsHarmless) {
+  const std::string dir = testing::make_temp_dir();
+  {
+    std::ofstream(dir + "/a.key") << "0123456789abcdef0123456789abcdef\n";
+    std::ofstream(dir + "/b.key") << "fedcba9876543210fedcba9876543210\n";
+  }
+  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port()};
+  auto pa = start(remote_yaml(ports[0], static_peers(ports) + "    secret_file: " + dir + "/a.key\n"));
+  auto pb = start(remote_yaml(ports[1], static_peers(ports) + "    secret_file: " + dir + "/b.key\n"));
+  ASSERT_TRUE(pa->ready() && pb->ready());
+  // Garbage on both listeners first.
+  for (int p : ports) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons(uint16_t(p));
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
+      std::vector<uint8_t> junk(4096);
+      std::mt19937 rng(static_cast<uint32_t>(p));
+      for (auto& x : junk) x = uint8_t(rng());
+      (void)!::write(fd, junk.data(), junk.size());
+    }
+    ::close(fd);
+  }
+  auto a = connect(*pa), b = connect(*pb);
+  ASSERT_TRUE(a && b);
+  constexpr int64_t n = 16;
+  Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
+  fill_mla(src, 5);
+  const auto keys = keys_for(n, 3);
+  auto sv = a->save(src.id, keys, iota_ids(n));  // saved on A whatever B says
+  ASSERT_TRUE(sv.ok());
+  EXPECT_EQ(sv->done, uint64_t(n));
+  Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
+  auto ld = b->load(dst.id, keys, iota_ids(n));
+  ASSERT_TRUE(ld.ok());
+  // Blocks B owns never reached it and those A owns cannot be read from A: none load, none wrong.
+  EXPECT_EQ(ld->done, 0u);
+  for (ErrorCode e : ld->blocks) EXPECT_TRUE(e == ErrorCode::kNotFound || e == ErrorCode::kUnavailable) << int(e);
+  const std::string logs = pa->log() + pb->log();
+  EXPECT_NE(logs.find("refused"), std::string::npos) << logs;
+  // Both still serve their own clients.
+  auto back = a->load(create(*a, "again", spec_of(EntryFormat::mla_bf16(), n)).id, keys, iota_ids(n));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->done, uint64_t(n));
+  EXPECT_EQ(::kill(pb->pid(), 0), 0);
+  if (std::system(("rm -rf '" + dir + "'").c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir.c_str());
+}
+
+// Start errors name what is wrong.
+TEST(RemoteDaemons, ConfigErrorsAtStart) {
+  struct Case {
+    std::string yaml, expect;
+  };
+  const int p = testing::etcd::free_port();
+  const int dead = testing::etcd::free_port();  // nothing listens there
+  const std::vector<Case> cases{
+      {remote_yaml(p, "    peers: [\"127.0.0.1:1\"]\n    etcd: http://127.0.0.1:2379\n"),
+       "tiers.remote.peers and tiers.remote.etcd are both set"},
+      {remote_yaml(p, "") + "integrity:\n  checksum: none\n", "integrity.checksum must be xxh3 with the remote tier"},
+      {remote_yaml(p, "    secret_file: /nonexistent/kv.key\n"), "tiers.remote.secret_file /nonexistent/kv.key"},
+      {remote_yaml(p, "    etcd: http://127.0.0.1:" + std::to_string(dead) + "\n"), "etcd"},
+  };
+  for (const Case& c : cases) {
+    DaemonProcess d(c.yaml);
+    EXPECT_FALSE(d.ready()) << c.yaml;
+    const int st = d.stop();
+    (void)st;
+    EXPECT_NE(d.log().find(c.expect), std::string::npos) << "expected '" << c.expect << "' in:\n" << d.log();
+  }
+}
+
+/// The member ids `peers` lists on a daemon (its JSON), "" on failure.
+std::string peers_of(Client& c) {
+  auto p = c.peers();
+  return p.ok() ? *p : std::string();
+}
+
+// Membership in a real etcd: three daemons; one is killed with -9 while in use. Its blocks fail
+// with a typed error (never a hang, never wrong bytes) within 2 x TTL while the others serve; its
+// lease expires and placement moves to the live two; it restarts with a new incarnation and is
+// used again.
+TEST(RemoteDaemons, EtcdMembershipPeerKilledAndRestarted) {
+  const std::string bin = testing::etcd::find_etcd();
+  if (bin.empty()) GTEST_SKIP() << "no etcd binary (Debian package etcd-server)";
+  testing::etcd::Etcd etcd;
+  ASSERT_TRUE(etcd.start(bin)) << testing::read_file(etcd.log());
+  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port(), testing::etcd::free_port()};
+  auto yaml = [&](size_t i) {
+    return remote_yaml(ports[i], "    etcd: " + etcd.url() + "\n    prefix: /kvferry-it/\n    ttl: 2s\n    id: node-" +
+                                     std::to_string(i) + "\n");
+  };
+  std::vector<std::unique_ptr<DaemonProcess>> d;
+  for (size_t i = 0; i < 3; ++i) d.push_back(start(yaml(i)));
+  for (auto& x : d) ASSERT_TRUE(x->ready());
+  auto a = connect(*d[0]), b = connect(*d[1]);
+  ASSERT_TRUE(a && b);
+  // Every daemon sees the three members.
+  ASSERT_TRUE(testing::wait_until(
+      [&] {
+        const std::string j = peers_of(*b);
+        return j.find("node-0") != std::string::npos && j.find("node-2") != std::string::npos;
+      },
+      10s))
+      << peers_of(*b);
+
+  constexpr int64_t n = 64;
+  Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
+  fill_mla(src, 3);
+  const auto keys = keys_for(n, 4);
+  ASSERT_EQ(a->save(src.id, keys, iota_ids(n))->done, uint64_t(n)) << d[0]->log();
+  Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
+  auto ld = b->load(dst.id, keys, iota_ids(n));
+  ASSERT_TRUE(ld.ok());
+  ASSERT_EQ(ld->done, uint64_t(n)) << d[1]->log();
+  ASSERT_EQ(equal_blocks(dst, src, n), n);
+  // B forgets them (so its next load must ask the owners again).
+  ASSERT_TRUE(b->evict(dst.id, {}, ops::kEvictAll).ok());
+
+  // kill -9 node-2: the blocks it owns fail with a typed error, fast; the others load.
+  const std::string before = peers_of(*b);
+  d[2]->stop(SIGKILL);
+  std::memset(dst.base, 0, static_cast<size_t>(dst.spec.region_bytes()));
+  const auto t0 = Clock::now();
+  auto dead = b->load(dst.id, keys, iota_ids(n));
+  const auto took = Clock::now() - t0;
+  ASSERT_TRUE(dead.ok());
+  EXPECT_LT(took, 4s) << "2 x TTL";
+  int64_t lost = 0, fine = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const ErrorCode e = dead->blocks[size_t(i)];
+    if (e == ErrorCode::kOk) {
+      ++fine;
+      EXPECT_EQ(std::memcmp(dst.block(i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+    } else {
+      ++lost;
+      EXPECT_TRUE(e == ErrorCode::kUnavailable || e == ErrorCode::kTimeout || e == ErrorCode::kNotFound) << int(e);
+    }
+  }
+  EXPECT_GT(lost, 0) << "rendezvous gives node-2 about a third of 64 keys";
+  EXPECT_GT(fine, 0);
+
+  // Its lease expires (TTL 2 s): B's view loses it, and a save on A now places its keys on the two.
+  ASSERT_TRUE(testing::wait_until(
+      [&] {
+        return peers_of(*a).find("\"state\":\"left\"") != std::string::npos &&
+               peers_of(*b).find("\"state\":\"left\"") != std::string::npos;
+      },
+      10s))
+      << peers_of(*a) << "\n"
+      << peers_of(*b);
+  // (B drops what it fetched meanwhile, so the load below needs the blocks' new owners.)
+  ASSERT_TRUE(b->evict(dst.id, {}, ops::kEvictAll).ok());
+  ASSERT_EQ(a->save(src.id, keys, iota_ids(n))->done, uint64_t(n));
+  auto moved = b->load(dst.id, keys, iota_ids(n));
+  ASSERT_TRUE(moved.ok());
+  EXPECT_EQ(moved->done, uint64_t(n)) << d[1]->log();
+  EXPECT_EQ(equal_blocks(dst, src, n), n);
+
+  // node-2 comes back (a new incarnation): it joins, and new blocks go to it again.
+  d[2] = start(yaml(2));
+  ASSERT_TRUE(d[2]->ready());
+  auto rejoined = [&](Client& cl) {
+    const std::string j = peers_of(cl);
+    const size_t at = j.find("\"id\":\"node-2\"");
+    const size_t st = at == std::string::npos ? at : j.find("\"state\":\"", at);
+    return st != std::string::npos && j.compare(st + 9, 4, "left") != 0;
+  };
+  ASSERT_TRUE(testing::wait_until([&] { return rejoined(*a) && rejoined(*b); }, 10s)) << peers_of(*a) << "\n"
+                                                                                      << peers_of(*b);
+  EXPECT_NE(peers_of(*b), before);
+  const auto keys2 = keys_for(n, 5);
+  ASSERT_EQ(a->save(src.id, keys2, iota_ids(n))->done, uint64_t(n));
+  auto c = connect(*d[2]);
+  ASSERT_TRUE(c);
+  Region cd = create(*c, "cd", spec_of(EntryFormat::mla_bf16(), n));
+  auto again = c->load(cd.id, keys2, iota_ids(n));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->done, uint64_t(n)) << d[2]->log();
+  EXPECT_EQ(equal_blocks(cd, src, n), n);
+  const std::string pc = peers_of(*c);
+  EXPECT_NE(pc.find("\"blocks_in\""), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvferry
