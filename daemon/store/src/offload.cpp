@@ -10,13 +10,7 @@
 #include <thread>
 #include <unordered_map>
 
-#include "kvferry/kernels/convert.h"
-#include "kvferry/kernels/copy_blocks.h"
-#include "kvferry/kernels/device.h"
-
-#if defined(KVFERRY_WITH_CUDA)
-#include <cuda_runtime_api.h>
-#endif
+#include "mover.h"
 
 namespace kvferry::store {
 namespace {
@@ -122,10 +116,12 @@ bool convertible(FormatKind from, FormatKind to) {
 }
 
 // Appends the runs that move one block of `spec` (all layers) to/from a contiguous slot at
-// `slot_offset` (slot side block-major). `to_slot` picks the direction. Runs from index `floor` on
-// may merge with a neighbour (a sub-batch's runs merge; separate sub-batches' never do).
+// `slot_offset` (slot side block-major). `to_slot` picks the direction. The block's runs merge
+// among themselves, never with an earlier block's, so a mover can move one block alone (one that
+// moves a sub-batch at once merges across its blocks).
 void push_block_runs(std::vector<CopyRun>* runs, const KvCacheSpec& spec, int64_t block, int64_t slot_offset,
-                     bool to_slot, size_t floor = 0) {
+                     bool to_slot) {
+  const size_t floor = runs->size();
   auto merge_push = [runs, floor](int64_t s, int64_t d, int64_t n) {
     if (runs->size() > floor && runs->back().src + runs->back().bytes == s &&
         runs->back().dst + runs->back().bytes == d)
@@ -188,28 +184,6 @@ Status check_loadable(const BlockShape& from, const BlockShape& to) {
                                        "mla_fp8_ds->mla_bf16, mla_fp8_ds->mla_fp8 when lossless)"};
 }
 
-#if defined(KVFERRY_WITH_CUDA)
-/// One caller's device resources: its own stream (so one data worker's DMA overlaps another's
-/// hashing), a copier and an event per sub-batch in flight (a copier reuses its run array only
-/// after its previous copy is done), and pinned staging for converted loads.
-struct Lane {
-  static constexpr int kDepth = 4;
-  cudaStream_t stream = nullptr;
-  std::unique_ptr<kernels::BlockCopier> copiers[kDepth];
-  cudaEvent_t events[kDepth] = {};
-  uint8_t* staging = nullptr;
-  int64_t staging_bytes = 0;
-  ~Lane() {
-    if (stream) cudaStreamSynchronize(stream);
-    for (cudaEvent_t e : events)
-      if (e) cudaEventDestroy(e);
-    for (auto& c : copiers) c.reset();
-    if (staging) cudaFreeHost(staging);
-    if (stream) cudaStreamDestroy(stream);
-  }
-};
-#endif
-
 struct OffloadService::Impl {
   /// Per-op phase totals (microseconds), for the timing breakdown of the bench and /metrics.
   struct Phases {
@@ -261,13 +235,9 @@ struct OffloadService::Impl {
   Histogram &save_seconds, &load_seconds;
   Phases save_phase, load_phase;
 
-  uint8_t* pool_base = nullptr;
-  uint64_t pool_capacity = 0;
-
   void test_delay() const {
     if (opts.test_delay.count() > 0) std::this_thread::sleep_for(opts.test_delay);
   }
-  int64_t pool_bytes() const { return static_cast<int64_t>(pool_capacity); }
   /// Bytes per sub-batch for blocks of `bb`: pipeline_bytes, but at least one block per hashing
   /// thread (hashing is per block; fewer blocks would leave threads idle while the DMA waits).
   int64_t sub_batch_bytes(uint64_t bb) const {
@@ -283,114 +253,36 @@ struct OffloadService::Impl {
                                  "was not written");
   }
 
-  /// Host regions: copies one block's runs (one thread; blocks run in parallel on the pool).
-  Status copy_host(const RegionAccess& region, bool to_pool, std::span<const CopyRun> runs) {
-    const int64_t rb = region.spec.region_bytes();
-    return to_pool ? kernels::copy_blocks_cpu(region.base, rb, pool_base, pool_bytes(), runs, {1})
-                   : kernels::copy_blocks_cpu(pool_base, pool_bytes(), region.base, rb, runs, {1});
-  }
+  std::unique_ptr<Mover> host;    // host regions
+  std::unique_ptr<Mover> device;  // device regions; null when CUDA is not built
+  Status no_device;               // why device is null
 
-#if defined(KVFERRY_WITH_CUDA)
-  static constexpr int64_t kMaxRuns = 8192;
-  std::mutex lanes_mu;
-  std::vector<std::unique_ptr<Lane>> free_lanes;
-
-  Result<std::unique_ptr<Lane>> take_lane() {
-    {
-      std::lock_guard lk(lanes_mu);
-      if (!free_lanes.empty()) {
-        auto l = std::move(free_lanes.back());
-        free_lanes.pop_back();
-        return l;
-      }
-    }
-    auto l = std::make_unique<Lane>();
-    KVFERRY_CUDA_TRY(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
-    for (int i = 0; i < Lane::kDepth; ++i) {
-      KVFERRY_ASSIGN_OR_RETURN(l->copiers[i], kernels::BlockCopier::create(kMaxRuns));
-      KVFERRY_CUDA_TRY(cudaEventCreateWithFlags(&l->events[i], cudaEventDisableTiming));
-    }
-    return l;
+  /// An op of the mover for `region`'s memory.
+  Result<std::unique_ptr<MoveOp>> begin(const RegionAccess& region, bool to_pool) {
+    if (!region.device) return host->begin(region, to_pool);
+    if (!device) return Status(no_device.code(), "device region but " + no_device.message());
+    return device->begin(region, to_pool);
   }
-  void give_lane(std::unique_ptr<Lane> l) {
-    std::lock_guard lk(lanes_mu);
-    free_lanes.push_back(std::move(l));
-  }
-  /// Takes a lane for one op and gives it back.
-  struct LaneRef {
-    explicit LaneRef(Impl* i) : impl(i) {}
-    ~LaneRef() {
-      if (lane) impl->give_lane(std::move(lane));
-    }
-    Impl* impl;
-    std::unique_ptr<Lane> lane;
-  };
-
-  /// Enqueues sub-batch `k`'s runs on the lane (copier and event k % depth). Asynchronous.
-  Status enqueue(Lane& lane, size_t k, const RegionAccess& region, bool to_pool, std::span<const CopyRun> runs) {
-    const int64_t rb = region.spec.region_bytes();
-    KVFERRY_TRY(kernels::validate_copy_runs(runs, to_pool ? rb : pool_bytes(), to_pool ? pool_bytes() : rb));
-    const void* src = to_pool ? static_cast<const void*>(region.base) : pool_base;
-    void* dst = to_pool ? static_cast<void*>(pool_base) : region.base;
-    kernels::BlockCopier& cp = *lane.copiers[k % Lane::kDepth];
-    for (size_t i = 0; i < runs.size(); i += static_cast<size_t>(kMaxRuns)) {
-      const size_t n = std::min(runs.size() - i, static_cast<size_t>(kMaxRuns));
-      KVFERRY_TRY(cp.copy(src, dst, runs.subspan(i, n), kernels::CopyEngine::kDma, lane.stream));
-    }
-    KVFERRY_CUDA_TRY(cudaEventRecord(lane.events[k % Lane::kDepth], lane.stream));
-    return Status::Ok();
-  }
-
-  /// Converts one stored block into block `b` of a device region through the lane's staging.
-  Status convert_to_device(Lane& lane, const Hold& h, const RegionAccess& region, int64_t b,
-                           std::vector<int64_t>* lossy) {
-    const KvCacheSpec one = BlockShape{region.spec.layers, region.spec.block_size, region.spec.format}.slot_spec();
-    if (lane.staging_bytes < one.region_bytes()) {
-      if (lane.staging) {
-        KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-        cudaFreeHost(lane.staging);
-      }
-      lane.staging = nullptr;
-      lane.staging_bytes = 0;
-      void* p = nullptr;
-      KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(one.region_bytes())));
-      lane.staging = static_cast<uint8_t*>(p);
-      lane.staging_bytes = one.region_bytes();
-    }
-    KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));  // the staging's previous block is out
-    const int64_t zero = 0;
-    KVFERRY_TRY(kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, lane.staging, one, {&zero, 1},
-                                            {opts.cpu_threads}, lossy));
-    if (!lossy->empty()) return Status::Ok();  // the caller reports data loss; the target stays untouched
-    std::vector<CopyRun> cr;
-    push_block_runs(&cr, region.spec, b, 0, false);
-    KVFERRY_TRY(kernels::validate_copy_runs(cr, lane.staging_bytes, region.spec.region_bytes()));
-    KVFERRY_TRY(lane.copiers[0]->copy(lane.staging, region.base, cr, kernels::CopyEngine::kDma, lane.stream));
-    KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-    return Status::Ok();
-  }
-#endif
 };
 
 OffloadService::OffloadService(BlockIndex& index, std::unique_ptr<Impl> impl) : index_(index), impl_(std::move(impl)) {}
 OffloadService::~OffloadService() = default;
 
 Result<std::unique_ptr<OffloadService>> OffloadService::create(BlockIndex& index, Registry& metrics, Options opts) {
-  if (opts.use_cuda) {
-#if !defined(KVFERRY_WITH_CUDA)
-    return Result<std::unique_ptr<OffloadService>>(ErrorCode::kUnavailable, "kvferry was built without CUDA");
-#endif
-  }
   auto impl = std::make_unique<Impl>(index, metrics, opts);
-  impl->pool_base = index.pool().base();
-  impl->pool_capacity = index.pool().capacity();
-#if defined(KVFERRY_WITH_CUDA)
-  if (opts.use_cuda) {  // one lane now, so a CUDA problem shows at start rather than on the first save
-    auto lane = impl->take_lane();
-    if (!lane.ok()) return lane.status().with_context("the offload service's stream and copiers");
-    impl->give_lane(std::move(*lane));
+  const PoolAccess pool{index.pool().base(), static_cast<int64_t>(index.pool().capacity()), impl->opts.cpu_threads};
+  impl->host = make_host_mover(pool);
+  auto device = make_cuda_mover(pool);
+  if (device.ok())
+    impl->device = std::move(*device);
+  else
+    impl->no_device = device.status();
+  if (opts.use_cuda) {
+    if (!impl->device) return impl->no_device;
+    // One lane now, so a CUDA problem shows at start rather than on the first save.
+    if (Status st = impl->device->prepare(); !st.ok())
+      return st.with_context("the offload service's stream and copiers");
   }
-#endif
   return std::unique_ptr<OffloadService>(new OffloadService(index, std::move(impl)));
 }
 
@@ -427,113 +319,94 @@ std::vector<Status> OffloadService::save(const RegionAccess& region, NamespaceId
     which.push_back(i);
     resv.push_back(*r);
   }
-  // Sub-batches; on the device a sub-batch's runs merge across its blocks, on the host each block
-  // keeps its own runs (it is copied and hashed by one thread while it is in cache).
+  // Sub-batches of whole blocks. Each block keeps its own runs, so a mover that copies block by
+  // block (host) moves it on the thread that then hashes it, while it is in cache; one that moves
+  // a sub-batch at once (DMA) merges neighbours across blocks.
   const auto subs = split(resv.size(), bb, d.sub_batch_bytes(bb));
   std::vector<CopyRun> runs;
-  std::vector<size_t> run_at(resv.size() + 1, 0), sub_run_at(subs.size() + 1, 0);
-  for (size_t k = 0; k < subs.size(); ++k) {
-    sub_run_at[k] = runs.size();
-    for (size_t j = subs[k].first; j < subs[k].second; ++j) {
-      run_at[j] = runs.size();
-      push_block_runs(&runs, region.spec, block_ids[which[j]], static_cast<int64_t>(resv[j].slot.offset), true,
-                      region.device ? sub_run_at[k] : run_at[j]);
-    }
+  std::vector<size_t> run_at(resv.size() + 1, 0);
+  for (size_t j = 0; j < resv.size(); ++j) {
+    run_at[j] = runs.size();
+    push_block_runs(&runs, region.spec, block_ids[which[j]], static_cast<int64_t>(resv[j].slot.offset), true);
   }
-  run_at[resv.size()] = sub_run_at[subs.size()] = runs.size();
+  run_at[resv.size()] = runs.size();
+  auto runs_of = [&](size_t from, size_t to) {  // the runs of blocks [from, to)
+    return std::span<const CopyRun>(runs).subspan(run_at[from], run_at[to] - run_at[from]);
+  };
   std::vector<uint64_t> sums(resv.size(), 0);
   std::vector<Status> bst(resv.size());  // per reserved block; ok ones are committed
   double t_enqueue = 0, t_wait = 0, t_hash = 0;
   const double t_prepare = seconds_since(t0);
   const bool hash = d.opts.checksum;
-  [[maybe_unused]] auto hash_sub = [&](size_t k) {
-    const auto th = Clock::now();
-    if (hash)
-      d.hashers->parallel_for(subs[k].second - subs[k].first, bb, [&](size_t i) {
-        const size_t j = subs[k].first + i;
-        sums[j] = block_checksum(resv[j].data, resv[j].bytes);
-      });
-    t_hash += seconds_since(th);
-  };
   auto fail_from = [&](size_t k, const Status& st) {
     for (; k < subs.size(); ++k)
       for (size_t j = subs[k].first; j < subs[k].second; ++j) bst[j] = st;
   };
-  if (!region.device) {
-    for (size_t k = 0; k < subs.size(); ++k) {
-      d.test_delay();
-      if (Clock::now() >= deadline) {
-        fail_from(k, Impl::timed_out("save"));
-        break;
-      }
+  std::unique_ptr<MoveOp> op;
+  if (!subs.empty()) {
+    auto o = d.begin(region, true);
+    if (o.ok())
+      op = std::move(*o);
+    else
+      fail_from(0, o.status());
+  }
+  size_t enq = 0;  // sub-batches enqueued
+  Status fail;     // why the rest could not be enqueued
+  auto try_enqueue = [&] {
+    if (!op || enq >= subs.size() || !fail.ok()) return false;
+    d.test_delay();
+    if (Clock::now() >= deadline) {
+      fail = Impl::timed_out("save");
+      return false;
+    }
+    const auto te = Clock::now();
+    Status st = op->enqueue(enq, runs_of(subs[enq].first, subs[enq].second));
+    t_enqueue += seconds_since(te);
+    if (!st.ok()) {
+      fail = st;
+      return false;
+    }
+    ++enq;
+    return true;
+  };
+  auto enqueue_to = [&](size_t end) {  // enqueues sub-batches until `end` are
+    while (enq < end && try_enqueue()) {
+    }
+  };
+  const size_t depth = op ? static_cast<size_t>(op->depth()) : 0;
+  enqueue_to(depth);
+  for (size_t k = 0; op && k < subs.size(); ++k) {
+    enqueue_to(k + 1);  // a mover of depth 0 starts each sub-batch only now
+    if (enq <= k) break;
+    const auto tw = Clock::now();
+    Status w = op->wait(k);
+    t_wait += seconds_since(tw);
+    if (!w.ok()) {
+      fail_from(k, w);
+      if (fail.ok()) fail = w;
+      break;
+    }
+    enqueue_to(k + 1 + depth);  // sub-batch k+depth takes k's place; the copy engine stays busy
+    if (Clock::now() >= deadline) {
+      fail_from(k, Impl::timed_out("save"));
+      enq = subs.size();  // nothing below is enqueued any more
+      break;
+    }
+    if (hash || op->by_block()) {
       const auto th = Clock::now();
       d.hashers->parallel_for(subs[k].second - subs[k].first, bb, [&](size_t i) {
         const size_t j = subs[k].first + i;
-        bst[j] =
-            d.copy_host(region, true, std::span<const CopyRun>(runs).subspan(run_at[j], run_at[j + 1] - run_at[j]));
+        bst[j] = op->move_block(runs_of(j, j + 1));
         if (bst[j].ok() && hash) sums[j] = block_checksum(resv[j].data, resv[j].bytes);
       });
       t_hash += seconds_since(th);
     }
-  } else {
-#if defined(KVFERRY_WITH_CUDA)
-    Impl::LaneRef lane(&d);
-    if (!subs.empty()) {
-      auto l = d.take_lane();
-      if (l.ok())
-        lane.lane = std::move(*l);
-      else
-        fail_from(0, l.status());
-    }
-    size_t enq = 0;  // sub-batches enqueued
-    Status fail;     // why the rest could not be enqueued
-    auto try_enqueue = [&] {
-      if (!lane.lane || enq >= subs.size() || !fail.ok()) return false;
-      d.test_delay();
-      if (Clock::now() >= deadline) {
-        fail = Impl::timed_out("save");
-        return false;
-      }
-      const auto te = Clock::now();
-      Status st =
-          d.enqueue(*lane.lane, enq, region, true,
-                    std::span<const CopyRun>(runs).subspan(sub_run_at[enq], sub_run_at[enq + 1] - sub_run_at[enq]));
-      t_enqueue += seconds_since(te);
-      if (!st.ok()) {
-        fail = st;
-        return false;
-      }
-      ++enq;
-      return true;
-    };
-    while (enq < static_cast<size_t>(Lane::kDepth) && try_enqueue()) {
-    }
-    bool broken = false;  // a copy failed: the stream is unusable, every later block fails
-    for (size_t k = 0; k < enq; ++k) {
-      const auto tw = Clock::now();
-      Status w = cuda_status(cudaEventSynchronize(lane.lane->events[k % Lane::kDepth]), "cudaEventSynchronize",
-                             __FILE__, __LINE__);
-      t_wait += seconds_since(tw);
-      if (!w.ok() || broken) {
-        if (!broken) (void)cudaStreamSynchronize(lane.lane->stream);  // no slot is freed under a running copy
-        broken = true;
-        fail_from(k, w.ok() ? Status(ErrorCode::kCuda, "an earlier copy of this save failed") : w);
-        if (fail.ok()) fail = w;
-        break;
-      }
-      try_enqueue();  // sub-batch k+depth takes k's copier and event; the engine stays busy
-      if (Clock::now() >= deadline) {
-        fail_from(k, Impl::timed_out("save"));
-        (void)cudaStreamSynchronize(lane.lane->stream);
-        enq = subs.size();  // nothing below is enqueued any more
-        break;
-      }
-      hash_sub(k);
-    }
+  }
+  if (op) {
     if (enq < subs.size()) fail_from(enq, fail.ok() ? Impl::timed_out("save") : fail);
-#else
-    fail_from(0, Status(ErrorCode::kUnavailable, "device region but kvferry was built without CUDA"));
-#endif
+    const auto tw = Clock::now();
+    (void)op->finish();  // after a failure or a timeout: no slot is freed under a running copy
+    t_wait += seconds_since(tw);
   }
   uint64_t committed = 0;
   for (size_t j = 0; j < resv.size(); ++j) {
@@ -598,6 +471,16 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
     (holds[j].meta.shape.format == target.format ? direct : convert).push_back(j);
   const uint64_t bb = static_cast<uint64_t>(target.bytes());
   const auto subs = split(direct.size(), bb, d.sub_batch_bytes(bb));
+  // Each direct block's own runs (block i of `direct`), as in a save.
+  std::vector<CopyRun> runs;
+  std::vector<size_t> run_at(direct.size() + 1, 0);
+  for (size_t i = 0; i < direct.size(); ++i) {
+    const size_t j = direct[i];
+    run_at[i] = runs.size();
+    push_block_runs(&runs, region.spec, block_ids[which[j]], static_cast<int64_t>(holds[j].slot.offset), false);
+  }
+  run_at[direct.size()] = runs.size();
+  auto runs_of = [&](size_t i) { return std::span<const CopyRun>(runs).subspan(run_at[i], run_at[i + 1] - run_at[i]); };
   std::vector<Status> bst(holds.size());
   double t_enqueue = 0, t_wait = 0, t_hash = 0;
   const double t_prepare = seconds_since(t0);
@@ -609,79 +492,56 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
     if (!verify || (which[j] < verified.size() && verified[which[j]])) return;
     if (block_checksum(holds[j].data, holds[j].meta.bytes) != holds[j].meta.checksum) bad[j] = 1;
   };
-  auto runs_of = [&](size_t j, std::vector<CopyRun>* runs, size_t floor) {
-    push_block_runs(runs, region.spec, block_ids[which[j]], static_cast<int64_t>(holds[j].slot.offset), false, floor);
-  };
-#if defined(KVFERRY_WITH_CUDA)
-  Impl::LaneRef lane(&d);
-  if (region.device && !holds.empty()) {
-    auto l = d.take_lane();
-    if (l.ok()) {
-      lane.lane = std::move(*l);
-    } else {
-      for (auto& s : bst) s = l.status();
-    }
+  std::unique_ptr<MoveOp> op;
+  if (!holds.empty()) {
+    auto o = d.begin(region, false);
+    if (o.ok())
+      op = std::move(*o);
+    else
+      for (auto& s : bst) s = o.status();
   }
-#endif
-  if (!region.device) {
-    for (size_t k = 0; k < subs.size(); ++k) {
-      d.test_delay();
-      if (Clock::now() >= deadline) {
-        fail_from(k, Impl::timed_out("load"));
-        break;
-      }
-      const auto th = Clock::now();
+  std::vector<CopyRun> kept;  // a sub-batch's runs without its damaged blocks
+  for (size_t k = 0; op && k < subs.size(); ++k) {
+    d.test_delay();
+    if (Clock::now() >= deadline) {
+      fail_from(k, Impl::timed_out("load"));
+      break;
+    }
+    // Verify sub-batch k while k-1 (enqueued last round) is being copied; a mover that copies
+    // block by block copies each block right after its check, while it is in cache.
+    const auto th = Clock::now();
+    if (verify || op->by_block())
       d.hashers->parallel_for(subs[k].second - subs[k].first, bb, [&](size_t i) {
         const size_t j = direct[subs[k].first + i];
         check(j);
-        if (bad[j]) return;
-        std::vector<CopyRun> runs;
-        runs_of(j, &runs, 0);
-        bst[j] = d.copy_host(region, false, runs);
+        if (!bad[j]) bst[j] = op->move_block(runs_of(subs[k].first + i));
       });
-      t_hash += seconds_since(th);
+    t_hash += seconds_since(th);
+    kept.clear();
+    for (size_t i = subs[k].first; i < subs[k].second; ++i) {
+      if (bad[direct[i]]) continue;
+      const auto r = runs_of(i);
+      kept.insert(kept.end(), r.begin(), r.end());
     }
-  } else {
-#if defined(KVFERRY_WITH_CUDA)
-    size_t k = 0;
-    for (; lane.lane && k < subs.size(); ++k) {
-      d.test_delay();
-      if (Clock::now() >= deadline) {
-        fail_from(k, Impl::timed_out("load"));
-        break;
-      }
-      // Verify sub-batch k while k-1 (enqueued last round) is being copied.
-      const auto th = Clock::now();
-      if (verify)
-        d.hashers->parallel_for(subs[k].second - subs[k].first, bb,
-                                [&](size_t i) { check(direct[subs[k].first + i]); });
-      t_hash += seconds_since(th);
-      std::vector<CopyRun> runs;
-      for (size_t i = subs[k].first; i < subs[k].second; ++i)
-        if (!bad[direct[i]]) runs_of(direct[i], &runs, 0);
-      if (runs.empty()) continue;
-      const auto te = Clock::now();
-      Status st = d.enqueue(*lane.lane, k, region, false, runs);
-      t_enqueue += seconds_since(te);
-      if (!st.ok()) {
-        fail_from(k, st);
-        break;
-      }
+    if (kept.empty()) continue;
+    const auto te = Clock::now();
+    Status st = op->enqueue(k, kept);
+    t_enqueue += seconds_since(te);
+    if (!st.ok()) {
+      fail_from(k, st);
+      break;
     }
-    if (lane.lane) {
-      const auto tw = Clock::now();
-      Status st = cuda_status(cudaStreamSynchronize(lane.lane->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
-      t_wait += seconds_since(tw);
-      if (!st.ok())
-        for (size_t i = 0; i < direct.size(); ++i)
-          if (bst[direct[i]].ok()) bst[direct[i]] = st;
-    }
-#else
-    fail_from(0, Status(ErrorCode::kUnavailable, "device region but kvferry was built without CUDA"));
-#endif
+  }
+  if (op) {
+    const auto tw = Clock::now();
+    Status st = op->finish();
+    t_wait += seconds_since(tw);
+    if (!st.ok())
+      for (size_t j : direct)
+        if (bst[j].ok()) bst[j] = st;
   }
   for (size_t j : convert) {
-    if (!bst[j].ok()) continue;
+    if (!bst[j].ok()) continue;  // also when no op could start: every block has its status
     if (Clock::now() >= deadline) {
       bst[j] = Impl::timed_out("load");
       continue;
@@ -689,30 +549,10 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
     check(j);
     if (bad[j]) continue;
     const Hold& h = holds[j];
-    const int64_t b = block_ids[which[j]];
+    std::vector<CopyRun> cr;  // from a one-block buffer in the slot layout
+    push_block_runs(&cr, region.spec, block_ids[which[j]], 0, false);
     std::vector<int64_t> lossy;
-    const int64_t zero = 0;
-    Status st;
-    if (!region.device) {
-      // Through a one-block staging copy: a conversion that turns out lossy must leave the
-      // target block as it was.
-      const KvCacheSpec one = target.slot_spec();
-      std::vector<uint8_t> staged(static_cast<size_t>(one.region_bytes()));
-      st = kernels::convert_blocks_cpu(h.data, h.meta.shape.slot_spec(), {&zero, 1}, staged.data(), one, {&zero, 1},
-                                       {d.opts.cpu_threads}, &lossy);
-      if (st.ok() && lossy.empty()) {
-        std::vector<CopyRun> runs;
-        push_block_runs(&runs, region.spec, b, 0, false);
-        st = kernels::copy_blocks_cpu(staged.data(), one.region_bytes(), region.base, region.spec.region_bytes(), runs,
-                                      {1});
-      }
-    } else {
-#if defined(KVFERRY_WITH_CUDA)
-      st = lane.lane ? d.convert_to_device(*lane.lane, h, region, b, &lossy) : bst[j];
-#else
-      st = {ErrorCode::kUnavailable, "device region but kvferry was built without CUDA"};
-#endif
-    }
+    Status st = op->convert_block(h.data, h.meta.shape, cr, &lossy);
     if (st.ok() && !lossy.empty())
       st = {ErrorCode::kDataLoss, "stored block " + keys[which[j]].hex() + " is not losslessly representable as " +
                                       target.format.name() + "; recompute it"};

@@ -1,0 +1,182 @@
+// The CUDA mover: DMA between a device region and the pinned pool, a sub-batch per enqueue on a
+// lane of the op's own. Built only with CUDA (mover_nocuda.cpp otherwise).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/copy_blocks.h"
+#include "kvferry/kernels/device.h"
+#include "mover.h"
+
+namespace kvferry::store {
+namespace {
+
+/// Most runs one BlockCopier::copy takes; a sub-batch with more goes in several.
+constexpr int64_t kMaxRuns = 8192;
+
+/// One op's device resources: its own stream (so one data worker's DMA overlaps another's
+/// hashing), a copier and an event per sub-batch in flight (a copier reuses its run array only
+/// after its previous copy is done), and pinned staging for converted loads.
+struct Lane {
+  static constexpr int kDepth = 4;
+  cudaStream_t stream = nullptr;
+  std::unique_ptr<kernels::BlockCopier> copiers[kDepth];
+  cudaEvent_t events[kDepth] = {};
+  uint8_t* staging = nullptr;
+  int64_t staging_bytes = 0;
+  std::vector<CopyRun> merged;  // a sub-batch's runs, neighbours merged (kept for its capacity)
+
+  Lane() = default;
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
+  ~Lane() {
+    if (stream) cudaStreamSynchronize(stream);
+    for (cudaEvent_t e : events)
+      if (e) cudaEventDestroy(e);
+    for (auto& c : copiers) c.reset();
+    if (staging) cudaFreeHost(staging);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+class CudaMover final : public Mover {
+ public:
+  explicit CudaMover(PoolAccess pool) : pool_(pool) {}
+
+  Status prepare() override {
+    KVFERRY_ASSIGN_OR_RETURN(auto lane, take_lane());
+    give_lane(std::move(lane));
+    return Status::Ok();
+  }
+  Result<std::unique_ptr<MoveOp>> begin(const RegionAccess& region, bool to_pool) override;
+
+  const PoolAccess& pool() const { return pool_; }
+
+  Result<std::unique_ptr<Lane>> take_lane() {
+    {
+      std::lock_guard lk(mu_);
+      if (!free_.empty()) {
+        auto l = std::move(free_.back());
+        free_.pop_back();
+        return l;
+      }
+    }
+    auto l = std::make_unique<Lane>();
+    KVFERRY_CUDA_TRY(cudaStreamCreateWithFlags(&l->stream, cudaStreamNonBlocking));
+    for (int i = 0; i < Lane::kDepth; ++i) {
+      KVFERRY_ASSIGN_OR_RETURN(l->copiers[i], kernels::BlockCopier::create(kMaxRuns));
+      KVFERRY_CUDA_TRY(cudaEventCreateWithFlags(&l->events[i], cudaEventDisableTiming));
+    }
+    return l;
+  }
+  void give_lane(std::unique_ptr<Lane> l) {
+    std::lock_guard lk(mu_);
+    free_.push_back(std::move(l));
+  }
+
+ private:
+  PoolAccess pool_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Lane>> free_;
+};
+
+class CudaOp final : public MoveOp {
+ public:
+  CudaOp(CudaMover& mover, std::unique_ptr<Lane> lane, const RegionAccess& region, bool to_pool)
+      : mover_(mover), lane_(std::move(lane)), region_(region), to_pool_(to_pool) {}
+  ~CudaOp() override {
+    (void)cudaStreamSynchronize(lane_->stream);  // the next op on this lane starts on an idle stream
+    mover_.give_lane(std::move(lane_));
+  }
+  CudaOp(const CudaOp&) = delete;
+  CudaOp& operator=(const CudaOp&) = delete;
+
+  int depth() const override { return Lane::kDepth; }
+
+  /// On copier and event k % depth. The runs come block by block; neighbours that follow each
+  /// other on both sides become one copy.
+  Status enqueue(size_t k, std::span<const CopyRun> runs) override {
+    auto& m = lane_->merged;
+    m.clear();
+    for (const CopyRun& r : runs) {
+      if (!m.empty() && m.back().src + m.back().bytes == r.src && m.back().dst + m.back().bytes == r.dst)
+        m.back().bytes += r.bytes;
+      else
+        m.push_back(r);
+    }
+    const int64_t rb = region_.spec.region_bytes(), pb = mover_.pool().bytes;
+    KVFERRY_TRY(kernels::validate_copy_runs(m, to_pool_ ? rb : pb, to_pool_ ? pb : rb));
+    const void* src = to_pool_ ? static_cast<const void*>(region_.base) : mover_.pool().base;
+    void* dst = to_pool_ ? static_cast<void*>(mover_.pool().base) : region_.base;
+    kernels::BlockCopier& cp = *lane_->copiers[k % Lane::kDepth];
+    const std::span<const CopyRun> all(m);
+    for (size_t i = 0; i < all.size(); i += static_cast<size_t>(kMaxRuns)) {
+      const size_t n = std::min(all.size() - i, static_cast<size_t>(kMaxRuns));
+      KVFERRY_TRY(cp.copy(src, dst, all.subspan(i, n), kernels::CopyEngine::kDma, lane_->stream));
+    }
+    KVFERRY_CUDA_TRY(cudaEventRecord(lane_->events[k % Lane::kDepth], lane_->stream));
+    return Status::Ok();
+  }
+
+  Status wait(size_t k) override {
+    return cuda_status(cudaEventSynchronize(lane_->events[k % Lane::kDepth]), "cudaEventSynchronize", __FILE__,
+                       __LINE__);
+  }
+
+  Status move_block(std::span<const CopyRun>) override { return Status::Ok(); }  // moves with its sub-batch
+
+  /// Through the lane's pinned staging: converted on the host, then one DMA into the region.
+  Status convert_block(const uint8_t* stored, const BlockShape& shape, std::span<const CopyRun> runs,
+                       std::vector<int64_t>* lossy) override {
+    if (to_pool_) return {ErrorCode::kInternal, "convert_block on a save"};
+    Lane& lane = *lane_;
+    const KvCacheSpec one = BlockShape{region_.spec.layers, region_.spec.block_size, region_.spec.format}.slot_spec();
+    if (lane.staging_bytes < one.region_bytes()) {
+      if (lane.staging) {
+        KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+        cudaFreeHost(lane.staging);
+      }
+      lane.staging = nullptr;
+      lane.staging_bytes = 0;
+      void* p = nullptr;
+      KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(one.region_bytes())));
+      lane.staging = static_cast<uint8_t*>(p);
+      lane.staging_bytes = one.region_bytes();
+    }
+    KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));  // the staging's previous block is out
+    const int64_t zero = 0;
+    KVFERRY_TRY(kernels::convert_blocks_cpu(stored, shape.slot_spec(), {&zero, 1}, lane.staging, one, {&zero, 1},
+                                            {mover_.pool().cpu_threads}, lossy));
+    if (!lossy->empty()) return Status::Ok();  // the caller reports data loss; the target stays untouched
+    KVFERRY_TRY(kernels::validate_copy_runs(runs, lane.staging_bytes, region_.spec.region_bytes()));
+    KVFERRY_TRY(lane.copiers[0]->copy(lane.staging, region_.base, runs, kernels::CopyEngine::kDma, lane.stream));
+    KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+    return Status::Ok();
+  }
+
+  Status finish() override {
+    return cuda_status(cudaStreamSynchronize(lane_->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+  }
+
+ private:
+  CudaMover& mover_;
+  std::unique_ptr<Lane> lane_;
+  RegionAccess region_;
+  bool to_pool_;
+};
+
+Result<std::unique_ptr<MoveOp>> CudaMover::begin(const RegionAccess& region, bool to_pool) {
+  KVFERRY_ASSIGN_OR_RETURN(auto lane, take_lane());
+  return std::unique_ptr<MoveOp>(std::make_unique<CudaOp>(*this, std::move(lane), region, to_pool));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Mover>> make_cuda_mover(PoolAccess pool) {
+  return std::unique_ptr<Mover>(std::make_unique<CudaMover>(pool));
+}
+
+}  // namespace kvferry::store
