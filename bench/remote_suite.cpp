@@ -5,8 +5,12 @@
 // and medians taken (this VM is noisy). Also the round trip of a 16-key lookup (p50/p99) next to
 // ucx_perftest's active-message latency, and the time from a peer's death (kill -9 mid-batch) to
 // the first error the caller sees.
+// Then the same through two kvferryd processes (the remote tier as engines see it): a client of B
+// loads blocks only A holds (B looks them up at A, gets them, verifies them, copies them into its
+// region), a client of A sends blocks to B (saved on A, put into B's pool, verified by B), a
+// client lookup of 16 keys B must ask A for, and a kill -9 of A in the middle of B's load.
 // Arguments after --: --tls=tcp|shm|both (shm = cma,tcp: see the note), --sizes=64,1024 (KiB),
-// --rounds=N, --cap=MiB (bytes per round and size).
+// --rounds=N, --cap=MiB (bytes per round and size), --no-daemons.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -23,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <future>
 #include <memory>
 #include <sstream>
@@ -31,6 +36,8 @@
 #include <vector>
 
 #include "bench.h"
+#include "kvferry/connector/client.h"
+#include "kvferry/store/placement.h"
 #include "kvferry/store/remote_wire.h"
 #include "kvferry/store/ucx_transport.h"
 
@@ -232,6 +239,238 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// ---- through two kvferryd processes ----
+
+/// A kvferryd started from the binary next to this one, with its config in a temporary directory.
+struct DaemonProc {
+  pid_t pid = -1;
+  std::string dir, socket, error;
+  int port = 0;
+  ~DaemonProc() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    if (!dir.empty() && std::system(("rm -rf '" + dir + "'").c_str()) != 0)
+      std::fprintf(stderr, "rm %s\n", dir.c_str());
+  }
+  std::string id() const { return "127.0.0.1:" + std::to_string(port); }
+};
+
+std::unique_ptr<DaemonProc> spawn_daemon(int port, const std::vector<int>& peers, uint64_t pool_bytes) {
+  auto d = std::make_unique<DaemonProc>();
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) {
+    d->error = "no /proc/self/exe";
+    return d;
+  }
+  exe[n] = 0;
+  std::string bin(exe);
+  bin = bin.substr(0, bin.rfind('/') + 1) + "kvferryd";
+  if (::access(bin.c_str(), X_OK) != 0) {
+    d->error = "no kvferryd next to kvferry-bench (" + bin + ")";
+    return d;
+  }
+  char tmpl[] = "/tmp/kvferry-bench-remote-XXXXXX";
+  if (!::mkdtemp(tmpl)) {
+    d->error = "mkdtemp";
+    return d;
+  }
+  d->dir = tmpl;
+  d->socket = d->dir + "/kvferry.sock";
+  d->port = port;
+  std::string peer_list;
+  for (int p : peers) peer_list += (peer_list.empty() ? "\"127.0.0.1:" : ", \"127.0.0.1:") + std::to_string(p) + "\"";
+  const std::string cfg = d->dir + "/kvferry.yaml";
+  {
+    std::ofstream f(cfg);
+    f << "daemon:\n  socket: " << d->socket << "\n  log_level: warn\n  metrics_listen: \"\"\n"
+      << "device:\n  backend: cpu\n"
+      << "tiers:\n  host:\n    capacity: " << pool_bytes << "\n  remote:\n    listen: 127.0.0.1:" << port
+      << "\n    peers: [" << peer_list << "]\n    transport: tcp\n    timeout: 60s\n"
+      << "limits:\n  request_timeout: 120s\n";
+  }
+  d->pid = ::fork();
+  if (d->pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    const int lf = ::open((d->dir + "/kvferryd.log").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(lf, 1);
+    ::dup2(lf, 2);
+    ::execl(bin.c_str(), bin.c_str(), "--config", cfg.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  const auto end = Clock::now() + 60s;  // populating the pool takes a while
+  while (Clock::now() < end) {
+    Client::Options o;
+    o.socket = d->socket;
+    if (Client::connect(o).ok()) return d;
+    int st;
+    if (::waitpid(d->pid, &st, WNOHANG) == d->pid) {
+      d->pid = -1;
+      break;
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  std::ifstream lf(d->dir + "/kvferryd.log");
+  std::stringstream ss;
+  ss << lf.rdbuf();
+  d->error = "kvferryd did not start: " + ss.str();
+  return d;
+}
+
+std::unique_ptr<Client> bench_client(const DaemonProc& d) {
+  Client::Options o;
+  o.socket = d.socket;
+  o.name = "kvferry-bench";
+  o.model = "bench";
+  auto c = Client::connect(o);
+  return c.ok() ? std::move(*c) : nullptr;
+}
+
+/// `n` keys of round `round` whose rendezvous owner (over `ids`) is `ids[owner]`.
+std::vector<ops::Key> keys_owned_by(const std::vector<std::string>& ids, size_t owner, uint64_t n, uint64_t round) {
+  const store::RendezvousPlacement pl(ids);
+  std::vector<ops::Key> out;
+  for (uint64_t i = 0; out.size() < n; ++i) {
+    const ops::Key k{0xBE7C000000000000ull ^ round, i * 0x9e3779b97f4a7c15ull + 1};
+    if (pl.owners({k.hi, k.lo}, 1).front() == owner) out.push_back(k);
+  }
+  return out;
+}
+
+bool all_done(const Result<Client::OpResult>& r, uint64_t n, const char* what, int& rc) {
+  if (r.ok() && r->done == n) return true;
+  std::fprintf(stderr, "remote bench: %s: %s\n", what,
+               r.ok() ? (std::to_string(r->done) + " of " + std::to_string(n) + " blocks, first error " +
+                         std::to_string(int(r->status)))
+                            .c_str()
+                      : r.status().to_string().c_str());
+  rc = 1;
+  return false;
+}
+
+void daemon_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& sizes, int rounds, uint64_t cap,
+                 int& rc) {
+  const uint64_t max_size = *std::max_element(sizes.begin(), sizes.end());
+  const uint64_t per_size = std::max(std::min<uint64_t>(cap, 4096 * max_size), max_size * 2);
+  // A holds one size's blocks, B fetches them (and receives sends): room for both, and slack.
+  const uint64_t pool = per_size * 2 + (uint64_t{128} << 20);
+  const int pa = free_port(), pb = free_port();
+  auto a = spawn_daemon(pa, {pa, pb}, pool);
+  auto b = a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool) : nullptr;
+  if (!a->error.empty() || !b->error.empty()) {
+    std::fprintf(stderr, "remote bench: %s\n", (a->error.empty() ? b->error : a->error).c_str());
+    rc = 1;
+    return;
+  }
+  auto ca = bench_client(*a), cb = bench_client(*b);
+  if (!ca || !cb) {
+    std::fprintf(stderr, "remote bench: cannot connect to the daemons\n");
+    rc = 1;
+    return;
+  }
+  const std::vector<std::string> ids{a->id(), b->id()};
+  std::vector<ops::Key> last_keys;
+  uint32_t last_rb = 0;
+  std::vector<int64_t> last_ids;
+  for (uint64_t size : sizes) {
+    const uint64_t n = std::min<uint64_t>(4096, per_size / size);
+    // Blocks of `size` bytes: MHA 1x128 bf16 (512 B per token) x 64 tokens x size/32 KiB layers.
+    const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
+                           Layout::kBlockMajor};
+    const std::string rname = "bench-" + std::to_string(size >> 10) + "k";
+    auto ra = ca->create_region(rname, spec);
+    auto rb = cb->create_region(rname, spec);
+    if (!ra.ok() || !rb.ok()) {
+      std::fprintf(stderr, "remote bench: region: %s\n", (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
+      rc = 1;
+      return;
+    }
+    auto base = ca->map_region(*ra);
+    if (base.ok()) {
+      auto* p = static_cast<uint8_t*>(*base);
+      for (int64_t i = 0; i < spec.region_bytes(); i += 4096) p[i] = uint8_t(i >> 12 | 1);
+    }
+    std::vector<int64_t> bids(n);
+    for (uint64_t i = 0; i < n; ++i) bids[i] = int64_t(i);
+    std::vector<double> load_bw, send_bw, get_base, put_base;
+    const auto keys = keys_owned_by(ids, 0, n, size);
+    if (!all_done(ca->save(*ra, keys, bids), n, "save on A", rc)) return;
+    for (int r = 0; r < rounds; ++r) {
+      (void)cb->evict(*rb, {}, ops::kEvictAll);  // B asks A again every round
+      auto t0 = Clock::now();
+      auto ld = cb->load(*rb, keys, bids);
+      const double ls = std::chrono::duration<double>(Clock::now() - t0).count();
+      load_bw.push_back(all_done(ld, n, "load on B of A's blocks", rc) ? double(n * size) / ls : 0);
+      const auto sk = keys_owned_by(ids, 0, n, (size << 8) + uint64_t(r) + 1);  // fresh keys: nothing to skip
+      t0 = Clock::now();
+      auto sd = ca->send(*ra, sk, bids, b->id());
+      const double ss = std::chrono::duration<double>(Clock::now() - t0).count();
+      send_bw.push_back(all_done(sd, n, "send A -> B", rc) ? double(n * size) / ss : 0);
+      (void)ca->evict(*ra, sk, 0);
+      (void)cb->evict(*rb, {}, ops::kEvictAll);
+      auto g = perftest("tcp", "ucp_get", size, n);
+      auto pp = perftest("tcp", "ucp_put_bw", size, n);
+      get_base.push_back(g.empty() ? 0 : g[5] * 1048576.0);
+      put_base.push_back(pp.empty() ? 0 : pp[5] * 1048576.0);
+    }
+    const std::string what = human_bytes(int64_t(size)) + " x" + std::to_string(n) + " tcp";
+    rep.add({"daemons: load on B of A's blocks " + what, median(load_bw) / 1e9, "GB/s", median(get_base) / 1e9,
+             "ucx_perftest -t ucp_get -e -O32 tcp", true, 0.8, "lookup + get + XXH3 check + copy into the region"});
+    rep.add({"daemons: send A -> B " + what, median(send_bw) / 1e9, "GB/s", median(put_base) / 1e9,
+             "ucx_perftest -t ucp_put_bw -e -O32 tcp", true, 0.8,
+             "save on A (copy + XXH3) + reserve + put + B's XXH3 check"});
+    last_keys = keys;
+    last_rb = *rb;
+    last_ids = bids;
+  }
+
+  // A client lookup of 16 keys that B does not hold: B asks their owner A (one control round trip).
+  {
+    std::vector<ops::Key> k16(last_keys.begin(), last_keys.begin() + std::min<size_t>(16, last_keys.size()));
+    (void)cb->evict(last_rb, {}, ops::kEvictAll);
+    std::vector<double> us;
+    for (int i = 0; i < (opts.quick ? 200 : 2000); ++i) {
+      const auto t0 = Clock::now();
+      auto r = cb->lookup(last_rb, k16);
+      us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (!r.ok() || r->done != k16.size()) {
+        std::fprintf(stderr, "remote bench: remote lookup found %u of %zu\n", r.ok() ? r->done : 0, k16.size());
+        rc = 1;
+        break;
+      }
+    }
+    std::sort(us.begin(), us.end());
+    auto pt = perftest("tcp", "ucp_am_lat", 300, opts.quick ? 200 : 2000);
+    const double rtt = pt.empty() ? 0 : 2 * pt[1];
+    rep.add({"daemons: client lookup 16 remote keys p50 tcp", us[us.size() / 2], "us", rtt,
+             "ucx_perftest ucp_am_lat RTT p50", false, 0, "client ring -> B -> A -> B -> client"});
+    rep.add({"daemons: client lookup 16 remote keys p99 tcp", us[us.size() * 99 / 100], "us", rtt,
+             "ucx_perftest ucp_am_lat RTT p50", false, 0, ""});
+  }
+
+  // kill -9 of A in the middle of B's load of A's blocks: time to the client's completion.
+  {
+    (void)cb->evict(last_rb, {}, ops::kEvictAll);
+    auto fut = std::async(std::launch::async, [&] { return cb->load(last_rb, last_keys, last_ids); });
+    std::this_thread::sleep_for(20ms);
+    const auto t0 = Clock::now();
+    ::kill(a->pid, SIGKILL);
+    ::waitpid(a->pid, nullptr, 0);
+    a->pid = -1;
+    auto res = fut.get();
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    uint64_t lost = 0;
+    if (res.ok())
+      for (ErrorCode e : res->blocks) lost += e == ErrorCode::kUnavailable;
+    rep.add({"daemons: A killed -9 mid-load -> B's client completes", ms, "ms", 20000, "2 x lease TTL (10 s)", false, 0,
+             res.ok()
+                 ? std::to_string(res->done) + " blocks loaded, " + std::to_string(lost) + " kUnavailable (peer lost)"
+                 : res.status().to_string()});
+  }
+}
+
 struct Mode {
   std::string name;  ///< row label
   std::string tls;
@@ -242,6 +481,7 @@ int run_remote(const Options& opts) {
   std::vector<Mode> modes{{"tcp", "tcp", false}, {"shm", "cma,tcp", true}};
   std::vector<uint64_t> sizes{64u << 10, 256u << 10, 1u << 20, 4u << 20};
   int rounds = opts.quick ? 1 : 3;
+  bool daemons = true;
   uint64_t cap = opts.quick ? (uint64_t{256} << 20) : (uint64_t{1} << 30);
   for (const std::string& a : opts.args) {
     if (a == "--tls=tcp")
@@ -249,7 +489,9 @@ int run_remote(const Options& opts) {
     else if (a == "--tls=shm")
       modes.erase(modes.begin());
     else if (a == "--tls=both") {
-    } else if (a.rfind("--rounds=", 0) == 0)
+    } else if (a == "--no-daemons")
+      daemons = false;
+    else if (a.rfind("--rounds=", 0) == 0)
       rounds = std::max(1, std::atoi(a.c_str() + 9));
     else if (a.rfind("--cap=", 0) == 0)
       cap = std::strtoull(a.c_str() + 6, nullptr, 10) << 20;
@@ -262,7 +504,8 @@ int run_remote(const Options& opts) {
       }
     } else {
       std::fprintf(stderr,
-                   "remote bench: unknown argument %s (--tls=tcp|shm|both --sizes=KiB,.. --rounds=N --cap=MiB)\n",
+                   "remote bench: unknown argument %s (--tls=tcp|shm|both --sizes=KiB,.. --rounds=N --cap=MiB "
+                   "--no-daemons)\n",
                    a.c_str());
       return 2;
     }
@@ -406,6 +649,7 @@ int run_remote(const Options& opts) {
       "ucx_perftest runs with the same UCX_TLS, -e (peer error handling, as the transport) and -O 32 (32 "
       "operations in flight; without it ucp_get waits for each get)");
   ::munmap(pool, pool_bytes);
+  if (daemons) daemon_rows(rep, opts, sizes, rounds, cap, rc);
   const int frc = rep.finish(opts);
   return rc ? rc : frc;
 }
