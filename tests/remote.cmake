@@ -10,7 +10,7 @@ kvferry_add_gtest(membership_integration_test LABEL integration TIMEOUT 120
 if(KVFERRY_WITH_UCX)
   kvferry_add_gtest(ucx_transport_integration_test LABEL integration TIMEOUT 120
     SOURCES integration/ucx_transport_test.cpp
-    LIBS kvferry::store)
+    LIBS kvferry::remote)
 endif()
 # The remote tier through kvferryd: daemons on loopback as one cache, send, etcd membership.
 if(KVFERRY_WITH_UCX)

@@ -564,8 +564,11 @@ Field field(std::string key, Get get, Codec codec, bool reloadable, std::string 
   return f;
 }
 
+// m is a member path and the expansion a lambda: neither can be parenthesized.
+// NOLINTBEGIN(bugprone-macro-parentheses)
 #define KVF_MEMBER(m) \
   [](Config & c) -> auto& { return c.m; }
+// NOLINTEND(bugprone-macro-parentheses)
 
 constexpr bool kReload = true;
 constexpr bool kRestart = false;

@@ -672,7 +672,7 @@ int kvferry_send(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
     auto r = c->c->send(region_id, key_span(keys, n), {block_ids, n}, peer);
     if (r.ok() && r->status == ErrorCode::kUnavailable && r->blocks.empty())
       return fail(Status(ErrorCode::kUnavailable, "the daemon has no remote tier (tiers.remote.listen is not set)"));
-    return op_out(std::move(r), statuses, n, done, nullptr);
+    return op_out(r, statuses, n, done, nullptr);
   });
 }
 

@@ -484,6 +484,7 @@ struct DataOps::Impl {
     const auto name = index->namespace_name(t.ns);
     if (miss.empty() || !name) return;
     std::vector<store::BlockKey> mk;
+    mk.reserve(miss.size());
     for (size_t i : miss) mk.push_back(keys[i]);
     const auto got = remote->fetch(t.ns, *name, mk, std::min(t.deadline, Clock::now() + remote_timeout));
     std::vector<store::BlockKey> lk;
@@ -513,6 +514,7 @@ struct DataOps::Impl {
     const auto name = index->namespace_name(t.ns);
     if (saved.empty() || !name) return;
     std::vector<store::BlockKey> sk;
+    sk.reserve(saved.size());
     for (size_t i : saved) sk.push_back(keys[i]);
     const auto st = remote->push(t.ns, *name, sk, std::min(t.deadline, Clock::now() + remote_timeout), t.peer);
     uint64_t failed = 0;

@@ -137,6 +137,7 @@ std::unique_ptr<DaemonProcess> start(const std::string& yaml) {
 TEST(RemoteDaemons, SaveOnOneLoadOnAnother) {
   const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port(), testing::etcd::free_port()};
   std::vector<std::unique_ptr<DaemonProcess>> d;
+  d.reserve(ports.size());
   for (int p : ports) d.push_back(start(remote_yaml(p, static_peers(ports))));
   for (auto& x : d) ASSERT_TRUE(x->ready());
   auto a = connect(*d[0]), b = connect(*d[1]), c = connect(*d[2]);
@@ -330,6 +331,7 @@ TEST(RemoteDaemons, EtcdMembershipPeerKilledAndRestarted) {
                                      std::to_string(i) + "\n");
   };
   std::vector<std::unique_ptr<DaemonProcess>> d;
+  d.reserve(3);
   for (size_t i = 0; i < 3; ++i) d.push_back(start(yaml(i)));
   for (auto& x : d) ASSERT_TRUE(x->ready());
   auto a = connect(*d[0]), b = connect(*d[1]);
