@@ -75,8 +75,10 @@ class DaemonProcess {
   /// `extra_yaml` is appended to a config that sets the socket (mode 0666) and the CPU backend.
   /// `args` are extra kvferryd arguments (e.g. --enable-test-faults). `max_fds` > 0 starts the
   /// daemon with RLIMIT_NOFILE lowered to it (fd exhaustion tests).
+  /// `wrapper` runs kvferryd through another program (e.g. {"ip", "netns", "exec", "ns"}).
   explicit DaemonProcess(const std::string& extra_yaml, std::vector<std::string> env = {}, std::string backend = "cpu",
-                         std::vector<std::string> args = {}, uint64_t max_fds = 0)
+                         std::vector<std::string> args = {}, uint64_t max_fds = 0,
+                         std::vector<std::string> wrapper = {})
       : dir_(make_temp_dir()), backend_(std::move(backend)) {
     socket_ = dir_ + "/kvferry.sock";
     config_ = dir_ + "/kvferry.yaml";
@@ -92,10 +94,18 @@ class DaemonProcess {
         const rlimit rl{max_fds, max_fds};
         if (::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(126);
       }
-      std::vector<char*> argv{const_cast<char*>("kvferryd"), const_cast<char*>("--config"), config_.data()};
+      std::vector<char*> argv;
+      for (auto& w : wrapper) argv.push_back(w.data());
+      std::string bin = KVFERRYD_PATH;
+      argv.push_back(wrapper.empty() ? const_cast<char*>("kvferryd") : bin.data());
+      argv.push_back(const_cast<char*>("--config"));
+      argv.push_back(config_.data());
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
-      ::execv(KVFERRYD_PATH, argv.data());
+      if (wrapper.empty())
+        ::execv(KVFERRYD_PATH, argv.data());
+      else
+        ::execvp(argv[0], argv.data());
       ::_exit(127);
     }
     bool exited = false;

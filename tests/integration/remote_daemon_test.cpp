@@ -423,5 +423,84 @@ TEST(RemoteDaemons, EtcdMembershipPeerKilledAndRestarted) {
   EXPECT_NE(pc.find("\"blocks_in\""), std::string::npos);
 }
 
+int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
+
+// Two daemons on two sides of a veth link (the second in a network namespace the test makes): a
+// client of B loads A's blocks across the link; the link is cut in the middle of a load, and the
+// load completes within the remote deadline with typed errors for what did not arrive and never a
+// wrong byte, while A keeps serving its own client.
+TEST(RemoteDaemons, NetworkNamespaceLinkCutMidLoad) {
+  if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  const std::string tag = std::to_string(::getpid() % 100000);
+  const std::string ns = "kvf-rd-" + tag, va = "kvra" + tag, vb = "kvrb" + tag;
+  if (sh("ip netns add " + ns) != 0) GTEST_SKIP() << "ip netns add does not work here";
+  struct Cleanup {
+    std::string ns, va;
+    ~Cleanup() {
+      sh("ip link del " + va);
+      sh("ip netns del " + ns);
+    }
+  } cleanup{ns, va};
+  const int oct = 100 + int(::getpid() % 100);
+  const std::string a_ip = "10.214." + std::to_string(oct) + ".1", b_ip = "10.214." + std::to_string(oct) + ".2";
+  ASSERT_EQ(sh("ip link add " + va + " type veth peer name " + vb), 0);
+  ASSERT_EQ(sh("ip link set " + vb + " netns " + ns), 0);
+  ASSERT_EQ(sh("ip addr add " + a_ip + "/30 dev " + va), 0);
+  ASSERT_EQ(sh("ip link set " + va + " up"), 0);
+  ASSERT_EQ(sh("ip netns exec " + ns + " ip addr add " + b_ip + "/30 dev " + vb), 0);
+  ASSERT_EQ(sh("ip netns exec " + ns + " ip link set " + vb + " up"), 0);
+  ASSERT_EQ(sh("ip netns exec " + ns + " ip link set lo up"), 0);
+  const std::string dir = testing::make_temp_dir();
+  { std::ofstream(dir + "/k") << "netns-cluster-key-0123456789\n"; }
+  const int pa = testing::etcd::free_port(), pb = testing::etcd::free_port();
+  auto yaml = [&](const std::string& ip, int port) {
+    return "tiers:\n  host:\n    capacity: 128MiB\n  remote:\n    listen: " + ip + ":" + std::to_string(port) +
+           "\n    peers: [\"" + a_ip + ":" + std::to_string(pa) + "\", \"" + b_ip + ":" + std::to_string(pb) +
+           "\"]\n    transport: tcp\n    timeout: 2s\n    secret_file: " + dir + "/k\n";
+  };
+  DaemonProcess a(yaml(a_ip, pa));
+  DaemonProcess b(yaml(b_ip, pb), {}, "cpu", {}, 0, {"ip", "netns", "exec", ns});
+  ASSERT_TRUE(a.ready()) << a.log();
+  ASSERT_TRUE(b.ready()) << b.log();
+  auto ca = connect(a), cb = connect(b);
+  ASSERT_TRUE(ca && cb);
+  constexpr int64_t n = 64;  // 4 layers x 64 tokens x 1152 B: 288 KiB blocks, 18 MiB
+  Region src = create(*ca, "src", spec_of(EntryFormat::mla_bf16(), n));
+  fill_mla(src, 9);
+  const auto keys = keys_for(n, 6);
+  ASSERT_EQ(ca->save(src.id, keys, iota_ids(n))->done, uint64_t(n)) << a.log();
+  Region dst = create(*cb, "dst", spec_of(EntryFormat::mla_bf16(), n));
+  auto ld = cb->load(dst.id, keys, iota_ids(n));  // across the link (the veth may need a moment: once more)
+  if (ld.ok() && ld->done != uint64_t(n)) ld = cb->load(dst.id, keys, iota_ids(n));
+  ASSERT_TRUE(ld.ok());
+  ASSERT_EQ(ld->done, uint64_t(n)) << b.log();
+  EXPECT_EQ(equal_blocks(dst, src, n), n);
+
+  ASSERT_TRUE(cb->evict(dst.id, {}, ops::kEvictAll).ok());
+  std::memset(dst.base, 0, static_cast<size_t>(dst.spec.region_bytes()));
+  auto fut = std::async(std::launch::async, [&] { return cb->load(dst.id, keys, iota_ids(n)); });
+  std::this_thread::sleep_for(5ms);
+  const auto t0 = Clock::now();
+  ASSERT_EQ(sh("ip link del " + va), 0);  // the cable is cut: no RST, no FIN
+  ASSERT_EQ(fut.wait_for(20s), std::future_status::ready) << "no answer after the link was cut";
+  auto cut = fut.get();
+  EXPECT_LT(Clock::now() - t0, 10s);
+  ASSERT_TRUE(cut.ok()) << cut.status().to_string();
+  for (int64_t i = 0; i < n; ++i) {
+    const ErrorCode e = cut->blocks[size_t(i)];
+    if (e == ErrorCode::kOk) {
+      EXPECT_EQ(std::memcmp(dst.block(i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+    } else {
+      EXPECT_TRUE(e == ErrorCode::kTimeout || e == ErrorCode::kUnavailable || e == ErrorCode::kNotFound) << int(e);
+    }
+  }
+  // A serves its own client on.
+  Region again = create(*ca, "again", spec_of(EntryFormat::mla_bf16(), n));
+  auto back = ca->load(again.id, keys, iota_ids(n));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(back->done, uint64_t(n));
+  if (std::system(("rm -rf '" + dir + "'").c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir.c_str());
+}
+
 }  // namespace
 }  // namespace kvferry
