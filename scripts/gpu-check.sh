@@ -38,7 +38,18 @@ if ls .gpu-deps/*.deb >/dev/null 2>&1; then
   for f in .gpu-deps/*.deb; do dpkg -x "$f" "$PREFIX"; done
   export CMAKE_PREFIX_PATH="$PREFIX/usr${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
   export CPATH="$PREFIX/usr/include${CPATH:+:$CPATH}"
+  # Libraries carried as .debs (UCX, liburing): their pkg-config files name /usr; point them at
+  # the prefix, and let the loader and the shell find what was unpacked.
+  LIBDIR="$PREFIX/usr/lib/x86_64-linux-gnu"
+  if [ -d "$LIBDIR/pkgconfig" ]; then
+    sed -i -E "s#^([a-z_]+ ?= ?)/usr(/|\$)#\\1$PREFIX/usr\\2#" "$LIBDIR"/pkgconfig/*.pc
+    export PKG_CONFIG_PATH="$LIBDIR/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  fi
+  export LD_LIBRARY_PATH="$LIBDIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export PATH="$PREFIX/usr/bin:$PATH"
 fi
+# A statically built fio (the disk bench's baseline) may be carried as .gpu-deps/fio.
+[ -x .gpu-deps/fio ] && export PATH="$PWD/.gpu-deps:$PATH"
 [ -d /usr/local/cuda/bin ] && export PATH=/usr/local/cuda/bin:$PATH
 nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader || true
 CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d . | tr -d ' ')
