@@ -8,6 +8,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -15,7 +17,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <numeric>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -483,6 +487,55 @@ int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& s
   return rc;
 }
 
+/// The Python package's save/load of 1 MiB blocks next to the C ABI called directly (ctypes, keys
+/// and ids prepared once: the C++ client's path), both from python/bench/roundtrip.py in one run
+/// against its own daemon. The Python is $KVFERRY_PYTHON, else the venv scripts/test-python.sh
+/// makes (build/py-venv); without one that imports kvferry and numpy the rows are skipped, said in a
+/// note.
+void python_rows(const Options& opts, Report& rep) {
+  char exe[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) return;
+  exe[n] = 0;
+  std::string bin(exe);
+  bin = bin.substr(0, bin.rfind('/'));                      // build/bin
+  const std::string build = bin.substr(0, bin.rfind('/'));  // build
+  std::string py;
+  if (const char* e = std::getenv("KVFERRY_PYTHON"); e && *e)
+    py = e;
+  else if (::access((build + "/py-venv/bin/python").c_str(), X_OK) == 0)
+    py = build + "/py-venv/bin/python";
+  const std::string env = "KVFERRYD='" + bin + "/kvferryd' KVFERRY_LIBRARY='" + build + "/lib/libkvferry.so' ";
+  if (py.empty() || std::system((env + "'" + py + "' -c 'import kvferry, numpy' >/dev/null 2>&1").c_str()) != 0) {
+    rep.note(
+        "python rows skipped: no Python that imports kvferry and numpy (set KVFERRY_PYTHON, or run "
+        "scripts/test-python.sh, which makes build/py-venv)");
+    return;
+  }
+  const std::string json = "/tmp/kvferry-bench-py-" + std::to_string(::getpid()) + ".json";
+  const int blocks = opts.quick ? 256 : 4096;
+  const std::string cmd = env + "'" + py + "' " + KVFERRY_SOURCE_DIR + "/python/bench/roundtrip.py --blocks " +
+                          std::to_string(blocks) + " --block-mib 1 --rounds " + (opts.quick ? "1" : "3") + " --json " +
+                          json + " >/dev/null 2>&1";
+  if (std::system(cmd.c_str()) != 0) {
+    rep.note("python rows: python/bench/roundtrip.py failed (run it by hand to see why)");
+    ::unlink(json.c_str());
+    return;
+  }
+  std::ifstream f(json);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  ::unlink(json.c_str());
+  const auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded() || !j.contains("rows")) return;
+  for (const auto& r : j["rows"]) {
+    const std::string op = r.value("op", "?");
+    rep.add({"python package " + op + " 1MiB x" + std::to_string(blocks), r.value("package_gbps", 0.0), "GB/s",
+             r.value("c_abi_gbps", 0.0), "C ABI via ctypes, same run", true, 0.95,
+             "python/bench/roundtrip.py, its own daemon (cpu backend)"});
+  }
+}
+
 int run_roundtrip(const Options& opts) {
   spdlog::set_level(spdlog::level::warn);
   const bool cuda = cuda_device_count() > 0;
@@ -553,6 +606,7 @@ int run_roundtrip(const Options& opts) {
     rc = measure(opts, parse_variant(s), {1 << 20, 4 << 20}, opts.quick ? max_total : (int64_t{2} << 30), 4096, reps,
                  false, rep, nullptr);
   }
+  if (rc == 0) python_rows(opts, rep);
   const int f = rep.finish(opts);
   return rc ? rc : f;
 }
