@@ -20,3 +20,12 @@ if(KVFERRY_WITH_UCX)
   add_dependencies(remote_daemon_test kvferryd)
   target_compile_definitions(remote_daemon_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")
 endif()
+# `kvferry stats` and Client::stats_all naming the remote tier: two daemons with static peers.
+if(KVFERRY_WITH_UCX)
+  kvferry_add_gtest(remote_stats_test LABEL integration TIMEOUT 120
+    SOURCES integration/remote_stats_test.cpp
+    LIBS kvferry::connector nlohmann_json::nlohmann_json)
+  add_dependencies(remote_stats_test kvferryd kvferry_cli)
+  target_compile_definitions(remote_stats_test PRIVATE
+    KVFERRYD_PATH="$<TARGET_FILE:kvferryd>" KVFERRY_CLI_PATH="$<TARGET_FILE:kvferry_cli>")
+endif()

@@ -537,8 +537,9 @@ void Client::absorb(const ring::CompletionEntry& c) {
   const auto op = static_cast<proto::Op>(c.op);
   auto inside = [&](uint64_t off, uint64_t n) { return off >= lo && off + n <= hi; };
   if (op == proto::Op::kStats) {
-    if (inside(c.arena_offset, sizeof(ops::StatsWire)))
-      r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + sizeof(ops::StatsWire));
+    // count = 1 + the TierStatsWire entries that follow the StatsWire (ops.h).
+    const uint64_t n = sizeof(ops::StatsWire) + uint64_t{c.count > 1 ? c.count - 1 : 0} * sizeof(ops::TierStatsWire);
+    if (inside(c.arena_offset, n)) r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + n);
   } else if (op == proto::Op::kPeers) {
     if (inside(c.arena_offset, c.count))
       r.payload.assign(ch_.arena + c.arena_offset, ch_.arena + c.arena_offset + c.count);
@@ -634,11 +635,37 @@ Result<ops::StatsWire> Client::stats(int64_t timeout_us) {
   });
   if (!r.ok()) return r.status();
   if (r->status != ErrorCode::kOk) return Status(r->status, "stats failed");
-  if (r->payload.size() != sizeof(ops::StatsWire))
+  if (r->payload.size() < sizeof(ops::StatsWire))
     return Status(ErrorCode::kProtocol, "stats answer outside its arena part");
   ops::StatsWire w;
   std::memcpy(&w, r->payload.data(), sizeof w);
   return w;
+}
+
+Result<Client::StoreStats> Client::stats_all(int64_t timeout_us) {
+  auto r = submit_and_wait(*this, timeout_us, [&] {
+    return submit_keys(static_cast<uint16_t>(proto::Op::kStats), 0, {}, {}, ops::kStatsTiers,
+                       sizeof(ops::StatsWire) + ops::kMaxTierStats * sizeof(ops::TierStatsWire), ops::kMaxTierStats);
+  });
+  if (!r.ok()) return r.status();
+  if (r->status != ErrorCode::kOk) return Status(r->status, "stats failed");
+  const size_t tier_bytes = r->payload.size() - std::min(r->payload.size(), sizeof(ops::StatsWire));
+  if (r->payload.size() < sizeof(ops::StatsWire) || tier_bytes % sizeof(ops::TierStatsWire) != 0 ||
+      tier_bytes / sizeof(ops::TierStatsWire) > ops::kMaxTierStats)
+    return Status(ErrorCode::kProtocol, "stats answer outside its arena part");
+  StoreStats out;
+  std::memcpy(&out.host, r->payload.data(), sizeof out.host);
+  for (size_t off = sizeof(ops::StatsWire); off < r->payload.size(); off += sizeof(ops::TierStatsWire)) {
+    ops::TierStatsWire t;
+    std::memcpy(&t, r->payload.data() + off, sizeof t);
+    if (!(t.flags & ops::kTierPresent)) continue;
+    // The names are read as C strings: terminated here whatever the daemon wrote.
+    t.tier[sizeof t.tier - 1] = '\0';
+    t.member[sizeof t.member - 1] = '\0';
+    t.reason[sizeof t.reason - 1] = '\0';
+    out.tiers.push_back(t);
+  }
+  return out;
 }
 
 Result<std::vector<ops::LsEntry>> Client::ls(uint32_t region_id, uint32_t limit, int64_t timeout_us) {

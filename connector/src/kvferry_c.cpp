@@ -30,6 +30,10 @@ static_assert(sizeof(kvferry_ls_entry) == sizeof(kvferry::ops::LsEntry));
 static_assert(offsetof(kvferry_ls_entry, tier) == offsetof(kvferry::ops::LsEntry, tier));
 static_assert(offsetof(kvferry_sqe, args) == offsetof(kvferry::ring::SubmitEntry, args));
 static_assert(sizeof(kvferry_store_stats) == sizeof(uint64_t) + sizeof(kvferry::ops::StatsWire));
+static_assert(sizeof(kvferry_tier_stats) == 280);
+static_assert(sizeof(kvferry_tier_stats::tier) == sizeof(kvferry::ops::TierStatsWire::tier) &&
+              sizeof(kvferry_tier_stats::reason) == sizeof(kvferry::ops::TierStatsWire::reason) &&
+              sizeof(kvferry_tier_stats::member) == sizeof(kvferry::ops::TierStatsWire::member));
 
 // The C enum is ErrorCode, value for value; the ABI-1 macros keep theirs.
 constexpr bool same(kvferry_error a, ErrorCode b) { return static_cast<int>(a) == static_cast<int>(b); }
@@ -700,6 +704,55 @@ int kvferry_peers_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* nee
     if (cap < r->size() + 1)
       return fail(Status(ErrorCode::kOutOfRange, "the peers list needs " + std::to_string(r->size() + 1) + " bytes"));
     std::memcpy(buf, r->c_str(), r->size() + 1);
+    return ok();
+  });
+}
+
+int kvferry_get_tier_stats(kvferry_client* c, kvferry_tier_stats* out, uint32_t max, uint32_t* n) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && n && (out || max == 0), "client, out or n is NULL");
+    *n = 0;
+    if (max == 0) return ok();
+    auto r = c->c->stats_all();
+    if (!r.ok()) return fail(r.status());
+    const size_t k = std::min<size_t>(r->tiers.size(), max);
+    for (size_t i = 0; i < k; ++i) {
+      const kvferry::ops::TierStatsWire& t = r->tiers[i];
+      kvferry_tier_stats& o = out[i];
+      const uint64_t want = o.field_mask & KVFERRY_TIER_F_ALL_V3;
+      o.field_mask = 0;
+      if (want & KVFERRY_TIER_F_BASIC) {
+        std::memcpy(o.tier, t.tier, sizeof o.tier);
+        o.healthy = (t.flags & kvferry::ops::kTierHealthy) ? 1 : 0;
+        o.reserved = 0;
+        std::memcpy(o.reason, t.reason, sizeof o.reason);
+        o.field_mask |= KVFERRY_TIER_F_BASIC;
+      }
+      if ((want & KVFERRY_TIER_F_STORAGE) && (t.flags & kvferry::ops::kTierStorage)) {
+        o.capacity_bytes = t.capacity_bytes;
+        o.used_bytes = t.used_bytes;
+        o.blocks = t.blocks;
+        o.pinned = t.pinned;
+        o.evictions = t.evictions;
+        o.io_errors = t.io_errors;
+        o.checksum_failures = t.checksum_failures;
+        o.bytes_written = t.bytes_written;
+        o.bytes_read = t.bytes_read;
+        o.field_mask |= KVFERRY_TIER_F_STORAGE;
+      }
+      if ((want & KVFERRY_TIER_F_PEERS) && (t.flags & kvferry::ops::kTierPeers)) {
+        std::memcpy(o.member, t.member, sizeof o.member);
+        o.peers_live = t.peers_live;
+        o.peers_lost = t.peers_lost;
+        o.blocks_out = t.blocks_out;
+        o.bytes_out = t.bytes_out;
+        o.blocks_in = t.blocks_in;
+        o.bytes_in = t.bytes_in;
+        o.errors = t.errors;
+        o.field_mask |= KVFERRY_TIER_F_PEERS;
+      }
+    }
+    *n = static_cast<uint32_t>(k);
     return ok();
   });
 }

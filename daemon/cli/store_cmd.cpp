@@ -69,24 +69,97 @@ int report(const char* cmd, const Status& st) {
   return 1;
 }
 
+/// "12.0 MiB", or "1.2 GiB" from 1 GiB on.
+std::string size_str(uint64_t bytes) {
+  char b[32];
+  if (bytes >= (uint64_t{1} << 30))
+    std::snprintf(b, sizeof b, "%.1f GiB", static_cast<double>(bytes) / (1 << 30));
+  else
+    std::snprintf(b, sizeof b, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return b;
+}
+
+/// "1.2 of 4.0 GiB": both in the capacity's unit.
+std::string used_of(uint64_t used, uint64_t capacity) {
+  const bool gib = capacity >= (uint64_t{1} << 30);
+  const double unit = gib ? 1 << 30 : 1 << 20;
+  char b[64];
+  std::snprintf(b, sizeof b, "%.1f of %.1f %s", static_cast<double>(used) / unit, static_cast<double>(capacity) / unit,
+                gib ? "GiB" : "MiB");
+  return b;
+}
+
+/// One lower tier as a JSON object: tier, healthy, reason, then its storage and/or cluster figures.
+std::string tier_json(const ops::TierStatsWire& t) {
+  const bool healthy = t.flags & ops::kTierHealthy;
+  std::string o = "{\"tier\":" + json_str(t.tier) + ",\"healthy\":" + (healthy ? "true" : "false") +
+                  ",\"reason\":" + json_str(t.reason);
+  auto field = [&o](const char* k, uint64_t v) { o += std::string(",\"") + k + "\":" + std::to_string(v); };
+  if (t.flags & ops::kTierStorage) {
+    field("capacity_bytes", t.capacity_bytes);
+    field("used_bytes", t.used_bytes);
+    field("blocks", t.blocks);
+    field("pinned", t.pinned);
+    field("evictions", t.evictions);
+    field("io_errors", t.io_errors);
+    field("checksum_failures", t.checksum_failures);
+    field("bytes_written", t.bytes_written);
+    field("bytes_read", t.bytes_read);
+  }
+  if (t.flags & ops::kTierPeers) {
+    o += ",\"member\":" + json_str(t.member);
+    field("peers_live", t.peers_live);
+    field("peers_lost", t.peers_lost);
+    field("blocks_out", t.blocks_out);
+    field("bytes_out", t.bytes_out);
+    field("blocks_in", t.blocks_in);
+    field("bytes_in", t.bytes_in);
+    field("errors", t.errors);
+  }
+  return o + "}";
+}
+
+/// One lower tier as a line of `kvferry stats`, after the host's lines.
+void print_tier(const ops::TierStatsWire& t) {
+  const std::string health =
+      (t.flags & ops::kTierHealthy) ? std::string("healthy") : "degraded (" + std::string(t.reason) + ")";
+  std::string line;
+  if (t.flags & ops::kTierStorage)
+    line += std::to_string(t.blocks) + " blocks (" + std::to_string(t.pinned) + " pinned), " +
+            used_of(t.used_bytes, t.capacity_bytes) + ", " + health + ", " + std::to_string(t.io_errors) +
+            " I/O errors, " + std::to_string(t.checksum_failures) + " checksum failures, " +
+            std::to_string(t.evictions) + " evicted, " + size_str(t.bytes_written) + " written, " +
+            size_str(t.bytes_read) + " read";
+  if (t.flags & ops::kTierPeers)
+    line += std::string(line.empty() ? "" : "; ") + "member " + t.member + ", " + std::to_string(t.peers_live) +
+            " peers live, " + std::to_string(t.peers_lost) + " lost, out " + std::to_string(t.blocks_out) +
+            " blocks / " + size_str(t.bytes_out) + ", in " + std::to_string(t.blocks_in) + " blocks / " +
+            size_str(t.bytes_in) + ", " + std::to_string(t.errors) + " errors, " + health;
+  if (line.empty()) line = health;
+  std::printf("%-11s %s\n", t.tier, line.c_str());
+}
+
 int run_stats(const std::string& socket, const Common& c) {
   auto cl = connect(socket, c);
   if (!cl.ok()) return report("stats", cl.status());
-  auto s = (*cl)->stats();
+  auto s = (*cl)->stats_all();
   if (!s.ok()) return report("stats", s.status());
-  const ops::StatsWire& w = *s;
+  const ops::StatsWire& w = s->host;
   const double occ = w.capacity_bytes ? 100.0 * static_cast<double>(w.used_bytes) / w.capacity_bytes : 0.0;
   if (c.json) {
-    std::printf("{\"tier\":\"host\",\"entries\":%" PRIu64 ",\"writing\":%" PRIu64 ",\"pinned\":%" PRIu64
-                ",\"used_bytes\":%" PRIu64 ",\"capacity_bytes\":%" PRIu64
-                ",\"occupancy\":%.4f,\"pool_page_locked\":%s"
-                ",\"evictions\":%" PRIu64 ",\"evicted_bytes\":%" PRIu64 ",\"lookups\":%" PRIu64 ",\"hits\":%" PRIu64
-                ",\"misses\":%" PRIu64 ",\"blocks_saved\":%" PRIu64 ",\"bytes_saved\":%" PRIu64
-                ",\"blocks_loaded\":%" PRIu64 ",\"bytes_loaded\":%" PRIu64 ",\"checksum_failures\":%" PRIu64
-                ",\"clients\":%" PRIu64 "}\n",
-                w.entries, w.writing, w.pinned, w.used_bytes, w.capacity_bytes, occ / 100.0,
-                w.pool_pinned ? "true" : "false", w.evictions, w.evicted_bytes, w.lookups, w.hits, w.misses,
-                w.blocks_saved, w.bytes_saved, w.blocks_loaded, w.bytes_loaded, w.checksum_failures, w.clients);
+    // The host's keys at the top level (as before tier stats), the lower tiers under "tiers".
+    std::string tiers;
+    for (const auto& t : s->tiers) tiers += (tiers.empty() ? "" : ",") + tier_json(t);
+    std::printf(
+        "{\"tier\":\"host\",\"entries\":%" PRIu64 ",\"writing\":%" PRIu64 ",\"pinned\":%" PRIu64
+        ",\"used_bytes\":%" PRIu64 ",\"capacity_bytes\":%" PRIu64
+        ",\"occupancy\":%.4f,\"pool_page_locked\":%s"
+        ",\"evictions\":%" PRIu64 ",\"evicted_bytes\":%" PRIu64 ",\"lookups\":%" PRIu64 ",\"hits\":%" PRIu64
+        ",\"misses\":%" PRIu64 ",\"blocks_saved\":%" PRIu64 ",\"bytes_saved\":%" PRIu64 ",\"blocks_loaded\":%" PRIu64
+        ",\"bytes_loaded\":%" PRIu64 ",\"checksum_failures\":%" PRIu64 ",\"clients\":%" PRIu64 ",\"tiers\":[%s]}\n",
+        w.entries, w.writing, w.pinned, w.used_bytes, w.capacity_bytes, occ / 100.0, w.pool_pinned ? "true" : "false",
+        w.evictions, w.evicted_bytes, w.lookups, w.hits, w.misses, w.blocks_saved, w.bytes_saved, w.blocks_loaded,
+        w.bytes_loaded, w.checksum_failures, w.clients, tiers.c_str());
     return 0;
   }
   std::printf("host pool   %.1f of %.1f MiB used (%.1f%%), %s\n", w.used_bytes / 1048576.0,
@@ -99,6 +172,7 @@ int run_stats(const std::string& socket, const Common& c) {
   std::printf("evictions   %" PRIu64 " blocks, %.1f MiB\n", w.evictions, w.evicted_bytes / 1048576.0);
   std::printf("checksums   %" PRIu64 " damaged blocks caught\n", w.checksum_failures);
   std::printf("clients     %" PRIu64 " connected (this one included)\n", w.clients);
+  for (const auto& t : s->tiers) print_tier(t);
   return 0;
 }
 

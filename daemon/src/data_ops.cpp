@@ -14,6 +14,7 @@
 #include <sstream>
 #include <deque>
 #include <optional>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -743,6 +744,58 @@ struct DataOps::Impl {
     return w;
   }
 
+  /// Copies `v` into the fixed field `dst` (NUL-terminated, truncated).
+  template <size_t N>
+  static void put_str(char (&dst)[N], std::string_view v) {
+    const size_t n = std::min(v.size(), N - 1);
+    std::memcpy(dst, v.data(), n);
+    dst[n] = '\0';
+  }
+
+  /// One TierStatsWire per lower tier this daemon runs: the disk, then the remote tier.
+  std::vector<ops::TierStatsWire> tier_stats_wire() const {
+    std::vector<ops::TierStatsWire> out;
+    if (const store::Tier* t = tiers->lower()) {
+      const auto u = t->usage();
+      const auto h = t->health();
+      ops::TierStatsWire w{};
+      put_str(w.tier, t->name());
+      w.flags = ops::kTierPresent | ops::kTierStorage | (h.ok ? ops::kTierHealthy : 0);
+      w.capacity_bytes = u.capacity_bytes;
+      w.used_bytes = u.used_bytes;
+      w.blocks = u.blocks;
+      w.pinned = u.pinned;
+      w.evictions = h.evictions;
+      w.io_errors = h.io_errors;
+      w.checksum_failures = h.checksum_failures;
+      w.bytes_written = h.bytes_written;
+      w.bytes_read = h.bytes_read;
+      put_str(w.reason, h.ok ? std::string_view() : std::string_view(h.reason));
+      out.push_back(w);
+    }
+    if (const store::RemoteStore* r = remote.get()) {
+      const Status h = r->health();
+      ops::TierStatsWire w{};
+      put_str(w.tier, "remote");
+      w.flags = ops::kTierPresent | ops::kTierPeers | (h.ok() ? ops::kTierHealthy : 0);
+      // Lost as /healthz counts them: unreachable or left; every other member but self is live.
+      for (const auto& p : r->peers()) {
+        w.blocks_out += p.blocks_out;
+        w.bytes_out += p.bytes_out;
+        w.blocks_in += p.blocks_in;
+        w.bytes_in += p.bytes_in;
+        w.errors += p.errors;
+        if (p.state == "self") continue;
+        const bool lost = p.state.rfind("unreachable", 0) == 0 || p.state == "left";
+        ++(lost ? w.peers_lost : w.peers_live);
+      }
+      put_str(w.member, r->id());
+      put_str(w.reason, h.ok() ? std::string_view() : std::string_view(h.message()));
+      out.push_back(w);
+    }
+    return out;
+  }
+
   bool stats(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
     const auto t0 = Clock::now();
     ClientChannel& c = *cp;
@@ -750,8 +803,17 @@ struct DataOps::Impl {
       return set_status(out, st.code()), true;
     const ops::StatsWire w = stats_wire();
     std::memcpy(c.ch.arena + req.arena_offset, &w, sizeof w);
+    uint64_t n = 0;
+    if (req.args[0] & ops::kStatsTiers) {
+      // As many as the client's part holds (args[1]) and the arena has room for after the StatsWire.
+      const auto t = tier_stats_wire();
+      const uint64_t at = uint64_t{req.arena_offset} + sizeof w;
+      const uint64_t room = (c.ch.arena_bytes - at) / sizeof(ops::TierStatsWire);
+      n = std::min<uint64_t>({t.size(), room, req.args[1] ? req.args[1] : room});
+      if (n) std::memcpy(c.ch.arena + at, t.data(), n * sizeof(ops::TierStatsWire));
+    }
     out.arena_offset = req.arena_offset;
-    out.count = 1;
+    out.count = static_cast<uint32_t>(1 + n);
     out.done = 1;
     out.result[0] = w.entries;
     out.result[1] = w.used_bytes;

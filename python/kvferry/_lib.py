@@ -160,6 +160,31 @@ class StoreStats(ctypes.Structure):
     _fields_ = [("field_mask", c_uint64)] + [(f, c_uint64) for f in STATS_FIELDS]
 
 
+TIER_F_BASIC = 1 << 0
+TIER_F_STORAGE = 1 << 1
+TIER_F_PEERS = 1 << 2
+TIER_F_ALL = 0x7
+TIER_STORAGE_FIELDS = (
+    "capacity_bytes used_bytes blocks pinned evictions io_errors checksum_failures bytes_written bytes_read"
+).split()
+TIER_PEER_FIELDS = "peers_live peers_lost blocks_out bytes_out blocks_in bytes_in errors".split()
+
+
+class TierStats(ctypes.Structure):
+    _fields_ = (
+        [
+            ("field_mask", c_uint64),
+            ("tier", ctypes.c_char * 8),
+            ("healthy", c_int32),
+            ("reserved", c_int32),
+            ("reason", ctypes.c_char * 64),
+        ]
+        + [(f, c_uint64) for f in TIER_STORAGE_FIELDS]
+        + [("member", ctypes.c_char * 64)]
+        + [(f, c_uint64) for f in TIER_PEER_FIELDS]
+    )
+
+
 EVICT_ALL = 1
 EVICT_ALL_NS = 2
 
@@ -201,6 +226,7 @@ _PROTOS = {
     "kvferry_send": (c_int, [c_void_p, c_uint32, c_void_p, c_void_p, c_uint32, c_char_p, c_void_p, P(c_uint32)]),
     "kvferry_lookup_wait": (c_int, [c_void_p, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, P(c_uint32)]),
     "kvferry_peers_json": (c_int, [c_void_p, c_char_p, c_uint32, P(c_uint32)]),
+    "kvferry_get_tier_stats": (c_int, [c_void_p, P(TierStats), c_uint32, P(c_uint32)]),
 }
 
 _lock = threading.Lock()

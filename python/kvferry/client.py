@@ -708,11 +708,35 @@ class Client:
 
     # ---- the store and the daemon ----
     def stats(self) -> dict:
-        """The daemon's store counters (as `kvferry stats --json`)."""
+        """The daemon's store counters (as `kvferry stats --json`): the host pool's figures at the
+        top level, and under ``"tiers"`` one dict per lower tier the daemon runs (an empty list
+        for a host-only daemon), each with ``tier`` ("disk", "remote"), ``healthy`` and ``reason``,
+        then the disk's storage figures (``capacity_bytes``, ``used_bytes``, ``blocks``,
+        ``pinned``, ``evictions``, ``io_errors``, ``checksum_failures``, ``bytes_written``,
+        ``bytes_read``) or the remote tier's cluster figures (``member``, ``peers_live``,
+        ``peers_lost``, ``blocks_out``, ``bytes_out``, ``blocks_in``, ``bytes_in``, ``errors``)."""
+        lib = L.lib()
         s = L.StoreStats()
         s.field_mask = L.STATS_F_STORE
-        _check(L.lib().kvferry_get_stats(self._handle(), ctypes.byref(s)), "stats")
-        return {f: getattr(s, f) for f in L.STATS_FIELDS}
+        _check(lib.kvferry_get_stats(self._handle(), ctypes.byref(s)), "stats")
+        out = {f: getattr(s, f) for f in L.STATS_FIELDS}
+        cap = 8
+        arr = (L.TierStats * cap)()
+        for e in arr:
+            e.field_mask = L.TIER_F_ALL
+        n = L.c_uint32(0)
+        _check(lib.kvferry_get_tier_stats(self._handle(), arr, cap, ctypes.byref(n)), "stats")
+        tiers = []
+        for e in arr[: n.value]:
+            t = {"tier": e.tier.decode(), "healthy": bool(e.healthy), "reason": e.reason.decode(errors="replace")}
+            if e.field_mask & L.TIER_F_STORAGE:
+                t.update({f: getattr(e, f) for f in L.TIER_STORAGE_FIELDS})
+            if e.field_mask & L.TIER_F_PEERS:
+                t["member"] = e.member.decode(errors="replace")
+                t.update({f: getattr(e, f) for f in L.TIER_PEER_FIELDS})
+            tiers.append(t)
+        out["tiers"] = tiers
+        return out
 
     def ls(self, region=0, limit: int = 0) -> List[dict]:
         """Stored blocks of the region's namespace (region 0: every namespace)."""

@@ -215,6 +215,7 @@ def test_stats_ls_status(client):
     client.save(r, keys(3), range(3))
     s = client.stats()
     assert s["entries"] == 3 and s["blocks_saved"] == 3 and s["clients"] >= 1
+    assert s["tiers"] == []  # a host-only daemon runs no lower tier
     rows = client.ls(r)
     assert len(rows) == 3
     assert {row["key"] for row in rows} == {kvferry.key_bytes(0, 0x1000 + i) for i in range(3)}
@@ -223,6 +224,25 @@ def test_stats_ls_status(client):
     assert any(x["name"] == "r" for x in st["regions"])
     assert any(x["name"] == "pytest" for x in st["clients"])
     assert client.ping() < 1.0
+
+
+def test_stats_name_the_disk_tier(start_daemon, tmp_path):
+    d = start_daemon(
+        f"tiers:\n  host:\n    capacity: 8MiB\n  disk:\n    path: {tmp_path}\n    capacity: 64MiB\n"
+        "    direct_io: false\n"
+    )
+    with kvferry.Client(socket=d.socket, model="m") as c:
+        r = make_region(c)
+        fill(r, range(BLOCKS), seed=12)
+        for salt in range(20):  # 20 x 16 blocks of 54 KiB (~17 MiB) through an 8 MiB pool
+            c.save(r, keys(BLOCKS, salt), range(BLOCKS))
+        s = c.stats()
+        assert s["capacity_bytes"] == 8 << 20  # the host's figures where they were
+        (disk,) = s["tiers"]
+        assert disk["tier"] == "disk" and disk["healthy"] and disk["reason"] == ""
+        assert disk["blocks"] > 0 and disk["used_bytes"] > 0 and 0 < disk["capacity_bytes"] <= 64 << 20
+        assert disk["io_errors"] == 0 and disk["checksum_failures"] == 0
+        assert "peers_live" not in disk and "member" not in disk
 
 
 def test_bad_data_op_arguments(client):

@@ -274,6 +274,76 @@ TEST_F(CAbi, StatsParamsFormMatchesTheOldOne) {
   kvferry_close(c);
 }
 
+// A host-only daemon runs no lower tier: kvferry_get_tier_stats writes no entry (and leaves the
+// caller's entries as they were); NULL arguments are refused with a message, not a crash.
+TEST_F(CAbi, TierStatsOfAHostOnlyDaemonAreEmpty) {
+  kvferry_client* c = connect_c(*d_);
+  ASSERT_NE(c, nullptr);
+  kvferry_tier_stats t[4];
+  std::memset(t, 0x5a, sizeof t);
+  for (auto& e : t) e.field_mask = KVFERRY_TIER_F_ALL_V3;
+  uint32_t n = 99;
+  ASSERT_EQ(kvferry_get_tier_stats(c, t, 4, &n), 0) << kvferry_last_error();
+  EXPECT_EQ(n, 0u);
+  for (const auto& e : t) {
+    EXPECT_EQ(e.field_mask, static_cast<uint64_t>(KVFERRY_TIER_F_ALL_V3));
+    EXPECT_EQ(e.blocks, 0x5a5a5a5a5a5a5a5aull);
+  }
+  n = 99;
+  ASSERT_EQ(kvferry_get_tier_stats(c, nullptr, 0, &n), 0) << kvferry_last_error();  // room for none
+  EXPECT_EQ(n, 0u);
+  EXPECT_EQ(kvferry_get_tier_stats(nullptr, t, 4, &n), KVFERRY_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvferry_last_error()).find("NULL"), std::string::npos) << kvferry_last_error();
+  EXPECT_EQ(kvferry_get_tier_stats(c, nullptr, 4, &n), KVFERRY_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvferry_last_error()).find("NULL"), std::string::npos) << kvferry_last_error();
+  EXPECT_EQ(kvferry_get_tier_stats(c, t, 4, nullptr), KVFERRY_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvferry_last_error()).find("NULL"), std::string::npos) << kvferry_last_error();
+  kvferry_store_stats s{};  // the host's figures stay where they were
+  s.field_mask = KVFERRY_STATS_F_ALL_V2;
+  ASSERT_EQ(kvferry_get_stats(c, &s), 0) << kvferry_last_error();
+  EXPECT_GT(s.capacity_bytes, 0u);
+  kvferry_close(c);
+}
+
+// With a disk tier: one entry named "disk", its fields by field_mask (BASIC and STORAGE, never
+// PEERS); an entry that has room for BASIC only gets BASIC only.
+TEST(CAbiTierStats, DiskTierEntryByFieldMask) {
+  const std::string dir = testing::make_temp_dir();
+  {
+    DaemonProcess d("tiers:\n  host:\n    capacity: 8MiB\n  disk:\n    path: " + dir +
+                    "\n    capacity: 64MiB\n    direct_io: false\n");
+    ASSERT_TRUE(d.ready()) << d.log();
+    kvferry_client* c = connect_c(d);
+    ASSERT_NE(c, nullptr);
+    kvferry_tier_stats t[2];
+    std::memset(t, 0x5a, sizeof t);
+    t[0].field_mask = KVFERRY_TIER_F_ALL_V3 | (uint64_t{1} << 40);  // an unknown bit is cleared
+    uint32_t n = 0;
+    ASSERT_EQ(kvferry_get_tier_stats(c, t, 2, &n), 0) << kvferry_last_error();
+    ASSERT_EQ(n, 1u);
+    EXPECT_EQ(t[0].field_mask, static_cast<uint64_t>(KVFERRY_TIER_F_BASIC | KVFERRY_TIER_F_STORAGE));
+    EXPECT_STREQ(t[0].tier, "disk");
+    EXPECT_EQ(t[0].healthy, 1);
+    EXPECT_STREQ(t[0].reason, "");
+    EXPECT_GT(t[0].capacity_bytes, 0u);  // whole slots of the 64 MiB file
+    EXPECT_LE(t[0].capacity_bytes, uint64_t{64} << 20);
+    EXPECT_LE(t[0].used_bytes, t[0].capacity_bytes);
+    EXPECT_EQ(t[0].io_errors, 0u);
+    EXPECT_EQ(t[0].peers_live, 0x5a5a5a5a5a5a5a5aull);  // not the disk's: left as it was
+    EXPECT_EQ(t[1].blocks, 0x5a5a5a5a5a5a5a5aull);      // past *n: untouched
+    kvferry_tier_stats basic;
+    std::memset(&basic, 0x5a, sizeof basic);
+    basic.field_mask = KVFERRY_TIER_F_BASIC;  // an older caller's room
+    ASSERT_EQ(kvferry_get_tier_stats(c, &basic, 1, &n), 0) << kvferry_last_error();
+    ASSERT_EQ(n, 1u);
+    EXPECT_EQ(basic.field_mask, static_cast<uint64_t>(KVFERRY_TIER_F_BASIC));
+    EXPECT_STREQ(basic.tier, "disk");
+    EXPECT_EQ(basic.capacity_bytes, 0x5a5a5a5a5a5a5a5aull);
+    kvferry_close(c);
+  }
+  (void)!std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 // poll()/wait() used to hand a data op's completion out as a raw one: its arena part leaked and
 // its wait_op timed out. Now they hand out raw completions only.
 TEST_F(CAbi, PollAndWaitNeverTakeADataOpsCompletion) {
@@ -341,6 +411,7 @@ TEST_F(CAbi, DataOpsFromSeveralThreadsAtOnce) {
   std::atomic<int> failures{0};
   std::atomic<bool> stop{false};
   std::vector<std::thread> ts;
+  ts.reserve(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     ts.emplace_back([&, t] {
       // Thread t owns blocks [16 t, 16 t + 16) and keys salted with t.

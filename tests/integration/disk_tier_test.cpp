@@ -2,14 +2,16 @@
 // than the data, so blocks stream to disk and come back; kill -9 during saves and a restart on the
 // same slot file; a slot damaged on disk; a full disk, EIO and short I/O through the fault
 // wrapper (--test-disk-faults); the pread/pwrite engine; format conversion on a load from disk;
-// ls, /metrics and /healthz naming the tier.
+// ls, /metrics, /healthz and stats (`kvferry stats`, Client::stats_all) naming the tier.
 #include <gtest/gtest.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -449,6 +451,186 @@ TEST(DiskTierConvert, LoadFromDiskConvertsFormat) {
     EXPECT_EQ(
         std::memcmp(b.block(i), want.data() + b.spec.page_offset(0, i), static_cast<size_t>(b.spec.block_bytes())), 0)
         << "block " << i;
+}
+
+/// Runs the kvferry CLI against `d` with `args`; returns its stdout (the exit status is checked).
+std::string run_cli(const DaemonProcess& d, const std::string& args) {
+  const std::string cmd = std::string("'") + KVFERRY_CLI_PATH + "' --socket '" + d.socket() + "' " + args;
+  std::string out;
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  EXPECT_EQ(::pclose(p), 0) << cmd << "\n" << out;
+  return out;
+}
+
+/// The lines of `text` that start with `word` and a space.
+std::vector<std::string> lines_starting(const std::string& text, const std::string& word) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = std::min(text.find('\n', at), text.size());
+    const std::string line = text.substr(at, end - at);
+    if (line.rfind(word + " ", 0) == 0) out.push_back(line);
+    at = end + 1;
+  }
+  return out;
+}
+
+// Blocks pushed down to the disk show up in the stats under the disk's name: through the C++
+// client, `kvferry stats --json` (a "tiers" entry beside the host's keys) and the human output.
+TEST(DiskTierStats, StatsNameTheDiskTier) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "256MiB"));
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  Region r = create(*c, "stats", spec_of(EntryFormat::mla_fp8()));
+  for (int k = 0; k < 3; ++k) {  // 27 MiB through an 8 MiB pool: write-back demotes most of it
+    fill_bytes(r, 600 + static_cast<uint64_t>(k));
+    auto sv = c->save(r.id, keys_for(r.spec.blocks, 600 + static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+    ASSERT_TRUE(sv.ok());
+    ASSERT_EQ(sv->done, r.spec.blocks) << d.log();
+  }
+
+  auto all = c->stats_all();
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  ASSERT_EQ(all->tiers.size(), 1u);
+  const ops::TierStatsWire& t = all->tiers[0];
+  EXPECT_STREQ(t.tier, "disk");
+  EXPECT_EQ(t.flags & (ops::kTierPresent | ops::kTierHealthy | ops::kTierStorage | ops::kTierPeers),
+            ops::kTierPresent | ops::kTierHealthy | ops::kTierStorage);
+  EXPECT_GT(t.blocks, 0u);
+  EXPECT_GT(t.used_bytes, 0u);
+  EXPECT_GT(t.capacity_bytes, 0u);  // whole slots of the 256 MiB file
+  EXPECT_LE(t.capacity_bytes, uint64_t{256} << 20);
+  EXPECT_LE(t.used_bytes, t.capacity_bytes);
+  EXPECT_GT(t.bytes_written, 0u);
+  EXPECT_EQ(t.io_errors, 0u);
+  EXPECT_STREQ(t.reason, "");
+  auto host = c->stats();  // the old call: the host's figures, unchanged
+  ASSERT_TRUE(host.ok());
+  EXPECT_EQ(host->capacity_bytes, all->host.capacity_bytes);
+
+  const std::string text = run_cli(d, "stats --json");
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << text;
+  EXPECT_EQ(j.value("tier", ""), "host") << text;
+  EXPECT_EQ(j.value("capacity_bytes", uint64_t{0}), uint64_t{8} << 20) << text;
+  EXPECT_TRUE(j.contains("entries") && j.contains("blocks_saved") && j.contains("clients")) << text;
+  ASSERT_TRUE(j.contains("tiers") && j["tiers"].is_array()) << text;
+  int disks = 0;
+  for (const auto& e : j["tiers"]) {
+    EXPECT_NE(e.value("tier", ""), "remote") << text;
+    if (e.value("tier", "") != "disk") continue;
+    ++disks;
+    EXPECT_GT(e.value("blocks", uint64_t{0}), 0u) << text;
+    EXPECT_GT(e.value("used_bytes", uint64_t{0}), 0u) << text;
+    EXPECT_EQ(e.value("capacity_bytes", uint64_t{0}), t.capacity_bytes) << text;
+    EXPECT_TRUE(e.value("healthy", false)) << text;
+    EXPECT_EQ(e.value("io_errors", uint64_t{1}), 0u) << text;
+    EXPECT_FALSE(e.contains("peers_live")) << text;
+  }
+  EXPECT_EQ(disks, 1) << text;
+
+  const std::string human = run_cli(d, "stats");
+  const auto disk_lines = lines_starting(human, "disk");
+  ASSERT_EQ(disk_lines.size(), 1u) << human;
+  EXPECT_NE(disk_lines[0].find(" blocks"), std::string::npos) << human;
+  char used_of[64];
+  std::snprintf(used_of, sizeof used_of, " of %.1f MiB, ", static_cast<double>(t.capacity_bytes) / (1 << 20));
+  EXPECT_NE(disk_lines[0].find(used_of), std::string::npos) << human;
+  EXPECT_NE(disk_lines[0].find("healthy, 0 I/O errors, 0 checksum failures"), std::string::npos) << human;
+  EXPECT_NE(human.find("host pool"), std::string::npos) << human;
+}
+
+// A daemon without a disk tier names none: no entry from the client, an empty "tiers" list and
+// no disk line from the CLI.
+TEST(DiskTierStats, HostOnlyDaemonNamesNoDisk) {
+  DaemonProcess d("");
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  auto all = c->stats_all();
+  ASSERT_TRUE(all.ok()) << all.status().to_string();
+  EXPECT_TRUE(all->tiers.empty());
+  const std::string text = run_cli(d, "stats --json");
+  const auto j = nlohmann::json::parse(text, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << text;
+  EXPECT_EQ(j.value("tier", ""), "host") << text;
+  ASSERT_TRUE(j.contains("tiers") && j["tiers"].is_array()) << text;
+  EXPECT_TRUE(j["tiers"].empty()) << text;
+  const std::string human = run_cli(d, "stats");
+  EXPECT_TRUE(lines_starting(human, "disk").empty()) << human;
+  EXPECT_NE(human.find("host pool"), std::string::npos) << human;
+}
+
+// The tier entries are written only where the request's arena part has room: near the end of the
+// arena the daemon writes fewer (or none) and says so in `count`; args[1] caps them; a request
+// without kStatsTiers gets the StatsWire alone, as before. Nothing past what count says is touched.
+TEST(DiskTierStats, TierEntriesStayInsideTheArena) {
+  DiskDir dir;
+  DaemonProcess d(tier_yaml(dir.path, "8MiB", "64MiB"));
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto c = connect(d);
+  ASSERT_TRUE(c);
+  const std::span<uint8_t> arena = c->arena();
+  constexpr uint64_t kWire = sizeof(ops::StatsWire), kTier = sizeof(ops::TierStatsWire);
+  struct Case {
+    uint64_t tail;   // arena bytes from the request's offset to the arena's end
+    uint64_t flags;  // args[0]
+    uint64_t most;   // args[1]
+    uint32_t count;  // the completion's count
+  };
+  const Case cases[] = {
+      {kWire, ops::kStatsTiers, 0, 1},              // no room after the StatsWire
+      {kWire + kTier - 8, ops::kStatsTiers, 0, 1},  // not quite room for one
+      {kWire + kTier, ops::kStatsTiers, 0, 2},      // room for exactly one
+      {kWire + 3 * kTier, ops::kStatsTiers, 0, 2},  // room to spare: one disk entry
+      {kWire + 3 * kTier, ops::kStatsTiers, 1, 2},  // capped by args[1]
+      {kWire + 3 * kTier, 0, 0, 1},                 // the old request: the StatsWire alone
+  };
+  uint64_t id = 1000;
+  for (const Case& k : cases) {
+    const uint64_t off = arena.size() - k.tail;
+    ASSERT_EQ(off % 8, 0u);
+    std::memset(arena.data() + off, 0xAB, k.tail);
+    ring::SubmitEntry e{};
+    e.id = ++id;
+    e.op = static_cast<uint16_t>(proto::Op::kStats);
+    e.arena_offset = static_cast<uint32_t>(off);
+    e.args[0] = k.flags;
+    e.args[1] = k.most;
+    ASSERT_TRUE(c->submit(e).ok());
+    ring::CompletionEntry ce{};
+    auto got = c->wait({&ce, 1}, 5'000'000);
+    ASSERT_TRUE(got.ok()) << got.status().to_string();
+    ASSERT_EQ(ce.id, e.id);
+    ASSERT_EQ(ce.status, 0) << "tail " << k.tail;
+    EXPECT_EQ(ce.count, k.count) << "tail " << k.tail << ", args " << k.flags << "/" << k.most;
+    const uint64_t written = kWire + uint64_t{ce.count - 1} * kTier;
+    if (ce.count == 2) {
+      ops::TierStatsWire t;
+      std::memcpy(&t, arena.data() + off + kWire, sizeof t);
+      EXPECT_STREQ(t.tier, "disk");
+      EXPECT_GT(t.capacity_bytes, 0u);
+      EXPECT_LE(t.capacity_bytes, uint64_t{64} << 20);
+    }
+    for (uint64_t i = off + written; i < arena.size(); ++i)
+      ASSERT_EQ(arena[i], 0xAB) << "byte " << i - off << " of the request's part, tail " << k.tail;
+  }
+  // A request whose StatsWire itself does not fit is refused, as before.
+  ring::SubmitEntry e{};
+  e.id = ++id;
+  e.op = static_cast<uint16_t>(proto::Op::kStats);
+  e.arena_offset = static_cast<uint32_t>(arena.size() - 8);
+  e.args[0] = ops::kStatsTiers;
+  ASSERT_TRUE(c->submit(e).ok());
+  ring::CompletionEntry ce{};
+  ASSERT_TRUE(c->wait({&ce, 1}, 5'000'000).ok());
+  EXPECT_EQ(ce.status, static_cast<int16_t>(ErrorCode::kOutOfRange));
 }
 
 }  // namespace

@@ -66,7 +66,14 @@ class Client {
     uint32_t done = 0;                  ///< blocks that succeeded
     std::vector<ErrorCode> blocks;      ///< one per key, in request order
     uint64_t result[5] = {};            ///< lookup: result[0] = longest hit prefix; evict: evicted
-    std::vector<uint8_t> payload;       ///< stats: a StatsWire; ls: LsEntry[count]
+    std::vector<uint8_t> payload;       ///< stats: a StatsWire (+ TierStatsWire[count - 1]); ls: LsEntry[count]
+  };
+
+  /// Every tier's figures (stats_all): the host pool's, then one entry per lower tier the daemon
+  /// runs (disk, remote; none for a host-only daemon or one that predates tier stats).
+  struct StoreStats {
+    ops::StatsWire host{};
+    std::vector<ops::TierStatsWire> tiers;
   };
 
   /// Connects, performs the handshake and maps the rings. Errors name the socket and the cause
@@ -152,8 +159,10 @@ class Client {
   Result<OpResult> unpin(uint32_t region_id, std::span<const ops::Key> keys, int64_t timeout_us = kOpTimeoutUs);
   Result<OpResult> evict(uint32_t region_id, std::span<const ops::Key> keys, uint64_t flags = 0,
                          int64_t timeout_us = kOpTimeoutUs);
-  /// The daemon's store counters.
+  /// The daemon's store counters (the host pool's).
   Result<ops::StatsWire> stats(int64_t timeout_us = kOpTimeoutUs);
+  /// The host pool's counters and every lower tier's, named by tier (one stats op).
+  Result<StoreStats> stats_all(int64_t timeout_us = kOpTimeoutUs);
   /// Stored blocks of region_id's namespace (0 = every namespace), at most `limit` (0 = what fits).
   Result<std::vector<ops::LsEntry>> ls(uint32_t region_id, uint32_t limit = 0, int64_t timeout_us = kOpTimeoutUs);
   /// Remote tier: saves the blocks here, then writes them to the peer daemon `peer` (its member

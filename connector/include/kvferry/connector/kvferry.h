@@ -51,7 +51,8 @@ extern "C" {
 #endif
 
 /* The ABI version of this header (1: the first release; 2: versions, params structs, the full
- * status list, kvferry_connection_status; 3: the remote tier's send, lookup_wait and peers). */
+ * status list, kvferry_connection_status; 3: the remote tier's send, lookup_wait and peers, and
+ * kvferry_get_tier_stats). */
 #define KVFERRY_ABI_VERSION 3
 
 /* Every status code (the daemon's ErrorCode values; wire-stable, only appended to). */
@@ -355,7 +356,7 @@ KVFERRY_API int kvferry_get_stats(kvferry_client* c, kvferry_store_stats* out);
  * NUL; KVFERRY_ERROR_OUT_OF_RANGE when cap is smaller (call again with *needed). */
 KVFERRY_API int kvferry_daemon_status_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed);
 
-/* ---- ABI 3: the remote tier (tiers.remote) ---- */
+/* ---- ABI 3: the remote tier (tiers.remote), every tier's stats ---- */
 
 /* Prefill → decode: saves block_ids[i] under keys[i] here, then writes the blocks to the peer
  * daemon whose member id is `peer` (as kvferry_peers_json lists it), so that the peer's clients
@@ -373,6 +374,33 @@ KVFERRY_API int kvferry_lookup_wait(kvferry_client* c, uint32_t region_id, const
  * NUL-terminated into buf (cap bytes). *needed = bytes with the NUL; KVFERRY_ERROR_OUT_OF_RANGE
  * when cap is smaller; KVFERRY_ERROR_UNAVAILABLE without a remote tier. */
 KVFERRY_API int kvferry_peers_json(kvferry_client* c, char* buf, uint32_t cap, uint32_t* needed);
+
+/* Every lower tier's figures, named by tier (kvferry_get_stats has the host pool's). */
+#define KVFERRY_TIER_F_BASIC (1u << 0)   /* tier, healthy, reason */
+#define KVFERRY_TIER_F_STORAGE (1u << 1) /* capacity_bytes .. bytes_read: a tier with storage (disk) */
+#define KVFERRY_TIER_F_PEERS (1u << 2)   /* member .. errors: the remote tier's cluster */
+#define KVFERRY_TIER_F_ALL_V3 0x7u
+typedef struct kvferry_tier_stats {
+  uint64_t field_mask;
+  char tier[8];    /* "disk", "remote" */
+  int32_t healthy; /* 1 while the tier works, 0 degraded (reason says why) */
+  int32_t reserved;
+  char reason[64];                                     /* "" while healthy */
+  uint64_t capacity_bytes, used_bytes, blocks, pinned; /* the tier's storage (slot sizes, not block sizes) */
+  uint64_t evictions, io_errors, checksum_failures, bytes_written, bytes_read;
+  char member[64];                 /* this daemon's member id */
+  uint64_t peers_live, peers_lost; /* other members: live or connected / unreachable or gone */
+  uint64_t blocks_out, bytes_out;  /* pushed to peers (summed over them) */
+  uint64_t blocks_in, bytes_in;    /* fetched from peers */
+  uint64_t errors;                 /* blocks that failed on a peer's account */
+} kvferry_tier_stats;
+/* One entry per lower tier the daemon runs (disk, then remote), up to `max`; *n = entries
+ * written (0 for a host-only daemon; max 0 asks nothing of the daemon). Set each entry's
+ * field_mask to the KVFERRY_TIER_F_* bits it has room for; on return it holds those the tier
+ * has: BASIC always, STORAGE for the disk, PEERS for the remote tier (fields outside it are
+ * left as they were). A NULL client or n, or a NULL out with max > 0, is
+ * KVFERRY_ERROR_INVALID_ARGUMENT. */
+KVFERRY_API int kvferry_get_tier_stats(kvferry_client* c, kvferry_tier_stats* out, uint32_t max, uint32_t* n);
 
 #ifdef __cplusplus
 }

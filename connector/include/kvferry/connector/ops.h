@@ -17,7 +17,10 @@
 //            | 0 with        | every unpinned block of the        | kNotFound, kBusy pinned/in use);
 //            | kEvictAllNs   | region's namespace (count 0);      | result[0] = blocks evicted
 //            |               | kEvictAllNs: of every namespace    |
-//   stats    | 0             | -                                  | StatsWire at arena_offset
+//   stats    | 0             | -; args[0] & kStatsTiers: the      | StatsWire at arena_offset, then
+//            |               | lower tiers too, args[1] = most    | (kStatsTiers) TierStatsWire[n];
+//            |               | TierStatsWire entries (0 = what    | count = 1 + n (1: the
+//            |               | fits in the arena)                 | StatsWire alone)
 //   ls       | region or 0   | args[0] = most entries             | LsEntry[count] at arena_offset
 //            | (0 = every    |                                    | (count = entries written)
 //            | namespace)    |                                    |
@@ -27,6 +30,10 @@
 //   peers    | 0             | args[0] = arena bytes to fill      | JSON text at arena_offset,
 //            |               |                                    | result[0] = bytes written,
 //            |               |                                    | result[1] = bytes of the whole text
+//
+// stats: the StatsWire holds the host pool's figures (unchanged since the first release); with
+// kStatsTiers one TierStatsWire per lower tier the daemon runs follows it (disk, then remote), none
+// for a host-only daemon. A daemon that predates kStatsTiers ignores the bit and answers count 1.
 //
 // lookup with args[0] & kLookupWait waits up to args[1] ms for keys that are not stored yet (a
 // peer's send landing); each key completes kOk once stored, kNotFound if still absent at the end.
@@ -51,6 +58,8 @@ inline constexpr uint64_t kEvictAllNs = 2;            ///< evict args[0]: every 
 inline constexpr uint64_t kLookupWait = 1;            ///< lookup args[0]: wait up to args[1] ms for absent keys
 inline constexpr uint64_t kMaxLookupWaitMs = 600000;  ///< the longest wait a lookup may ask for
 inline constexpr uint64_t kMaxPeerName = 255;         ///< send: the longest peer member id
+inline constexpr uint64_t kStatsTiers = 1;            ///< stats args[0]: TierStatsWire entries follow the StatsWire
+inline constexpr uint32_t kMaxTierStats = 4;          ///< the most TierStatsWire entries a client asks for
 
 /// Whether `op` carries block ids after its keys (save, load, send).
 inline constexpr bool has_block_ids(uint16_t op) { return op == 17 || op == 18 || op == 25; }
@@ -88,6 +97,42 @@ struct StatsWire {
   uint64_t pool_pinned;  ///< 1 when the pool is page-locked for DMA
 };
 static_assert(sizeof(StatsWire) % 8 == 0);
+
+/// TierStatsWire::flags bits.
+inline constexpr uint32_t kTierPresent = 1;  ///< the daemon runs this tier (always set in an answer)
+inline constexpr uint32_t kTierHealthy = 2;  ///< the tier works (clear: degraded, see `reason`)
+inline constexpr uint32_t kTierStorage = 4;  ///< capacity_bytes .. bytes_read hold the tier's storage figures
+inline constexpr uint32_t kTierPeers = 8;    ///< member .. errors hold the remote tier's cluster figures
+
+/// One lower tier in the answer of stats with kStatsTiers (counters since the daemon started).
+/// The disk tier fills the storage part, the remote tier the cluster part (its blocks live in
+/// the host pool, so it has no storage of its own); `flags` says which.
+struct TierStatsWire {
+  char tier[8];  ///< "disk", "remote", NUL-terminated
+  uint32_t flags;
+  uint32_t reserved;
+  // kTierStorage
+  uint64_t capacity_bytes;  ///< the tier's storage (slot sizes, not block sizes)
+  uint64_t used_bytes;
+  uint64_t blocks;  ///< blocks the tier holds
+  uint64_t pinned;
+  uint64_t evictions;
+  uint64_t io_errors;
+  uint64_t checksum_failures;  ///< blocks dropped because their bytes no longer matched
+  uint64_t bytes_written;
+  uint64_t bytes_read;
+  // kTierPeers
+  uint64_t peers_live;  ///< other members that are live or connected
+  uint64_t peers_lost;  ///< other members unreachable or gone
+  uint64_t blocks_out;  ///< pushed to peers, summed over them
+  uint64_t bytes_out;
+  uint64_t blocks_in;  ///< fetched from peers
+  uint64_t bytes_in;
+  uint64_t errors;  ///< blocks that failed on a peer's account
+  char member[64];  ///< this daemon's member id, NUL-terminated (truncated)
+  char reason[64];  ///< why the tier is degraded ("" while healthy; truncated)
+};
+static_assert(sizeof(TierStatsWire) == 272 && sizeof(TierStatsWire) % 8 == 0);
 
 /// One stored block as ls lists it.
 struct LsEntry {
