@@ -18,4 +18,7 @@ void add_status_command(CLI::App& app, std::function<int()>* run, const std::str
 /// Adds `kvferry stats`, `kvferry ls` and `kvferry evict` (each with --json).
 void add_store_commands(CLI::App& app, std::function<int()>* run, const std::string* socket_path);
 
+/// Adds `kvferry top [--once] [--interval S]`: a live per-tier and per-client view (q quits).
+void add_top_command(CLI::App& app, std::function<int()>* run, const std::string* socket_path);
+
 }  // namespace kvferry::cli

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   kvferry::cli::add_layout_command(app, &run);
   kvferry::cli::add_status_command(app, &run, &socket_path);
   kvferry::cli::add_store_commands(app, &run, &socket_path);
+  kvferry::cli::add_top_command(app, &run, &socket_path);
   CLI11_PARSE(app, argc, argv);
   return run ? run() : 2;
 }
