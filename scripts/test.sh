@@ -13,4 +13,7 @@ bash scripts/test-python.sh --no-build
 # ThreadSanitizer (CPU-only builds in build-asan/ and build-tsan/), then clang-tidy over the
 # C++ files that changed.
 bash scripts/test-sanitizers.sh
+# The Debian package from the build above: its contents, then (as root with dpkg) dpkg -i, the
+# user, directories, units and config, dpkg -r and dpkg --purge leaving nothing behind.
+bash scripts/test-package.sh
 bash scripts/tidy.sh
