@@ -395,6 +395,9 @@ void daemon_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& 
     std::vector<int64_t> bids(n);
     for (uint64_t i = 0; i < n; ++i) bids[i] = int64_t(i);
     std::vector<double> load_bw, send_bw, get_base, put_base;
+    // Each size starts from empty pools (an earlier size's blocks would be evicted under this one's).
+    (void)ca->evict(0, {}, ops::kEvictAllNs);
+    (void)cb->evict(0, {}, ops::kEvictAllNs);
     const auto keys = keys_owned_by(ids, 0, n, size);
     if (!all_done(ca->save(*ra, keys, bids), n, "save on A", rc)) return;
     for (int r = 0; r < rounds; ++r) {
@@ -409,7 +412,7 @@ void daemon_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& 
       const double ss = std::chrono::duration<double>(Clock::now() - t0).count();
       send_bw.push_back(all_done(sd, n, "send A -> B", rc) ? double(n * size) / ss : 0);
       (void)ca->evict(*ra, sk, 0);
-      (void)cb->evict(*rb, {}, ops::kEvictAll);
+      (void)cb->evict(*rb, sk, 0);
       auto g = perftest("tcp", "ucp_get", size, n);
       auto pp = perftest("tcp", "ucp_put_bw", size, n);
       get_base.push_back(g.empty() ? 0 : g[5] * 1048576.0);

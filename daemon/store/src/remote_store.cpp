@@ -7,7 +7,9 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <future>
 #include <map>
+#include <optional>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -29,6 +31,27 @@ using std::chrono::milliseconds;
 
 /// Blocks per control call: a reserve reply of 4096 entries is 72 KiB, well under wire::kMaxBody.
 constexpr size_t kBatch = 4096;
+/// Bytes per one-sided get whose blocks are then checked while the next is on the wire.
+constexpr uint64_t kPieceBytes = uint64_t{32} << 20;
+
+/// fn(i) for i in [0, n) on up to `threads` threads (the caller's included) when the items hold
+/// at least 16 MiB; else on the caller.
+template <class F>
+void parallel_items(size_t n, uint64_t bytes_per_item, unsigned threads, F&& fn) {
+  const size_t t = n * bytes_per_item < (uint64_t{16} << 20) ? 1 : std::min<size_t>(threads, n);
+  if (t <= 1) {
+    for (size_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  };
+  std::vector<std::future<void>> f;
+  for (size_t k = 1; k < t; ++k) f.push_back(std::async(std::launch::async, work));
+  work();
+  for (auto& x : f) x.get();
+}
 
 Status split_host_port(const std::string& hp, std::string* host, uint16_t* port) {
   const size_t colon = hp.rfind(':');
@@ -329,19 +352,27 @@ struct RemoteStore::Impl {
     KVFERRY_ASSIGN_OR_RETURN(auto q, wire::CommitRequest::decode(body));
     wire::CommitReply rep;
     rep.codes.resize(q.items.size(), ErrorCode::kOk);
-    uint64_t committed = 0;
-    for (size_t i = 0; i < q.items.size(); ++i) {
-      Pending p;
-      {
-        std::lock_guard g(res_mu);
+    std::vector<std::optional<Pending>> ps(q.items.size());
+    uint64_t bytes = 0;
+    {
+      std::lock_guard g(res_mu);
+      for (size_t i = 0; i < q.items.size(); ++i) {
         auto it = pending.find(q.items[i].reservation);
         if (it == pending.end() || it->second.peer != peer.name) {
           rep.codes[i] = ErrorCode::kNotFound;  // expired (and dropped) or never this peer's
           continue;
         }
-        p = it->second;
+        ps[i] = it->second;
+        bytes += it->second.r.bytes;
         pending.erase(it);
       }
+    }
+    // Each landed block is hashed before it is indexed: on a few threads for a large batch, so
+    // the progress thread (which the peer's next puts need) is held as briefly as possible.
+    std::atomic<uint64_t> committed{0};
+    parallel_items(q.items.size(), q.items.empty() ? 0 : bytes / q.items.size(), 8, [&](size_t i) {
+      if (!ps[i]) return;
+      const Pending& p = *ps[i];
       if (!q.items[i].done) {
         index.abort(p.r);
         rep.codes[i] = ErrorCode::kCancelled;
@@ -353,13 +384,13 @@ struct RemoteStore::Impl {
       } else {
         index.commit(p.r, q.items[i].checksum);
         served_blocks_in->add();
-        ++committed;
+        committed.fetch_add(1);
       }
       index.release_namespace(p.ns);
-    }
-    if (committed) {
+    });
+    if (committed.load()) {
       std::lock_guard g(commit_mu);
-      commits += committed;
+      commits += committed.load();
       commit_cv.notify_all();
     }
     return rep.encode();
@@ -588,29 +619,54 @@ struct RemoteStore::Impl {
         of.push_back(k);
       }
       if (copies.empty()) continue;
-      auto sts = transport->get(*ep, copies, left_until(deadline));
+      // Got in pieces of about kPieceBytes: each piece is checked (XXH3 against the owner's) and
+      // committed on a thread of its own while the next piece is on the wire.
+      const uint64_t per_piece = std::max<uint64_t>(1, kPieceBytes / std::max<uint64_t>(copies.front().bytes, 1));
+      std::vector<std::future<void>> checks;
+      std::atomic<uint64_t> ok_blocks{0}, ok_bytes{0}, bad{0};
       Status lost;
-      for (size_t j = 0; j < copies.size(); ++j) {
-        const size_t i = idx[of[j]];
-        const auto& e = lr->entries[of[j] - a];
-        if (j >= sts.size() || !sts[j].ok()) {
-          index.abort(res[j]);
-          lost = j < sts.size() ? sts[j] : Status(ErrorCode::kInternal, "get returned too few statuses");
-          out[i] = lost.with_context("reading from " + peer);
-          ++errors;
-        } else if (block_checksum(res[j].data, e.bytes) != e.checksum) {
-          // The owner dropped or reused the slot while it was read: a miss, never these bytes.
-          index.abort(res[j]);
-          torn_reads->add();
-          out[i] =
-              Status(ErrorCode::kNotFound, "block " + keys[i].hex() + " changed on " + peer + " while it was read");
-        } else {
-          index.commit(res[j], e.checksum);
-          out[i] = Status::Ok();
-          ++moved;
-          moved_bytes += e.bytes;
-        }
+      size_t c0 = 0;
+      for (; c0 < copies.size() && lost.ok(); c0 += per_piece) {
+        const size_t c1 = std::min<size_t>(copies.size(), c0 + per_piece);
+        auto sts = transport->get(*ep, std::span<const RemoteCopy>(copies).subspan(c0, c1 - c0), left_until(deadline));
+        for (size_t j = c0; j < c1; ++j)
+          if (j - c0 >= sts.size() || !sts[j - c0].ok()) {
+            lost = j - c0 < sts.size() ? sts[j - c0] : Status(ErrorCode::kInternal, "get returned too few statuses");
+            break;
+          }
+        checks.push_back(std::async(std::launch::async, [&, c0, c1, sts = std::move(sts)] {
+          for (size_t j = c0; j < c1; ++j) {
+            const size_t i = idx[of[j]];
+            const auto& e = lr->entries[of[j] - a];
+            if (j - c0 >= sts.size() || !sts[j - c0].ok()) {
+              index.abort(res[j]);
+              out[i] = (j - c0 < sts.size() ? sts[j - c0] : Status(ErrorCode::kInternal, "get returned too few"))
+                           .with_context("reading from " + peer);
+              bad.fetch_add(1);
+            } else if (block_checksum(res[j].data, e.bytes) != e.checksum) {
+              // The owner dropped or reused the slot while it was read: a miss, never these bytes.
+              index.abort(res[j]);
+              torn_reads->add();
+              out[i] =
+                  Status(ErrorCode::kNotFound, "block " + keys[i].hex() + " changed on " + peer + " while it was read");
+            } else {
+              index.commit(res[j], e.checksum);
+              out[i] = Status::Ok();
+              ok_blocks.fetch_add(1);
+              ok_bytes.fetch_add(e.bytes);
+            }
+          }
+        }));
       }
+      for (size_t j = c0; j < copies.size(); ++j) {  // not asked for: the peer was lost before
+        index.abort(res[j]);
+        out[idx[of[j]]] = lost.with_context("reading from " + peer);
+        bad.fetch_add(1);
+      }
+      for (auto& f : checks) f.get();
+      moved += ok_blocks.load();
+      moved_bytes += ok_bytes.load();
+      errors += bad.load();
       if (!lost.ok()) {
         failed(peer, *ep, lost);
         if (peer_failure(lost.code())) {
