@@ -2,7 +2,9 @@
 # Run on a GPU machine, from the repository root: configures for the local GPU, builds what the
 # machine can build, runs the gpu-labelled tests (then unit and integration), and every
 # benchmark suite, writing logs and JSON to OUTDIR.
-#   bash scripts/gpu-check.sh OUTDIR [--quick] [--only SUITE[,SUITE]] [--tests REGEX] [--pack]
+#   bash scripts/gpu-check.sh OUTDIR [--quick] [--only SUITE[,SUITE]] [--tests REGEX] [--pack] [--bench-only]
+# --bench-only builds kvferryd and kvferry-bench only and runs no test (a second call on a warm
+#   machine, or one that only measures).
 # --tests REGEX selects tests by name (ctest -R over GoogleTest names such as
 #   "Shapes/DecodePagedGpu.X/y"), not by target. --pack leaves OUTDIR/gpu-check.log and one
 #   OUTDIR/logs.tar.gz instead of a file per log (for transports that limit the file count).
@@ -16,12 +18,14 @@ QUICK=""
 ONLY=""
 TESTS=""
 PACK=""
+BENCH_ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK="--quick" ;;
     --only) ONLY="$2"; shift ;;
     --tests) TESTS="$2"; shift ;;
     --pack) PACK=1 ;;
+    --bench-only) BENCH_ONLY=1 ;;
     *) echo "gpu-check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -63,14 +67,18 @@ cmake -S . -B $BUILD $GEN -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=
   -DKVFERRY_WITH_CUDA=ON >"$OUTDIR/configure.log" 2>&1 || { cat "$OUTDIR/configure.log"; exit 1; }
 grep -A8 "kvferry .* configuration" "$OUTDIR/configure.log"
 stamp "building"
-if ! cmake --build $BUILD -j "$(nproc)" >"$OUTDIR/build.log" 2>&1; then
+TARGETS=""
+[ -n "$BENCH_ONLY" ] && TARGETS="--target kvferryd kvferry_bench"
+if ! cmake --build $BUILD -j "$(nproc)" $TARGETS >"$OUTDIR/build.log" 2>&1; then
   grep -E "error|Error" "$OUTDIR/build.log" | head -60
   stamp "BUILD FAILED"
   exit 1
 fi
 stamp "built"
 rc=0
-if [ -n "$TESTS" ]; then
+if [ -n "$BENCH_ONLY" ]; then
+  stamp "no tests (--bench-only)"
+elif [ -n "$TESTS" ]; then
   ctest --test-dir $BUILD -R "$TESTS" --output-on-failure --timeout 300 >"$OUTDIR/ctest-selected.log" 2>&1 || rc=1
   tail -40 "$OUTDIR/ctest-selected.log"
 else
@@ -84,7 +92,7 @@ fi
 # The Python package on this machine's CUDA backend (torch views, save/load), when python3 is
 # there. Test-only wheels it lacks can be carried in .dev/whl (pytest and its dependencies, numpy);
 # plugins of the machine's own Python (pytest-timeout there wants another pytest) are not loaded.
-if [ -z "$TESTS" ] && command -v python3 >/dev/null; then
+if [ -z "$TESTS" ] && [ -z "$BENCH_ONLY" ] && command -v python3 >/dev/null; then
   stamp "python package tests"
   PYDEPS=/tmp/kvferry-pydeps
   if ls .dev/whl/*.whl >/dev/null 2>&1; then
@@ -98,9 +106,14 @@ if [ -z "$TESTS" ] && command -v python3 >/dev/null; then
 fi
 SUITES=$($BUILD/bin/kvferry-bench --list 2>/dev/null)
 [ -n "$ONLY" ] && SUITES=$(echo "$ONLY" | tr , ' ')
+# KVFERRY_BENCH_ARGS_<suite> (e.g. KVFERRY_BENCH_ARGS_disk="--daemon-only") are passed after --,
+# KVFERRY_BENCH_TIMEOUT bounds each suite (default 240 s).
 for s in $SUITES; do
   stamp "bench $s"
-  timeout 240 $BUILD/bin/kvferry-bench "$s" $QUICK --json "$OUTDIR/bench-$s.json" >"$OUTDIR/bench-$s.log" 2>&1 || {
+  ARGS_VAR="KVFERRY_BENCH_ARGS_$s"
+  EXTRA=${!ARGS_VAR:-}
+  timeout "${KVFERRY_BENCH_TIMEOUT:-240}" $BUILD/bin/kvferry-bench "$s" $QUICK --json "$OUTDIR/bench-$s.json" \
+    ${EXTRA:+-- $EXTRA} >"$OUTDIR/bench-$s.log" 2>&1 || {
     echo "bench $s exited $?"; rc=1; }
   sed -n '/^== kvferry-bench/,$p' "$OUTDIR/bench-$s.log"
 done
