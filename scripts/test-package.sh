@@ -53,7 +53,7 @@ for f in usr/bin/kvferryd usr/bin/kvferry usr/bin/kvferry-demo usr/bin/kvferry-b
   LC_ALL=C readelf -S "$X/deb/$f" | grep -q '\.debug_info' && fail "/$f still carries debug info"
   id=$(build_id "$X/deb/$f")
   dbg="$X/dbg/usr/lib/debug/.build-id/${id:0:2}/${id:2}.debug"
-  [ -n "$id" ] && [ -f "$dbg" ] || fail "no debug symbols for /$f (build id '$id') in kvferry-dbgsym"
+  if [ -z "$id" ] || [ ! -f "$dbg" ]; then fail "no debug symbols for /$f (build id '$id') in kvferry-dbgsym"; fi
   LC_ALL=C readelf -S "$dbg" 2>/dev/null | grep -q '\.debug_info' || fail "$dbg has no .debug_info"
 done
 debug_files=$(cd "$X/dbg" && find . -name '*.debug' | sed 's|^\.||')
@@ -72,8 +72,7 @@ getent group kvferry >/dev/null && fail "a group kvferry exists already; this te
 
 # dpkg waits for no one: retry while another dpkg/apt holds the lock.
 dpkg_do() {
-  local i
-  for i in $(seq 1 30); do
+  for _ in $(seq 1 30); do
     if dpkg "$@" </dev/null >"$X/dpkg.log" 2>&1; then return 0; fi
     grep -q "lock" "$X/dpkg.log" || {
       cat "$X/dpkg.log"
