@@ -238,6 +238,11 @@ Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(const config::Confi
                                             std::to_string(o.secret.size()) +
                                             " bytes; a shared key needs at least 16 (e.g. openssl rand -hex 32)");
   }
+  if (rc.transport.find("tcp") == std::string::npos)
+    spdlog::warn("remote tier: tiers.remote.transport '{}' has no tcp: peers are reached by address, and UCX 1.13 "
+                 "refuses its shared-memory transports on endpoints with peer error handling, so connections may "
+                 "fail (\"Destination is unreachable\"); add tcp",
+                 rc.transport);
   auto r = store::RemoteStore::create(o, index, metrics);
   if (!r.ok()) return r.status().with_context("tiers.remote");
   spdlog::info("remote tier: member '{}' on port {} ({} membership{}, UCX_TLS={}, {})", (*r)->id(), (*r)->port(),
@@ -748,7 +753,7 @@ struct DataOps::Impl {
   template <size_t N>
   static void put_str(char (&dst)[N], std::string_view v) {
     const size_t n = std::min(v.size(), N - 1);
-    std::memcpy(dst, v.data(), n);
+    if (n) std::memcpy(dst, v.data(), n);  // an empty view's data() may be null
     dst[n] = '\0';
   }
 
@@ -946,6 +951,24 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
     impl->remote_timeout = cfg.remote.timeout;
     impl->remote_lookup_timeout = cfg.remote.lookup_timeout;
     impl->remote_workers = std::make_unique<WorkerPool>(2);
+    store::RemoteStore* rs = impl->remote.get();
+    impl->metrics.gauge_fn("kvferry_tier_healthy", "1 while a lower tier works, 0 once degraded (an I/O error)",
+                           "tier=\"remote\"", [rs] { return rs->health().ok() ? 1.0 : 0.0; });
+    for (const char* state : {"live", "lost"}) {
+      const bool lost = state[1] == 'o';
+      impl->metrics.gauge_fn("kvferry_remote_peers",
+                             "Members of the remote tier's cluster other than this daemon: live, or lost (left the "
+                             "cluster or unreachable)",
+                             std::string("tier=\"remote\",state=\"") + state + "\"", [rs, lost] {
+                               uint64_t n = 0;
+                               for (const auto& p : rs->peers()) {
+                                 if (p.state == "self") continue;
+                                 const bool gone = p.state == "left" || p.state.rfind("unreachable", 0) == 0;
+                                 n += gone == lost;
+                               }
+                               return static_cast<double>(n);
+                             });
+    }
   }
 
   Impl& d = *impl;
