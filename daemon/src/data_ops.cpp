@@ -239,10 +239,11 @@ Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(const config::Confi
                                             " bytes; a shared key needs at least 16 (e.g. openssl rand -hex 32)");
   }
   if (rc.transport.find("tcp") == std::string::npos)
-    spdlog::warn("remote tier: tiers.remote.transport '{}' has no tcp: peers are reached by address, and UCX 1.13 "
-                 "refuses its shared-memory transports on endpoints with peer error handling, so connections may "
-                 "fail (\"Destination is unreachable\"); add tcp",
-                 rc.transport);
+    spdlog::warn(
+        "remote tier: tiers.remote.transport '{}' has no tcp: peers are reached by address, and UCX 1.13 "
+        "refuses its shared-memory transports on endpoints with peer error handling, so connections may "
+        "fail (\"Destination is unreachable\"); add tcp",
+        rc.transport);
   auto r = store::RemoteStore::create(o, index, metrics);
   if (!r.ok()) return r.status().with_context("tiers.remote");
   spdlog::info("remote tier: member '{}' on port {} ({} membership{}, UCX_TLS={}, {})", (*r)->id(), (*r)->port(),
