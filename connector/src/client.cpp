@@ -489,7 +489,7 @@ Result<uint32_t> Client::arena_alloc(uint64_t bytes) {
 
 Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
                                      std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes,
-                                     uint64_t arg1, std::span<const uint8_t> tail) {
+                                     uint64_t arg1, std::span<const uint8_t> tail, uint64_t arg2) {
   if (ops::has_block_ids(op) && block_ids.size() != keys.size())
     return Status(ErrorCode::kInvalidArgument,
                   std::to_string(keys.size()) + " keys but " + std::to_string(block_ids.size()) + " block ids");
@@ -512,6 +512,7 @@ Result<uint64_t> Client::submit_keys(uint16_t op, uint32_t region_id, std::span<
   e.arena_offset = *off;
   e.args[0] = arg0;
   e.args[1] = arg1;
+  e.args[2] = arg2;
   // Filed before the push (ops_mu_ held), so the completion always finds its op.
   pending_[e.id] = Pending{*off, static_cast<uint32_t>(bytes)};
   if (Status st = submit(e); !st.ok()) {
@@ -682,17 +683,34 @@ Result<std::vector<ops::LsEntry>> Client::ls(uint32_t region_id, uint32_t limit,
 }
 
 Result<uint64_t> Client::submit_send(uint32_t region_id, std::span<const ops::Key> keys,
-                                     std::span<const int64_t> block_ids, const std::string& peer) {
+                                     std::span<const int64_t> block_ids, const std::string& peer, uint32_t peer_region,
+                                     std::span<const int64_t> peer_block_ids) {
   if (peer.empty() || peer.size() > ops::kMaxPeerName)
     return Status(ErrorCode::kInvalidArgument, "a peer's member id has 1 to " + std::to_string(ops::kMaxPeerName) +
                                                    " characters, not " + std::to_string(peer.size()));
-  return submit_keys(static_cast<uint16_t>(proto::Op::kSend), region_id, keys, block_ids, 0, 0, peer.size(),
-                     {reinterpret_cast<const uint8_t*>(peer.data()), peer.size()});
+  if (peer_region != 0 && peer_block_ids.size() != keys.size())
+    return Status(ErrorCode::kInvalidArgument, std::to_string(keys.size()) + " keys but " +
+                                                   std::to_string(peer_block_ids.size()) + " of the peer's block ids");
+  // The tail: the peer's member id, then (8-aligned) the peer's block ids.
+  std::vector<uint8_t> tail((peer.size() + 7) / 8 * 8 + (peer_region ? peer_block_ids.size() * sizeof(int64_t) : 0));
+  std::memcpy(tail.data(), peer.data(), peer.size());
+  if (peer_region && !peer_block_ids.empty())
+    std::memcpy(tail.data() + (peer.size() + 7) / 8 * 8, peer_block_ids.data(),
+                peer_block_ids.size() * sizeof(int64_t));
+  return submit_keys(static_cast<uint16_t>(proto::Op::kSend), region_id, keys, block_ids, 0, 0, peer.size(), tail,
+                     peer_region);
 }
 
 Result<Client::OpResult> Client::send(uint32_t r, std::span<const ops::Key> k, std::span<const int64_t> b,
                                       const std::string& peer, int64_t t) {
   return submit_and_wait(*this, t, [&] { return submit_send(r, k, b, peer); });
+}
+
+Result<Client::OpResult> Client::send_into(uint32_t r, std::span<const ops::Key> k, std::span<const int64_t> b,
+                                           const std::string& peer, uint32_t peer_region,
+                                           std::span<const int64_t> peer_block_ids, int64_t t) {
+  if (peer_region == 0) return Status(ErrorCode::kInvalidArgument, "send_into needs the peer's region id");
+  return submit_and_wait(*this, t, [&] { return submit_send(r, k, b, peer, peer_region, peer_block_ids); });
 }
 
 Result<Client::OpResult> Client::lookup_wait(uint32_t r, std::span<const ops::Key> k, uint32_t wait_ms, int64_t t) {

@@ -680,6 +680,20 @@ int kvferry_send(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
   });
 }
 
+int kvferry_send_into(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
+                      uint32_t n, const char* peer, uint32_t peer_region, const int64_t* peer_block_ids,
+                      int16_t* statuses, uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && peer && ((keys && block_ids && peer_block_ids) || n == 0),
+                    "client, peer, keys, block_ids or peer_block_ids is NULL");
+    KVFERRY_C_CHECK(peer_region != 0, "peer_region is 0 (use kvferry_send for the peer's pool only)");
+    auto r = c->c->send_into(region_id, key_span(keys, n), {block_ids, n}, peer, peer_region, {peer_block_ids, n});
+    if (r.ok() && r->status == ErrorCode::kUnavailable && r->blocks.empty())
+      return fail(Status(ErrorCode::kUnavailable, "the daemon has no remote tier (tiers.remote.listen is not set)"));
+    return op_out(r, statuses, n, done, nullptr);
+  });
+}
+
 int kvferry_lookup_wait(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, uint32_t wait_ms,
                         int16_t* statuses, uint32_t* prefix) {
   return guard([&] {

@@ -1231,6 +1231,18 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
       const bool reach = c.admin || it->second.owner.empty() || it->second.owner == c.owner;
       return reach ? it->second.region : nullptr;
     };
+    // A peer's send lands in a region only as a client of the blocks' tenant would reach it.
+    o.find_region_for_tenant = [d](const std::string& tenant, uint32_t id) -> std::shared_ptr<Region> {
+      // The owner a client of `tenant` has (identify): the tenant itself, "uid:N" for a
+      // per-uid tenant ("uid:N/claimed" included), the admins' owner for the empty one.
+      std::string owner = tenant.empty() ? kAdminOwner : tenant;
+      if (owner.rfind("uid:", 0) == 0) owner = owner.substr(0, owner.find('/'));
+      std::lock_guard<std::mutex> g(d->mu);
+      auto it = d->regions.find(id);
+      if (it == d->regions.end()) return nullptr;
+      const bool reach = it->second.owner.empty() || it->second.owner == owner;
+      return reach ? it->second.region : nullptr;
+    };
     o.clients = [d]() -> uint64_t {
       std::lock_guard<std::mutex> g(d->mu);
       uint64_t n = 0;

@@ -144,7 +144,9 @@ struct Transfer {
   bool load = false;
   bool send = false;  // a save whose blocks then go to `peer` (prefill → decode)
   std::string peer;
-  uint64_t bytes = 0;  // counted against the tenant's in-flight quota until the completion
+  uint32_t peer_region = 0;       // send: land the blocks in this region of the peer (0 = its pool only)
+  std::vector<int64_t> peer_ids;  // ... at these blocks, one per key
+  uint64_t bytes = 0;             // counted against the tenant's in-flight quota until the completion
   Clock::time_point t0, deadline;
   size_t next = 0;  // blocks done
   std::vector<ErrorCode> codes;
@@ -197,8 +199,11 @@ Result<std::unique_ptr<store::Tier>> open_disk_tier(const config::Config& cfg, c
 
 /// Starts the remote tier of tiers.remote: reads the secret, starts the transport and joins the
 /// cluster (etcd or the static peers).
-Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(const config::Config& cfg, store::BlockIndex& index,
-                                                             store::Registry& metrics) {
+Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(
+    const config::Config& cfg, store::BlockIndex& index, store::Registry& metrics,
+    std::function<std::vector<Status>(store::NamespaceId, const std::string&, uint32_t,
+                                      std::span<const store::BlockKey>, std::span<const int64_t>)>
+        on_land) {
   const config::RemoteTierConfig& rc = cfg.remote;
   if (!rc.peers.empty() && !rc.etcd.empty())
     return Status(ErrorCode::kConfig,
@@ -222,6 +227,7 @@ Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(const config::Confi
   o.replicas = rc.replicas;
   o.timeout = rc.timeout;
   o.lookup_timeout = rc.lookup_timeout;
+  o.on_land = std::move(on_land);
   o.log = [](const std::string& line) { spdlog::warn("remote tier: {}", line); };
   o.info = [](const std::string& line) { spdlog::info("remote tier: {}", line); };
   if (!rc.secret_file.empty()) {
@@ -395,6 +401,12 @@ struct DataOps::Impl {
       if (!peer) return set_status(out, ErrorCode::kInvalidArgument), true;
       t->send = true;
       t->peer = std::move(*peer);
+      if (req.args[2] != 0) {
+        auto ids = peer_block_ids(c, req);
+        if (!ids) return set_status(out, ErrorCode::kInvalidArgument), true;
+        t->peer_region = static_cast<uint32_t>(req.args[2]);
+        t->peer_ids = std::move(*ids);
+      }
     }
     if (!namespace_of(c, *region, out, &t->ns)) return true;
     t->bytes = uint64_t{req.count} * static_cast<uint64_t>(region->desc().spec.block_bytes());
@@ -481,6 +493,29 @@ struct DataOps::Impl {
     return name;
   }
 
+  /// Send into a peer's region: its block ids, int64[count] after the peer's name (8-aligned).
+  static std::optional<std::vector<int64_t>> peer_block_ids(const ClientChannel& c, const ring::SubmitEntry& req) {
+    if (req.args[2] > UINT32_MAX) return std::nullopt;
+    const uint64_t off = uint64_t{req.arena_offset} + ops::request_bytes(req.op, req.count) + (req.args[1] + 7) / 8 * 8;
+    const uint64_t bytes = uint64_t{req.count} * sizeof(int64_t);
+    if (off + bytes > c.ch.arena_bytes) return std::nullopt;
+    std::vector<int64_t> ids(req.count);
+    if (bytes) std::memcpy(ids.data(), c.ch.arena + off, bytes);
+    return ids;
+  }
+
+  /// A peer's send landing in one of this daemon's regions (RemoteStoreOptions::on_land).
+  std::vector<Status> land(store::NamespaceId ns, const std::string& tenant, uint32_t region_id,
+                           std::span<const store::BlockKey> keys, std::span<const int64_t> ids) {
+    auto region = opts.find_region_for_tenant ? opts.find_region_for_tenant(tenant, region_id) : nullptr;
+    if (!region)
+      return std::vector<Status>(
+          keys.size(), Status(ErrorCode::kNotFound,
+                              "no region " + std::to_string(region_id) + " of tenant '" + tenant + "' on this daemon"));
+    const store::RegionAccess acc{region->base(), region->desc().spec, region->on_device()};
+    return tiers->load(acc, ns, keys, ids, Clock::now() + remote_timeout);
+  }
+
   /// A load's host and disk misses are asked of their owners; the ones fetched (now on the
   /// host) are loaded. A remote miss stays a miss; a peer's failure is that block's error.
   void fetch_missing(const Transfer& t, const store::RegionAccess& acc, std::span<const store::BlockKey> keys,
@@ -521,9 +556,15 @@ struct DataOps::Impl {
     const auto name = index->namespace_name(t.ns);
     if (saved.empty() || !name) return;
     std::vector<store::BlockKey> sk;
+    std::vector<int64_t> land_ids;
     sk.reserve(saved.size());
-    for (size_t i : saved) sk.push_back(keys[i]);
-    const auto st = remote->push(t.ns, *name, sk, std::min(t.deadline, Clock::now() + remote_timeout), t.peer);
+    for (size_t i : saved) {
+      sk.push_back(keys[i]);
+      if (t.peer_region) land_ids.push_back(t.peer_ids[t.next + i]);
+    }
+    const auto deadline = std::min(t.deadline, Clock::now() + remote_timeout);
+    const auto st = t.peer_region ? remote->push_into(t.ns, *name, sk, deadline, t.peer, t.peer_region, land_ids)
+                                  : remote->push(t.ns, *name, sk, deadline, t.peer);
     uint64_t failed = 0;
     const Status* first = nullptr;
     for (size_t j = 0; j < saved.size(); ++j) {
@@ -946,7 +987,11 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   to.trust_lower_reads = impl->opts.test_disk_faults.empty();
   impl->tiers = std::make_unique<store::TieredStore>(*impl->index, *impl->svc, impl->metrics, std::move(disk), to);
   if (!cfg.remote.listen.empty()) {
-    auto r = open_remote_tier(cfg, *impl->index, impl->metrics);
+    Impl* ip = impl.get();
+    auto r = open_remote_tier(
+        cfg, *impl->index, impl->metrics,
+        [ip](store::NamespaceId ns, const std::string& tenant, uint32_t region, std::span<const store::BlockKey> keys,
+             std::span<const int64_t> ids) { return ip->land(ns, tenant, region, keys, ids); });
     if (!r.ok()) return r.status();
     impl->remote = std::move(*r);
     impl->remote_timeout = cfg.remote.timeout;

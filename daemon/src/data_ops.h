@@ -36,6 +36,9 @@ class DataOps {
     /// Resolves a region id for a client: nullptr when there is none or the client may not
     /// reach it (another tenant's).
     std::function<std::shared_ptr<Region>(const ClientChannel&, uint32_t)> find_region;
+    /// The region `id` as a client of `tenant` would reach it (a peer's send landing in it): its
+    /// owner's, or a shared one; nullptr otherwise.
+    std::function<std::shared_ptr<Region>(const std::string& tenant, uint32_t)> find_region_for_tenant;
     /// Connected clients (for the metrics).
     std::function<uint64_t()> clients;
   };

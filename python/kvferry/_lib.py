@@ -224,6 +224,10 @@ _PROTOS = {
     "kvferry_debug_read": (c_int, [c_void_p, c_uint32, c_uint64, c_void_p, c_uint32]),
     "kvferry_daemon_status_json": (c_int, [c_void_p, c_char_p, c_uint32, P(c_uint32)]),
     "kvferry_send": (c_int, [c_void_p, c_uint32, c_void_p, c_void_p, c_uint32, c_char_p, c_void_p, P(c_uint32)]),
+    "kvferry_send_into": (
+        c_int,
+        [c_void_p, c_uint32, c_void_p, c_void_p, c_uint32, c_char_p, c_uint32, c_void_p, c_void_p, P(c_uint32)],
+    ),
     "kvferry_lookup_wait": (c_int, [c_void_p, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, P(c_uint32)]),
     "kvferry_peers_json": (c_int, [c_void_p, c_char_p, c_uint32, P(c_uint32)]),
     "kvferry_get_tier_stats": (c_int, [c_void_p, P(TierStats), c_uint32, P(c_uint32)]),

@@ -658,10 +658,13 @@ class Client:
         return r.raise_for_status() if check else r
 
     # ---- the remote tier (tiers.remote) ----
-    def send(self, region, keys, block_ids, peer: str, check: bool = True) -> OpResult:
+    def send(self, region, keys, block_ids, peer: str, check: bool = True, peer_region: int = 0,
+             peer_block_ids=None) -> OpResult:
         """Prefill → decode: saves the blocks here, then writes them to the peer daemon ``peer``
-        (its member id, as ``peers()`` lists it) so that the peer's clients find them. Raises with
-        per-block statuses unless every block reached the peer, or check=False."""
+        (its member id, as ``peers()`` lists it) so that the peer's clients find them. With
+        ``peer_region`` (the peer's region id) and ``peer_block_ids`` the blocks also land in that
+        region (the decode engine's blocks). Raises with per-block statuses unless every block
+        reached the peer, or check=False."""
         conn = self._conn_or_raise()
         k = keys_array(keys)
         b = block_ids_array(block_ids)
@@ -670,8 +673,15 @@ class Client:
             raise InvalidArgumentError(f"send: {n} keys but {len(b)} block ids")
         st = np.zeros(n, dtype=np.int16)
         done = L.c_uint32(0)
-        rc = L.lib().kvferry_send(conn.handle, self._rid(region), _ptr(k), _ptr(b), n, peer.encode(), _ptr(st),
-                                  ctypes.byref(done))
+        if peer_region:
+            pb = block_ids_array(peer_block_ids if peer_block_ids is not None else [])
+            if len(pb) != n:
+                raise InvalidArgumentError(f"send: {n} keys but {len(pb)} of the peer's block ids")
+            rc = L.lib().kvferry_send_into(conn.handle, self._rid(region), _ptr(k), _ptr(b), n, peer.encode(),
+                                           int(peer_region), _ptr(pb), _ptr(st), ctypes.byref(done))
+        else:
+            rc = L.lib().kvferry_send(conn.handle, self._rid(region), _ptr(k), _ptr(b), n, peer.encode(), _ptr(st),
+                                      ctypes.byref(done))
         if rc != 0 and done.value == 0 and not st.any():
             _check(rc, "send")
         if rc == 0 and st.any():

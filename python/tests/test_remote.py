@@ -74,6 +74,14 @@ def test_send_lands_on_the_peer_and_its_client_sees_it(pair):
         for i in range(BLOCKS):
             assert np.array_equal(dst.block_bytes_view(i), want[i]), i
 
+        # Into the decode engine's own blocks (reversed): no load on B needed.
+        land = cb.create_region("land", layers=LAYERS, blocks=BLOCKS, block_size=BS, format=FMT)
+        r2 = ca.send(src, keys, list(range(BLOCKS)), peer=ids[1], peer_region=land.id,
+                     peer_block_ids=list(reversed(range(BLOCKS))))
+        assert r2.done == BLOCKS
+        for i in range(BLOCKS):
+            assert np.array_equal(land.block_bytes_view(BLOCKS - 1 - i), want[i]), i
+
         bad = ca.send(src, keys, list(range(BLOCKS)), peer="127.0.0.1:1", check=False)
         assert bad.done == 0
         assert {STATUS_NAMES[int(s)] for s in bad.statuses} == {"not_found"}

@@ -305,6 +305,34 @@ TEST_F(CAbi, TierStatsOfAHostOnlyDaemonAreEmpty) {
   kvferry_close(c);
 }
 
+// The remote tier's calls against a daemon without one: they say so (unavailable), and bad
+// arguments are refused with a message before anything is sent.
+TEST_F(CAbi, RemoteCallsWithoutARemoteTier) {
+  kvferry_client* c = connect_c(*d_);
+  ASSERT_NE(c, nullptr);
+  uint32_t rid = 0;
+  ASSERT_EQ(kvferry_create_region(c, "remote-probe", 2, 4, 16, "mla_bf16", 0, &rid), 0) << kvferry_last_error();
+  kvferry_key keys[2] = {{1, 2}, {3, 4}};
+  int64_t ids[2] = {0, 1};
+  int16_t st[2] = {};
+  uint32_t done = 0;
+  EXPECT_EQ(kvferry_send(c, rid, keys, ids, 2, "127.0.0.1:1", st, &done), KVFERRY_ERROR_UNAVAILABLE);
+  EXPECT_NE(std::string(kvferry_last_error()).find("remote tier"), std::string::npos) << kvferry_last_error();
+  EXPECT_EQ(kvferry_send_into(c, rid, keys, ids, 2, "127.0.0.1:1", 0, ids, st, &done), KVFERRY_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvferry_last_error()).find("peer_region"), std::string::npos) << kvferry_last_error();
+  EXPECT_EQ(kvferry_send_into(c, rid, keys, ids, 2, "127.0.0.1:1", 5, nullptr, st, &done),
+            KVFERRY_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvferry_send_into(c, rid, keys, ids, 2, "127.0.0.1:1", 5, ids, st, &done), KVFERRY_ERROR_UNAVAILABLE);
+  char buf[64];
+  uint32_t need = 0;
+  EXPECT_EQ(kvferry_peers_json(c, buf, sizeof buf, &need), KVFERRY_ERROR_UNAVAILABLE);
+  uint32_t prefix = 7;
+  ASSERT_EQ(kvferry_lookup_wait(c, rid, keys, 2, 50, st, &prefix), 0) << kvferry_last_error();  // no wait: a miss
+  EXPECT_EQ(prefix, 0u);
+  EXPECT_EQ(st[0], KVFERRY_E_NOT_FOUND);
+  kvferry_close(c);
+}
+
 // With a disk tier: one entry named "disk", its fields by field_mask (BASIC and STORAGE, never
 // PEERS); an entry that has room for BASIC only gets BASIC only.
 TEST(CAbiTierStats, DiskTierEntryByFieldMask) {

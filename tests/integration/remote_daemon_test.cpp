@@ -297,6 +297,56 @@ TEST(RemoteDaemons, SendPrefillToDecode) {
   EXPECT_LT(Clock::now() - t0, 10s);
 }
 
+// Prefill → decode into the decode engine's own blocks: A's client sends blocks to B naming B's
+// region and block ids; they land there (reversed order, and converted mla_fp8 → mla_fp8_ds in a
+// second region) without B's client loading anything. A region B does not have, or block ids past
+// its end, fail per block and say so.
+TEST(RemoteDaemons, SendLandsInThePeersRegion) {
+  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port()};
+  auto pa = start(remote_yaml(ports[0], static_peers(ports)));
+  auto pb = start(remote_yaml(ports[1], static_peers(ports)));
+  ASSERT_TRUE(pa->ready() && pb->ready());
+  auto a = connect(*pa), b = connect(*pb);
+  ASSERT_TRUE(a && b);
+  constexpr int64_t n = 24;
+  Region src = create(*a, "prefill", spec_of(EntryFormat::mla_fp8(), n));
+  fill_mla(src, 13);
+  Region dst = create(*b, "decode", spec_of(EntryFormat::mla_fp8(), n));
+  std::memset(dst.base, 0, static_cast<size_t>(dst.spec.region_bytes()));
+  const auto keys = keys_for(n, 10);
+  std::vector<int64_t> theirs(n);
+  for (int64_t i = 0; i < n; ++i) theirs[size_t(i)] = n - 1 - i;
+  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  auto sd = a->send_into(src.id, keys, iota_ids(n), peer_b, dst.id, theirs);
+  ASSERT_TRUE(sd.ok()) << sd.status().to_string();
+  EXPECT_EQ(sd->done, uint64_t(n)) << pa->log() << pb->log();
+  for (int64_t i = 0; i < n; ++i)
+    EXPECT_EQ(std::memcmp(dst.block(n - 1 - i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+
+  // Into a region of another format: converted on B, as a load there would.
+  Region ds = create(*b, "decode-ds", spec_of(EntryFormat::mla_fp8_ds(), n));
+  std::vector<uint8_t> want(static_cast<size_t>(ds.spec.region_bytes()), 0);
+  ASSERT_TRUE(kernels::convert_blocks_cpu(src.base, src.spec, iota_ids(n), want.data(), ds.spec, iota_ids(n)).ok());
+  auto cv = a->send_into(src.id, keys, iota_ids(n), peer_b, ds.id, iota_ids(n));  // held on B already: lands only
+  ASSERT_TRUE(cv.ok());
+  EXPECT_EQ(cv->done, uint64_t(n)) << pb->log();
+  EXPECT_EQ(std::memcmp(ds.base, want.data(), want.size()), 0);
+
+  // No such region on B, and block ids past its end: every block fails, by name.
+  auto none = a->send_into(src.id, keys_for(n, 11), iota_ids(n), peer_b, 999, iota_ids(n));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->done, 0u);
+  EXPECT_EQ(count(none->blocks, ErrorCode::kNotFound), n);
+  std::vector<int64_t> past(n, n + 5);
+  auto oob = a->send_into(src.id, keys_for(n, 12), iota_ids(n), peer_b, dst.id, past);
+  ASSERT_TRUE(oob.ok());
+  EXPECT_EQ(oob->done, 0u);
+  for (ErrorCode e : oob->blocks) EXPECT_NE(e, ErrorCode::kOk);
+  // The region's bytes are still the first send's.
+  for (int64_t i = 0; i < n; ++i)
+    EXPECT_EQ(std::memcmp(dst.block(n - 1 - i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+}
+
 // A secret on both sides that differs: the daemons refuse each other (logged), each keeps
 // serving its own clients, and bytes of garbage on a remote listener hurt nobody.
 TEST(RemoteDaemons, WrongSecretIsRefusedAndGarbageIsHarmless) {

@@ -46,13 +46,20 @@ TEST(RemoteWire, BodiesRoundTrip) {
   ASSERT_TRUE(r2.ok());
   EXPECT_EQ(r2->entries, r.entries);
 
-  ReserveRequest rv{"ns", "mla_fp8@61x64", 1u << 20, {{3, 4}, {5, 6}}, true};
+  ReserveRequest rv{"ns", "mla_fp8@61x64", 1u << 20, {{3, 4}, {5, 6}}, true, 0, {}};
   auto rv2 = ReserveRequest::decode(rv.encode());
   ASSERT_TRUE(rv2.ok());
   EXPECT_EQ(rv2->keys, rv.keys);
   EXPECT_EQ(rv2->bytes, rv.bytes);
   EXPECT_EQ(rv2->format, rv.format);
   EXPECT_TRUE(rv2->send);
+  ReserveRequest land{"ns", "mla_fp8@61x64", 1u << 20, {{3, 4}, {5, 6}}, true, 7, {11, -1}};
+  auto land2 = ReserveRequest::decode(land.encode());
+  ASSERT_TRUE(land2.ok());
+  EXPECT_EQ(land2->land_region, 7u);
+  EXPECT_EQ(land2->land_ids, (std::vector<int64_t>{11, -1}));
+  const auto enc = land.encode();
+  EXPECT_FALSE(ReserveRequest::decode(std::span(enc).first(enc.size() - 8)).ok());  // an id short
 
   ReserveReply rr{{{ErrorCode::kOk, 8192, 77}, {ErrorCode::kAlreadyExists, 0, 0}}};
   auto rr2 = ReserveReply::decode(rr.encode());

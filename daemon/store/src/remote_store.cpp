@@ -91,6 +91,10 @@ struct RemoteStore::Impl {
     Clock::time_point expiry;
     std::string peer;  ///< who reserved it (member id)
     bool send = false;
+    uint32_t land_region = 0;  ///< a send into a region: load the block there on commit
+    int64_t land_id = -1;
+    bool held = false;  ///< the block was stored already: nothing was reserved, only the landing
+    BlockKey key;
   };
 
   RemoteStoreOptions opts;
@@ -120,7 +124,7 @@ struct RemoteStore::Impl {
   std::thread sweeper;
 
   Counter *served_lookups = nullptr, *served_blocks_in = nullptr, *torn_reads = nullptr, *refused = nullptr,
-          *commit_mismatch = nullptr;
+          *commit_mismatch = nullptr, *landing_failures = nullptr;
 
   Impl(RemoteStoreOptions o, BlockIndex& i, Registry& m) : opts(std::move(o)), index(i), metrics(m) {}
 
@@ -334,15 +338,25 @@ struct RemoteStore::Impl {
         rep.entries[i].code = ns.status().code();
         continue;
       }
+      const uint32_t land = q.land_region;
+      const int64_t land_id = land && i < q.land_ids.size() ? q.land_ids[i] : -1;
       auto r = index.reserve(NsKey{*ns, q.keys[i]}, *shape);
       if (!r.ok()) {
+        if (r.status().code() == ErrorCode::kAlreadyExists && land) {
+          // Held already: nothing to put, but the commit still lands it in the region.
+          std::lock_guard g(res_mu);
+          const uint64_t id = next_reservation++;
+          pending.emplace(id, Pending{{}, *ns, expiry, peer.name, q.send, land, land_id, true, q.keys[i]});
+          rep.entries[i] = {ErrorCode::kAlreadyExists, 0, id};
+          continue;
+        }
         index.release_namespace(*ns);
         rep.entries[i].code = r.status().code();
         continue;
       }
       std::lock_guard g(res_mu);
       const uint64_t id = next_reservation++;
-      pending.emplace(id, Pending{*r, *ns, expiry, peer.name, q.send});
+      pending.emplace(id, Pending{*r, *ns, expiry, peer.name, q.send, land, land_id, false, q.keys[i]});
       rep.entries[i] = {ErrorCode::kOk, r->slot.offset, id};
     }
     return rep.encode();
@@ -373,6 +387,10 @@ struct RemoteStore::Impl {
     parallel_items(q.items.size(), q.items.empty() ? 0 : bytes / q.items.size(), 8, [&](size_t i) {
       if (!ps[i]) return;
       const Pending& p = *ps[i];
+      if (p.held) {
+        if (!q.items[i].done) rep.codes[i] = ErrorCode::kCancelled;
+        return;  // stored already: only its landing is left
+      }
       if (!q.items[i].done) {
         index.abort(p.r);
         rep.codes[i] = ErrorCode::kCancelled;
@@ -386,14 +404,44 @@ struct RemoteStore::Impl {
         served_blocks_in->add();
         committed.fetch_add(1);
       }
-      index.release_namespace(p.ns);
     });
+    land(ps, rep);
+    for (auto& p : ps)
+      if (p) index.release_namespace(p->ns);
     if (committed.load()) {
       std::lock_guard g(commit_mu);
       commits += committed.load();
       commit_cv.notify_all();
     }
     return rep.encode();
+  }
+
+  /// Loads the committed (or already held) blocks of a send into the regions it named, one call
+  /// per namespace and region; a block that does not land gets the landing's error.
+  void land(const std::vector<std::optional<Pending>>& ps, wire::CommitReply& rep) {
+    std::map<std::pair<NamespaceId, uint32_t>, std::vector<size_t>> groups;
+    for (size_t i = 0; i < ps.size(); ++i)
+      if (ps[i] && ps[i]->land_region && rep.codes[i] == ErrorCode::kOk)
+        groups[{ps[i]->ns, ps[i]->land_region}].push_back(i);
+    for (auto& [where, items] : groups) {
+      std::vector<BlockKey> keys;
+      std::vector<int64_t> ids;
+      for (size_t i : items) {
+        keys.push_back(ps[i]->key);
+        ids.push_back(ps[i]->land_id);
+      }
+      const auto name = index.namespace_name(where.first);
+      std::vector<Status> st = opts.on_land && name
+                                   ? opts.on_land(where.first, TieredStore::tenant_of(*name), where.second, keys, ids)
+                                   : std::vector<Status>(items.size(), Status(ErrorCode::kUnsupported, "no landing"));
+      for (size_t k = 0; k < items.size(); ++k) {
+        const Status s = k < st.size() ? st[k] : Status(ErrorCode::kInternal, "landing returned too few statuses");
+        if (!s.ok()) {
+          rep.codes[items[k]] = s.code();
+          if (landing_failures) landing_failures->add();
+        }
+      }
+    }
   }
 
   /// Drops reservations whose commit never came (the peer died or gave up).
@@ -414,7 +462,7 @@ struct RemoteStore::Impl {
           }
       }
       for (auto& p : expired) {
-        index.abort(p.r);
+        if (!p.held) index.abort(p.r);
         index.release_namespace(p.ns);
       }
       if (!expired.empty() && !stopping)
@@ -434,8 +482,10 @@ struct RemoteStore::Impl {
     return out;
   }
 
+  /// `land_region` != 0: a send whose blocks land in that region of the peer, at `land_ids[i]`.
   void push_to(const std::string& peer, NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
-               const std::vector<size_t>& idx, Clock::time_point deadline, bool send, std::vector<Status>& out) {
+               const std::vector<size_t>& idx, Clock::time_point deadline, bool send, std::vector<Status>& out,
+               uint32_t land_region = 0, std::span<const int64_t> land_ids = {}) {
     auto fail = [&](size_t i, const Status& s) {
       if (out[i].ok()) out[i] = s;
     };
@@ -468,8 +518,11 @@ struct RemoteStore::Impl {
       const std::string fmt = TieredStore::record_format(holds[a].meta.shape);
       size_t b = a + 1;
       while (b < holds.size() && b - a < kBatch && holds[b].meta.shape == holds[a].meta.shape) ++b;
-      wire::ReserveRequest q{ns_name, fmt, holds[a].meta.bytes, {}, send};
-      for (size_t k = a; k < b; ++k) q.keys.push_back(holds[k].key.key);
+      wire::ReserveRequest q{ns_name, fmt, holds[a].meta.bytes, {}, send, land_region, {}};
+      for (size_t k = a; k < b; ++k) {
+        q.keys.push_back(holds[k].key.key);
+        if (land_region) q.land_ids.push_back(which[k] < land_ids.size() ? land_ids[which[k]] : -1);
+      }
       auto failed_run = [&](const Status& s) {
         for (size_t k = a; k < b; ++k) fail(which[k], s);
         errors += b - a;
@@ -494,10 +547,14 @@ struct RemoteStore::Impl {
         continue;
       }
       std::vector<RemoteCopy> copies;
-      std::vector<size_t> put_of;  // hold index per copy
+      std::vector<size_t> put_of;   // hold index per copy
+      std::vector<size_t> land_of;  // held there already, to land only
       for (size_t k = a; k < b; ++k) {
         const auto& e = rr->entries[k - a];
-        if (e.code == ErrorCode::kAlreadyExists) continue;  // the target holds it already
+        if (e.code == ErrorCode::kAlreadyExists) {  // the target holds it already
+          if (e.reservation) land_of.push_back(k);
+          continue;
+        }
         if (e.code != ErrorCode::kOk) {
           fail(which[k], Status(e.code, peer + " refused block " + holds[k].key.key.hex()));
           ++errors;
@@ -506,12 +563,14 @@ struct RemoteStore::Impl {
         copies.push_back({holds[k].slot.offset, e.offset, holds[k].meta.bytes});
         put_of.push_back(k);
       }
-      if (!copies.empty()) {
-        auto sts = transport->put(*ep, copies, left_until(deadline));
+      if (!copies.empty() || !land_of.empty()) {
+        auto sts = copies.empty() ? std::vector<Status>{} : transport->put(*ep, copies, left_until(deadline));
         wire::CommitRequest c;
         for (size_t j = 0; j < copies.size(); ++j)
           c.items.push_back(
               {rr->entries[put_of[j] - a].reservation, holds[put_of[j]].meta.checksum, j < sts.size() && sts[j].ok()});
+        for (size_t k : land_of) c.items.push_back({rr->entries[k - a].reservation, 0, true});
+        put_of.insert(put_of.end(), land_of.begin(), land_of.end());
         Status lost;
         for (size_t j = 0; j < copies.size(); ++j)
           if (j >= sts.size() || !sts[j].ok()) {
@@ -524,21 +583,22 @@ struct RemoteStore::Impl {
                                   std::max(left_until(deadline), milliseconds(100)));
         Result<wire::CommitReply> crr =
             cr.ok() ? wire::CommitReply::decode(*cr) : Result<wire::CommitReply>(cr.status());
-        if (crr.ok() && crr->codes.size() != copies.size())
+        if (crr.ok() && crr->codes.size() != c.items.size())
           crr = Status(ErrorCode::kProtocol, peer + " answered a commit with the wrong count");
-        for (size_t j = 0; j < copies.size(); ++j) {
+        for (size_t j = 0; j < c.items.size(); ++j) {
           if (!c.items[j].done) continue;
           const size_t k = put_of[j];
           if (!crr.ok()) {
             fail(which[k], crr.status().with_context("committing on " + peer));
             ++errors;
           } else if (crr->codes[j] != ErrorCode::kOk) {
-            fail(which[k], Status(crr->codes[j], peer + " did not store block " + holds[k].key.key.hex() +
+            fail(which[k], Status(crr->codes[j], peer + " did not " + (land_region ? "land" : "store") + " block " +
+                                                     holds[k].key.key.hex() +
                                                      (crr->codes[j] == ErrorCode::kChecksumMismatch
                                                           ? ": the bytes that landed did not match their checksum"
                                                           : "")));
             ++errors;
-          } else {
+          } else if (j < copies.size()) {
             ++moved;
             moved_bytes += holds[k].meta.bytes;
           }
@@ -699,7 +759,7 @@ RemoteStore::~RemoteStore() {
     d.pending.clear();
   }
   for (auto& p : left) {
-    d.index.abort(p.r);
+    if (!p.held) d.index.abort(p.r);
     d.index.release_namespace(p.ns);
   }
 }
@@ -886,6 +946,30 @@ std::vector<Status> RemoteStore::push(NamespaceId ns, const std::string& ns_name
   return out;
 }
 
+std::vector<Status> RemoteStore::push_into(NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
+                                           Clock::time_point deadline, const std::string& to, uint32_t region,
+                                           std::span<const int64_t> ids) {
+  Impl& d = *impl_;
+  if (region == 0 || ids.size() != keys.size())
+    return std::vector<Status>(keys.size(), Status(ErrorCode::kInvalidArgument,
+                                                   "a send into a region needs a region "
+                                                   "id and one block id per key"));
+  if (to == d.self_id)
+    return std::vector<Status>(keys.size(), Status(ErrorCode::kInvalidArgument,
+                                                   "a send into a region names this daemon itself (load instead)"));
+  {
+    std::lock_guard g(d.mu);
+    auto it = d.peers.find(to);
+    if (it == d.peers.end() || !it->second.live)
+      return std::vector<Status>(keys.size(), Status(ErrorCode::kNotFound, "no live peer is named '" + to + "'"));
+  }
+  std::vector<Status> out(keys.size(), Status::Ok());
+  std::vector<size_t> idx(keys.size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  d.push_to(to, ns, ns_name, keys, idx, deadline, true, out, region, ids);
+  return out;
+}
+
 std::vector<uint8_t> RemoteStore::wait_for(NamespaceId ns, std::span<const BlockKey> keys, Clock::time_point deadline) {
   Impl& d = *impl_;
   for (;;) {
@@ -959,6 +1043,10 @@ std::vector<Status> RemoteStore::fetch(NamespaceId, const std::string&, std::spa
 }
 std::vector<Status> RemoteStore::push(NamespaceId, const std::string&, std::span<const BlockKey> keys,
                                       Clock::time_point, const std::string&) {
+  return std::vector<Status>(keys.size(), Status(ErrorCode::kUnavailable, "built without UCX"));
+}
+std::vector<Status> RemoteStore::push_into(NamespaceId, const std::string&, std::span<const BlockKey> keys,
+                                           Clock::time_point, const std::string&, uint32_t, std::span<const int64_t>) {
   return std::vector<Status>(keys.size(), Status(ErrorCode::kUnavailable, "built without UCX"));
 }
 std::vector<uint8_t> RemoteStore::wait_for(NamespaceId, std::span<const BlockKey> keys, Clock::time_point) {

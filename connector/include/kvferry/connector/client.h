@@ -168,10 +168,16 @@ class Client {
   /// Remote tier: saves the blocks here, then writes them to the peer daemon `peer` (its member
   /// id, as `kvferry peers` lists it) so that the peer's clients find them (prefill → decode).
   /// Per block: kOk once stored on the peer and verified; the peer's error otherwise.
+  /// With `peer_region` (not 0) the blocks also land in that region of the peer, at
+  /// `peer_block_ids[i]` (one per key; the decode engine's blocks): kOk then means loaded there.
   Result<uint64_t> submit_send(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
-                               const std::string& peer);
+                               const std::string& peer, uint32_t peer_region = 0,
+                               std::span<const int64_t> peer_block_ids = {});
   Result<OpResult> send(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
                         const std::string& peer, int64_t timeout_us = kOpTimeoutUs);
+  Result<OpResult> send_into(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
+                             const std::string& peer, uint32_t peer_region, std::span<const int64_t> peer_block_ids,
+                             int64_t timeout_us = kOpTimeoutUs);
   /// Lookup that waits up to `wait_ms` for keys not stored yet (a peer's send landing): each key
   /// completes kOk once stored, kNotFound if still absent then. Without a remote tier it does not wait.
   Result<OpResult> lookup_wait(uint32_t region_id, std::span<const ops::Key> keys, uint32_t wait_ms,
@@ -203,7 +209,7 @@ class Client {
   Result<uint32_t> arena_alloc(uint64_t bytes);
   Result<uint64_t> submit_keys(uint16_t op, uint32_t region_id, std::span<const ops::Key> keys,
                                std::span<const int64_t> block_ids, uint64_t arg0, uint64_t extra_bytes,
-                               uint64_t arg1 = 0, std::span<const uint8_t> tail = {});
+                               uint64_t arg1 = 0, std::span<const uint8_t> tail = {}, uint64_t arg2 = 0);
   /// Files a completion: a data op's result (reading its arena part, then freeing it) or a raw one.
   /// Called with ops_mu_ held.
   void absorb(const ring::CompletionEntry& c);

@@ -365,6 +365,12 @@ KVFERRY_API int kvferry_daemon_status_json(kvferry_client* c, char* buf, uint32_
  * The call fails with KVFERRY_ERROR_UNAVAILABLE when the daemon has no remote tier. */
 KVFERRY_API int kvferry_send(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
                              uint32_t n, const char* peer, int16_t* statuses, uint32_t* done);
+/* kvferry_send whose blocks also land in region `peer_region` of the peer, at peer_block_ids[i]
+ * (the decode engine's blocks, one per key, n of them): statuses[i] = 0 once loaded there. The
+ * region must be one the blocks' tenant reaches on the peer (its own or a shared one). */
+KVFERRY_API int kvferry_send_into(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
+                                  const int64_t* block_ids, uint32_t n, const char* peer, uint32_t peer_region,
+                                  const int64_t* peer_block_ids, int16_t* statuses, uint32_t* done);
 /* A lookup that waits up to wait_ms for keys not stored yet (a peer's send landing): statuses[i]
  * = 0 once stored, KVFERRY_E_NOT_FOUND if still absent then. Without a remote tier it does not wait. */
 KVFERRY_API int kvferry_lookup_wait(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n,

@@ -25,8 +25,11 @@
 //            | (0 = every    |                                    | (count = entries written)
 //            | namespace)    |                                    |
 //   send     | the region    | Key[count], int64 block_id[count], | int16[count]: saved here and
-//            |               | then (at request_bytes) the peer's | stored on the peer (verified)
-//            |               | member id, args[1] bytes (<= 255)  |
+//            |               | then (at request_bytes) the peer's | stored on the peer (verified);
+//            |               | member id, args[1] bytes (<= 255); | with args[2] also loaded into
+//            |               | args[2] != 0: the peer's region,   | that region of the peer
+//            |               | its int64 block ids[count] after   |
+//            |               | the id (8-aligned)                 |
 //   peers    | 0             | args[0] = arena bytes to fill      | JSON text at arena_offset,
 //            |               |                                    | result[0] = bytes written,
 //            |               |                                    | result[1] = bytes of the whole text

@@ -49,8 +49,15 @@ struct RemoteStoreOptions {
   std::chrono::milliseconds timeout{5000};        ///< deadline of one push or fetch batch
   std::chrono::milliseconds lookup_timeout{500};  ///< deadline of a remote lookup
   std::vector<std::string> formats;               ///< told to peers (member record)
-  std::function<void(const std::string&)> log;    ///< warnings; stderr when empty
-  std::function<void(const std::string&)> info;   ///< notable events (joins, leaves); dropped when empty
+  /// A peer's send into one of this daemon's regions: loads the committed blocks of namespace
+  /// `ns` into blocks `ids` of region `region` (the namespace's tenant must reach it) and returns
+  /// one status per block. Called on the transport's progress thread; it blocks until done.
+  /// Empty: such sends fail with kUnsupported.
+  std::function<std::vector<Status>(NamespaceId ns, const std::string& tenant, uint32_t region,
+                                    std::span<const BlockKey> keys, std::span<const int64_t> ids)>
+      on_land;
+  std::function<void(const std::string&)> log;   ///< warnings; stderr when empty
+  std::function<void(const std::string&)> info;  ///< notable events (joins, leaves); dropped when empty
 };
 
 /// One member as `kvferry peers` shows it.
@@ -97,6 +104,11 @@ class RemoteStore {
   /// (no room there), kNotFound for `to` unknown is reported for every key.
   std::vector<Status> push(NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
                            Clock::time_point deadline, const std::string& to = "");
+  /// A send to member `to` whose blocks land in its region `region` at blocks `ids` (one per key):
+  /// per key kOk once stored there and loaded into the region, else the error.
+  std::vector<Status> push_into(NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
+                                Clock::time_point deadline, const std::string& to, uint32_t region,
+                                std::span<const int64_t> ids);
 
   /// Waits until every key of `ns_name` in `keys` is stored here (a send from a peer landed) or the
   /// deadline passes; per key 1 when present. Wakes on every commit from a peer (no polling).

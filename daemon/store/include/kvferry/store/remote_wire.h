@@ -279,14 +279,21 @@ struct ReserveRequest {
   /// Sent by a peer's send (prefill → decode) rather than by placement: the owner tells its
   /// waiting clients when the blocks land.
   bool send = false;
+  /// A send into one of the owner's regions: after the commit the owner loads each block into
+  /// block `land_ids[i]` of region `land_region` (0 = none); one id per key.
+  uint32_t land_region = 0;
+  std::vector<int64_t> land_ids;
   std::vector<uint8_t> encode() const {
     Writer w;
     w.str(ns);
     w.str(format);
     w.u64(bytes);
     w.u8(send ? 1 : 0);
+    w.u32(land_region);
     w.u32(uint32_t(keys.size()));
     for (auto& k : keys) w.key(k);
+    if (land_region != 0)
+      for (size_t i = 0; i < keys.size(); ++i) w.u64(uint64_t(i < land_ids.size() ? land_ids[i] : -1));
     return std::move(w.buffer());
   }
   static Result<ReserveRequest> decode(std::span<const uint8_t> b) {
@@ -296,16 +303,20 @@ struct ReserveRequest {
     q.format = r.str(63);
     q.bytes = r.u64();
     q.send = r.u8() != 0;
-    uint32_t n = r.count(16);
+    q.land_region = r.u32();
+    uint32_t n = r.count(q.land_region ? 24 : 16);
     q.keys.reserve(n);
     for (uint32_t i = 0; i < n; ++i) q.keys.push_back(r.key());
+    if (q.land_region != 0)
+      for (uint32_t i = 0; i < n; ++i) q.land_ids.push_back(int64_t(r.u64()));
     KVFERRY_TRY(r.finish("reserve request"));
     return q;
   }
 };
 
 /// Per key of a ReserveRequest: kOk with the slot's pool offset and a reservation to commit;
-/// kAlreadyExists (the owner holds the key: nothing to put); another code: refused.
+/// kAlreadyExists (the owner holds the key: nothing to put; with a land_region the reservation is
+/// set, and committing it lands the held block); another code: refused.
 struct ReserveEntry {
   ErrorCode code = ErrorCode::kOk;
   uint64_t offset = 0;       ///< into the owner's pool
