@@ -16,7 +16,7 @@ endif()
 if(KVFERRY_WITH_UCX)
   kvferry_add_gtest(remote_daemon_test LABEL integration TIMEOUT 300
     SOURCES integration/remote_daemon_test.cpp
-    LIBS kvferry::connector kvferry::kernels)
+    LIBS kvferry::connector kvferry::kernels kvferry::store)
   add_dependencies(remote_daemon_test kvferryd)
   target_compile_definitions(remote_daemon_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")
 endif()

@@ -686,6 +686,10 @@ const std::vector<Field>& table() {
         field("tiers.remote.timeout", KVF_MEMBER(remote.timeout),
               MillisC{std::chrono::milliseconds(10), std::chrono::minutes(10)}, kRestart,
               "deadline of one remote transfer batch"),
+        field("tiers.remote.write", KVF_MEMBER(remote.write),
+              EnumC<RemoteWrite>{{{"through", RemoteWrite::kThrough}, {"on_evict", RemoteWrite::kOnEvict}}}, kRestart,
+              "through (a save also writes to the block's owner) | on_evict (when the host pool evicts it; "
+              "needs tiers.disk.path off)"),
         field("tiers.remote.lookup_timeout", KVF_MEMBER(remote.lookup_timeout),
               MillisC{std::chrono::milliseconds(1), std::chrono::minutes(1)}, kRestart,
               "deadline of a remote lookup (an owner that does not answer by then is a miss)"),

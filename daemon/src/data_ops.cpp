@@ -273,6 +273,7 @@ struct DataOps::Impl {
   std::unique_ptr<store::TieredStore> tiers;   // the host pool over the disk tier (when configured)
   std::unique_ptr<store::RemoteStore> remote;  // the remote tier (tiers.remote.listen set); before its users
   std::chrono::milliseconds remote_timeout{5000}, remote_lookup_timeout{500};
+  bool remote_on_evict = false;  // tiers.remote.write: on_evict (the remote tier is the write-back tier)
   std::unique_ptr<WorkerPool> workers;
   std::unique_ptr<WorkerPool> remote_workers;  // remote lookups and waits: never queued behind transfers
   RingService* rings = nullptr;
@@ -507,6 +508,8 @@ struct DataOps::Impl {
   /// A peer's send landing in one of this daemon's regions (RemoteStoreOptions::on_land).
   std::vector<Status> land(store::NamespaceId ns, const std::string& tenant, uint32_t region_id,
                            std::span<const store::BlockKey> keys, std::span<const int64_t> ids) {
+    if (!tiers)
+      return std::vector<Status>(keys.size(), Status(ErrorCode::kUnavailable, "this daemon is still starting"));
     auto region = opts.find_region_for_tenant ? opts.find_region_for_tenant(tenant, region_id) : nullptr;
     if (!region)
       return std::vector<Status>(
@@ -550,6 +553,7 @@ struct DataOps::Impl {
   /// save's blocks stay saved here when an owner cannot take them (counted, logged); a send
   /// reports the peer's outcome per block.
   void push_saved(const Transfer& t, std::span<const store::BlockKey> keys, std::vector<Status>& res) {
+    if (!t.send && remote_on_evict) return;  // written to the owners when the host evicts them
     std::vector<size_t> saved;
     for (size_t i = 0; i < res.size(); ++i)
       if (res[i].ok()) saved.push_back(i);
@@ -802,7 +806,8 @@ struct DataOps::Impl {
   /// One TierStatsWire per lower tier this daemon runs: the disk, then the remote tier.
   std::vector<ops::TierStatsWire> tier_stats_wire() const {
     std::vector<ops::TierStatsWire> out;
-    if (const store::Tier* t = tiers->lower()) {
+    // The remote write-back tier (on_evict) holds nothing of its own: the remote entry below says it all.
+    if (const store::Tier* t = remote_on_evict ? nullptr : tiers->lower()) {
       const auto u = t->usage();
       const auto h = t->health();
       ops::TierStatsWire w{};
@@ -967,7 +972,15 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   store::BlockIndex::Options io;
   io.high_watermark = cfg.host.high_watermark;
   io.low_watermark = cfg.host.low_watermark;
-  io.write_back = disk != nullptr;
+  // tiers.remote.write: on_evict makes the remote tier the host pool's write-back tier (the one
+  // lower tier: the disk tier is off then).
+  const bool on_evict = !cfg.remote.listen.empty() && cfg.remote.write == config::RemoteWrite::kOnEvict;
+  if (on_evict && disk)
+    return Status(ErrorCode::kConfig,
+                  "tiers.remote.write: on_evict needs tiers.disk.path off: the host pool "
+                  "writes back to one lower tier (use write: through with a disk tier)");
+  io.write_back = disk != nullptr || on_evict;
+  io.lower_name = on_evict ? "remote" : "disk";
   impl->index = std::make_shared<store::BlockIndex>(*impl->pool, io);
   store::OffloadService::Options so;
   so.checksum = cfg.integrity.checksum == config::Checksum::kXxh3;
@@ -985,7 +998,6 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
   to.checksums = so.checksum;
   // The disk tier checks every read's XXH3 itself; a test wrapper may corrupt bytes after it.
   to.trust_lower_reads = impl->opts.test_disk_faults.empty();
-  impl->tiers = std::make_unique<store::TieredStore>(*impl->index, *impl->svc, impl->metrics, std::move(disk), to);
   if (!cfg.remote.listen.empty()) {
     Impl* ip = impl.get();
     auto r = open_remote_tier(
@@ -996,10 +1008,12 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
     impl->remote = std::move(*r);
     impl->remote_timeout = cfg.remote.timeout;
     impl->remote_lookup_timeout = cfg.remote.lookup_timeout;
+    impl->remote_on_evict = on_evict;
     impl->remote_workers = std::make_unique<WorkerPool>(2);
     store::RemoteStore* rs = impl->remote.get();
-    impl->metrics.gauge_fn("kvferry_tier_healthy", "1 while a lower tier works, 0 once degraded (an I/O error)",
-                           "tier=\"remote\"", [rs] { return rs->health().ok() ? 1.0 : 0.0; });
+    if (!on_evict)  // as the write-back tier it gets the lower tier's gauges below
+      impl->metrics.gauge_fn("kvferry_tier_healthy", "1 while a lower tier works, 0 once degraded (an I/O error)",
+                             "tier=\"remote\"", [rs] { return rs->health().ok() ? 1.0 : 0.0; });
     for (const char* state : {"live", "lost"}) {
       const bool lost = state[1] == 'o';
       impl->metrics.gauge_fn("kvferry_remote_peers",
@@ -1015,7 +1029,9 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
                                return static_cast<double>(n);
                              });
     }
+    if (on_evict) disk = impl->remote->write_back_tier();
   }
+  impl->tiers = std::make_unique<store::TieredStore>(*impl->index, *impl->svc, impl->metrics, std::move(disk), to);
 
   Impl& d = *impl;
   auto& m = d.metrics;
@@ -1139,7 +1155,7 @@ bool DataOps::healthy(std::string* body) const {
     *body = std::string(ok ? "ok" : "stopping") + ": host " + std::to_string(s.entries) + " blocks, " +
             std::to_string(s.used_bytes >> 20) + " of " + std::to_string(s.capacity_bytes >> 20) + " MiB\n";
     // A degraded lower tier is reported, not fatal: the daemon serves on from the host.
-    if (const store::Tier* t = impl_->tiers->lower()) {
+    if (const store::Tier* t = impl_->remote_on_evict ? nullptr : impl_->tiers->lower()) {
       const auto u = t->usage();
       const auto h = t->health();
       *body += std::string(t->name()) + " " + (h.ok ? "ok" : "degraded") + ": " + std::to_string(u.blocks) +

@@ -24,6 +24,7 @@
 #include "kvferry/kernels/convert.h"
 #include "kvferry/kernels/write.h"
 #include "kvferry/layouts/dtype.h"
+#include "kvferry/store/placement.h"
 
 namespace kvferry {
 namespace {
@@ -345,6 +346,65 @@ TEST(RemoteDaemons, SendLandsInThePeersRegion) {
   // The region's bytes are still the first send's.
   for (int64_t i = 0; i < n; ++i)
     EXPECT_EQ(std::memcmp(dst.block(n - 1 - i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+}
+
+// tiers.remote.write: on_evict: a save stays on its daemon; only when the host pool evicts a block
+// is it written to its owner first. With A's pool far smaller than what it saves, every block B
+// owns reaches B (and loads there byte for byte); blocks A alone owns are simply evicted.
+TEST(RemoteDaemons, WriteOnEvictPushesOnlyWhatTheHostEvicts) {
+  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port()};
+  auto yaml = [&](int p) {
+    std::string y = remote_yaml(p, static_peers(ports) + "    write: on_evict\n");
+    y.replace(y.find("capacity: 64MiB"), 15, "capacity: 16MiB");
+    return y;
+  };
+  auto pa = start(yaml(ports[0]));
+  auto pb = start(yaml(ports[1]));
+  ASSERT_TRUE(pa->ready() && pb->ready());
+  auto a = connect(*pa), b = connect(*pb);
+  ASSERT_TRUE(a && b);
+  const std::vector<std::string> ids{"127.0.0.1:" + std::to_string(ports[0]), "127.0.0.1:" + std::to_string(ports[1])};
+  const store::RendezvousPlacement pl(ids);
+  auto owned_by_b = [&](const ops::Key& k) { return pl.owners({k.hi, k.lo}, 1).front() == 1; };
+
+  constexpr int64_t n = 16;  // 288 KiB blocks: 4.5 MiB, fits A's pool
+  Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
+  fill_mla(src, 31);
+  const auto first = keys_for(n, 13);
+  ASSERT_EQ(a->save(src.id, first, iota_ids(n))->done, uint64_t(n));
+  // Blocks A moved to B, from `kvferry peers`' JSON on A.
+  auto out_to_b = [&]() -> long {
+    auto pj = a->peers();
+    if (!pj.ok()) return -1;
+    const size_t at = pj->find("\"id\":\"" + ids[1] + "\"");
+    const size_t f = at == std::string::npos ? at : pj->find("\"blocks_out\":", at);
+    return f == std::string::npos ? -1 : std::atol(pj->c_str() + f + 13);
+  };
+  EXPECT_EQ(out_to_b(), 0) << "nothing is pushed at save time";
+
+  // 8 more rounds of 16 blocks (36 MiB in all) through A's 16 MiB pool: the first ones are evicted.
+  for (uint64_t r = 0; r < 8; ++r) ASSERT_EQ(a->save(src.id, keys_for(n, 100 + r), iota_ids(n))->done, uint64_t(n));
+  EXPECT_GT(out_to_b(), 0) << "evicted blocks went to B";
+
+  Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
+  auto ld = b->load(dst.id, first, iota_ids(n));
+  ASSERT_TRUE(ld.ok());
+  int64_t b_owned = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const ErrorCode e = ld->blocks[size_t(i)];
+    if (owned_by_b(first[size_t(i)])) {
+      ++b_owned;
+      EXPECT_EQ(e, ErrorCode::kOk) << "block " << i << " (B owns it) " << pb->log();
+    }
+    if (e == ErrorCode::kOk)
+      EXPECT_EQ(std::memcmp(dst.block(i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+    else
+      EXPECT_EQ(e, ErrorCode::kNotFound) << i;
+  }
+  EXPECT_GT(b_owned, 0);
+  // ls on A names where its host blocks also live.
+  auto ls = a->ls(src.id);
+  ASSERT_TRUE(ls.ok());
 }
 
 // A secret on both sides that differs: the daemons refuse each other (logged), each keeps

@@ -485,7 +485,8 @@ Config everything_changed() {
               "/etc/kv.key",
               2,
               std::chrono::milliseconds(1500),
-              std::chrono::milliseconds(20)};
+              std::chrono::milliseconds(20),
+              RemoteWrite::kOnEvict};
   c.integrity = {Checksum::kNone, false};
   c.limits = {3,
               16,

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <future>
 #include <map>
 #include <optional>
@@ -483,9 +484,11 @@ struct RemoteStore::Impl {
   }
 
   /// `land_region` != 0: a send whose blocks land in that region of the peer, at `land_ids[i]`.
+  /// `preheld` (one per key, when given): the caller holds the blocks already (a write-back
+  /// demotion); they are neither acquired nor released here, and their LRU places stay.
   void push_to(const std::string& peer, NamespaceId ns, const std::string& ns_name, std::span<const BlockKey> keys,
                const std::vector<size_t>& idx, Clock::time_point deadline, bool send, std::vector<Status>& out,
-               uint32_t land_region = 0, std::span<const int64_t> land_ids = {}) {
+               uint32_t land_region = 0, std::span<const int64_t> land_ids = {}, std::span<const Hold> preheld = {}) {
     auto fail = [&](size_t i, const Status& s) {
       if (out[i].ok()) out[i] = s;
     };
@@ -493,6 +496,11 @@ struct RemoteStore::Impl {
     std::vector<Hold> holds;
     std::vector<size_t> which;
     for (size_t i : idx) {
+      if (!preheld.empty()) {
+        holds.push_back(preheld[i]);
+        which.push_back(i);
+        continue;
+      }
       auto h = index.acquire(NsKey{ns, keys[i]});
       if (!h.ok()) {
         fail(i, Status(ErrorCode::kNotFound, "block " + keys[i].hex() + " is not stored on " + self_id));
@@ -502,7 +510,8 @@ struct RemoteStore::Impl {
       which.push_back(i);
     }
     auto release = [&] {
-      for (auto& h : holds) index.release(h);
+      if (preheld.empty())
+        for (auto& h : holds) index.release(h);
     };
     if (holds.empty()) return;
     auto ep = endpoint(peer);
@@ -739,6 +748,144 @@ struct RemoteStore::Impl {
     count(peer, false, moved, moved_bytes, errors);
   }
 };
+
+namespace {
+
+/// The remote tier as the host pool's write-back tier (tiers.remote.write: on_evict): the store's
+/// demotions of least recently used blocks become pushes to their owners, done on a thread of its
+/// own. It holds nothing itself (lookups, lists and reads go through the RemoteStore's own paths).
+class RemoteWriteBackTier final : public Tier {
+ public:
+  RemoteWriteBackTier(RemoteStore::Impl& r, BlockIndex& index, std::chrono::milliseconds timeout)
+      : r_(r), index_(index), timeout_(timeout), thread_([this] { run(); }) {}
+  ~RemoteWriteBackTier() override {
+    {
+      std::lock_guard g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  std::string_view name() const override { return "remote"; }
+  Result<uint64_t> recover() override { return uint64_t{0}; }
+  Status register_buffers(std::span<const iovec>) override { return Status::Ok(); }
+  Status submit(std::span<const TierRequest> batch) override {
+    std::lock_guard g(mu_);
+    if (stop_) return {ErrorCode::kCancelled, "the remote tier is stopping"};
+    queue_.emplace_back(batch.begin(), batch.end());
+    cv_.notify_all();
+    return Status::Ok();
+  }
+  size_t poll(std::vector<TierCompletion>& out, size_t max, std::chrono::milliseconds wait) override {
+    std::unique_lock lk(mu_);
+    done_cv_.wait_for(lk, wait, [&] { return !done_.empty(); });
+    size_t n = 0;
+    while (!done_.empty() && n < max) {
+      out.push_back(std::move(done_.front()));
+      done_.pop_front();
+      ++n;
+    }
+    return n;
+  }
+  std::optional<BlockRecord> lookup(std::string_view, const BlockKey&) override { return std::nullopt; }
+  Status erase(std::string_view, const BlockKey&) override { return {ErrorCode::kNotFound, "not held here"}; }
+  std::vector<BlockRecord> list(std::optional<std::string_view>, size_t) const override { return {}; }
+  Status pin(std::string_view, const BlockKey&) override { return {ErrorCode::kNotFound, "not held here"}; }
+  Status unpin(std::string_view, const BlockKey&) override { return {ErrorCode::kNotFound, "not held here"}; }
+  std::vector<BlockRecord> evict(uint64_t) override { return {}; }
+  std::vector<BlockRecord> take_victims() override { return {}; }
+  TierUsage usage() const override { return {}; }
+  TierHealth health() const override {
+    TierHealth h;
+    std::lock_guard g(r_.mu);
+    h.ok = r_.serving;
+    h.reason = r_.serving ? "" : "cluster membership lost: " + r_.lost_reason;
+    h.bytes_written = written_.load();
+    h.io_errors = failed_.load();
+    return h;
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::vector<TierRequest> batch;
+      {
+        std::unique_lock lk(mu_);
+        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        batch = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::vector<TierCompletion> out(batch.size());
+      std::map<std::string, std::vector<size_t>> by_ns;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        out[i] = {batch[i].cookie, batch[i].op, Status::Ok(), batch[i].record};
+        if (batch[i].op == TierOp::kWrite)
+          by_ns[batch[i].record.ns].push_back(i);
+        else
+          out[i].status = {ErrorCode::kNotFound, "the remote write-back tier serves no reads"};
+      }
+      for (auto& [name, items] : by_ns) push(name, items, batch, out);
+      std::lock_guard g(mu_);
+      for (auto& c : out) done_.push_back(std::move(c));
+      done_cv_.notify_all();
+    }
+  }
+
+  /// The blocks of one namespace to their owners, as the holds the demotion took.
+  void push(const std::string& name, const std::vector<size_t>& items, const std::vector<TierRequest>& batch,
+            std::vector<TierCompletion>& out) {
+    const auto ns = index_.namespace_id(name);
+    std::vector<BlockKey> keys;
+    std::vector<Hold> holds;
+    for (size_t i : items) {
+      const TierRequest& q = batch[i];
+      auto shape = TieredStore::shape_of(q.record.format);
+      Hold h;
+      h.key = NsKey{ns.value_or(0), q.record.key};
+      h.slot = Slot{static_cast<uint64_t>(q.buf - index_.pool().base()), q.buf_bytes};
+      h.data = q.buf;
+      h.meta = EntryMeta{shape.value_or(BlockShape{}), q.record.bytes, q.record.checksum};
+      keys.push_back(q.record.key);
+      holds.push_back(h);
+    }
+    std::vector<Status> st(keys.size(), Status::Ok());
+    if (!ns) {
+      st.assign(keys.size(), Status(ErrorCode::kNotFound, "namespace '" + name + "' is gone"));
+    } else if (auto pl = r_.view()) {
+      // Rank by rank over the owners other than this daemon (a block this daemon alone owns goes).
+      std::map<std::string, std::vector<size_t>> by_owner;
+      for (size_t i = 0; i < keys.size(); ++i)
+        for (auto& o : RemoteStore::Impl::owners(*pl, keys[i], r_.opts.replicas, r_.self_id)) by_owner[o].push_back(i);
+      for (auto& [peer, idx] : by_owner)
+        r_.push_to(peer, *ns, name, keys, idx, Clock::now() + timeout_, false, st, 0, {}, holds);
+    }
+    for (size_t k = 0; k < items.size(); ++k) {
+      out[items[k]].status = st[k];
+      if (st[k].ok())
+        written_.fetch_add(batch[items[k]].record.bytes);
+      else
+        failed_.fetch_add(1);
+    }
+  }
+
+  RemoteStore::Impl& r_;
+  BlockIndex& index_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<std::vector<TierRequest>> queue_;
+  std::deque<TierCompletion> done_;
+  bool stop_ = false;
+  std::atomic<uint64_t> written_{0}, failed_{0};
+  std::thread thread_;
+};
+
+}  // namespace
+
+std::unique_ptr<Tier> RemoteStore::write_back_tier() {
+  return std::make_unique<RemoteWriteBackTier>(*impl_, impl_->index, impl_->opts.timeout);
+}
 
 RemoteStore::RemoteStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -1054,6 +1201,7 @@ std::vector<uint8_t> RemoteStore::wait_for(NamespaceId, std::span<const BlockKey
 }
 std::vector<RemotePeerView> RemoteStore::peers() const { return {}; }
 Status RemoteStore::health() const { return {ErrorCode::kUnavailable, "built without UCX"}; }
+std::unique_ptr<Tier> RemoteStore::write_back_tier() { return nullptr; }
 
 #endif
 

@@ -87,6 +87,9 @@ struct DiskTierConfig {
   bool operator==(const DiskTierConfig&) const = default;
 };
 
+/// When saved blocks go to their remote owners: at save time, or when the host pool evicts them.
+enum class RemoteWrite : uint8_t { kThrough, kOnEvict };
+
 struct RemoteTierConfig {
   std::string listen;                             ///< "" = remote tier off; "host:port"
   std::vector<std::string> peers;                 ///< "host:port" of peer daemons (static membership; ids = addresses)
@@ -99,6 +102,7 @@ struct RemoteTierConfig {
   uint32_t replicas = 1;                          ///< owners per block
   std::chrono::milliseconds timeout{5000};        ///< deadline of a remote transfer batch
   std::chrono::milliseconds lookup_timeout{500};  ///< deadline of a remote lookup
+  RemoteWrite write = RemoteWrite::kThrough;      ///< through | on_evict
 
   bool operator==(const RemoteTierConfig&) const = default;
 };

@@ -33,6 +33,7 @@
 #include "kvferry/store/block_index.h"
 #include "kvferry/store/block_key.h"
 #include "kvferry/store/metrics.h"
+#include "kvferry/store/tier.h"
 
 namespace kvferry::store {
 
@@ -113,6 +114,12 @@ class RemoteStore {
   /// Waits until every key of `ns_name` in `keys` is stored here (a send from a peer landed) or the
   /// deadline passes; per key 1 when present. Wakes on every commit from a peer (no polling).
   std::vector<uint8_t> wait_for(NamespaceId ns, std::span<const BlockKey> keys, Clock::time_point deadline);
+
+  /// The host pool's write-back tier for `tiers.remote.write: on_evict`: the store's demotions of
+  /// least recently used blocks (before their slots are reused) become pushes to their owners; a
+  /// block only this daemon owns is simply evicted. It holds nothing itself: reads and lookups go
+  /// through fetch() and lookup(). Outlives no RemoteStore.
+  std::unique_ptr<Tier> write_back_tier();
 
   /// Every member of the current view (self first) and peers seen before that left.
   std::vector<RemotePeerView> peers() const;
