@@ -86,6 +86,9 @@ int run_peer() {
   o.listen = env("KVFERRY_UCX_PEER_LISTEN", "1") == "1";
   o.pool = pool.data;
   o.pool_bytes = pool.bytes;
+  // Sanitizer builds on a loaded 2-core machine can starve a progress thread for a second: a
+  // keepalive that short then declares a live endpoint dead mid-test.
+  o.keepalive = std::chrono::milliseconds(5000);
   o.log = [log_path](const std::string& line) { std::ofstream(log_path, std::ios::app) << line << "\n"; };
   o.on_request = [](const PeerInfo&, uint16_t op, std::span<const uint8_t> body) -> Result<std::vector<uint8_t>> {
     switch (op) {
@@ -298,6 +301,7 @@ class UcxTransportTest : public ::testing::TestWithParam<Mode> {
     // A loaded 2-core CI machine can hold a batch past the 5 s default; the tests that are about
     // deadlines pass their own.
     o.op_timeout = std::chrono::seconds(30);
+    o.keepalive = std::chrono::milliseconds(5000);  // as the peer's (see there)
     o.log = [this](const std::string& line) { log_ += line + "\n"; };
     auto t = UcxTransport::create(o);
     EXPECT_TRUE(t.ok()) << t.status().to_string();

@@ -951,6 +951,9 @@ Result<std::unique_ptr<RemoteStore>> RemoteStore::create(RemoteStoreOptions opts
   to.pool = index.pool().base();
   to.pool_bytes = index.pool().capacity();
   to.op_timeout = d.opts.timeout;
+  // UCX's keepalive a quarter of the lease TTL: below it (a dead peer is noticed by UCX as well),
+  // and long enough that a busy peer whose progress thread waits for a core is not declared dead.
+  to.keepalive = std::max<std::chrono::milliseconds>(std::chrono::milliseconds(1000), d.opts.ttl / 4);
   to.log = d.opts.log;
   Impl* ip = impl.get();
   to.on_request = [ip](const PeerInfo& p, uint16_t op, std::span<const uint8_t> body) {
