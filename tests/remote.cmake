@@ -8,13 +8,13 @@ kvferry_add_gtest(membership_integration_test LABEL integration TIMEOUT 120
   SOURCES integration/membership_test.cpp
   LIBS kvferry::store)
 if(KVFERRY_WITH_UCX)
-  kvferry_add_gtest(ucx_transport_integration_test LABEL integration TIMEOUT 120
+  kvferry_add_gtest(ucx_transport_integration_test LABEL integration TIMEOUT 120 SERIAL
     SOURCES integration/ucx_transport_test.cpp
     LIBS kvferry::remote)
 endif()
 # The remote tier through kvferryd: daemons on loopback as one cache, send, etcd membership.
 if(KVFERRY_WITH_UCX)
-  kvferry_add_gtest(remote_daemon_test LABEL integration TIMEOUT 300
+  kvferry_add_gtest(remote_daemon_test LABEL integration TIMEOUT 300 SERIAL
     SOURCES integration/remote_daemon_test.cpp
     LIBS kvferry::connector kvferry::kernels kvferry::store)
   add_dependencies(remote_daemon_test kvferryd)

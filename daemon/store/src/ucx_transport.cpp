@@ -1054,7 +1054,10 @@ struct UcxTransport::Impl {
       ucs_status_t s = ucp_worker_arm(w);
       if (s == UCS_ERR_BUSY) continue;
       epoll_event evs[2];
-      int n = ::epoll_wait(epoll_fd.get(), evs, 2, int(std::min<int64_t>(wait.count() + 1, 100)));
+      // Bounded: with a peer connected, at most 10 ms (a wakeup UCX's tcp transport fails to signal
+      // then costs a target-side get at most that, not the 100 ms an idle transport sleeps).
+      const int64_t cap = peers.empty() ? 100 : 10;
+      int n = ::epoll_wait(epoll_fd.get(), evs, 2, int(std::min<int64_t>(wait.count() + 1, cap)));
       for (int i = 0; i < n; ++i) {
         if (evs[i].data.fd == wake_fd.get()) {
           uint64_t v;
