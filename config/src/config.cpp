@@ -76,21 +76,18 @@ Status need_scalar(const Ctx& ctx, std::string_view key, const YAML::Node& n, st
   return Status::Ok();
 }
 
+/// A decimal integer, optionally signed; false for anything else, including a value past int64
+/// (std::from_chars reports the overflow: accumulating digits by hand would be undefined there).
 bool parse_int(std::string_view s, int64_t* out) {
-  if (s.empty() || s.size() > 19) return false;
-  size_t i = 0;
-  bool neg = false;
-  if (s[0] == '-' || s[0] == '+') {
-    neg = s[0] == '-';
-    i = 1;
+  if (s.empty()) return false;
+  if (s[0] == '+') {
+    s.remove_prefix(1);
+    if (s.empty() || s[0] == '+' || s[0] == '-') return false;
   }
-  if (i == s.size()) return false;
   int64_t v = 0;
-  for (; i < s.size(); ++i) {
-    if (s[i] < '0' || s[i] > '9') return false;
-    v = v * 10 + (s[i] - '0');
-  }
-  *out = neg ? -v : v;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 10);
+  if (ec != std::errc() || end != s.data() + s.size()) return false;
+  *out = v;
   return true;
 }
 
@@ -292,13 +289,15 @@ struct StrListC {
 
 // ---- value checks ----
 
-std::string check_host_port(const std::string& s, bool empty_ok) {
+std::string check_host_port(const std::string& s, bool empty_ok, bool port0_ok = false) {
   if (s.empty()) return empty_ok ? "" : "is empty (expected host:port)";
   const size_t colon = s.rfind(':');
   if (colon == std::string::npos || colon == 0) return "is not host:port (e.g. 127.0.0.1:9464)";
   int64_t port = 0;
-  if (!parse_int(s.substr(colon + 1), &port) || s[colon + 1] == '-' || s[colon + 1] == '+' || port < 1 || port > 65535)
-    return "has no port in [1, 65535] (expected host:port)";
+  if (!parse_int(s.substr(colon + 1), &port) || s[colon + 1] == '-' || s[colon + 1] == '+' ||
+      port < (port0_ok ? 0 : 1) || port > 65535)
+    return port0_ok ? "has no port in [0, 65535] (expected host:port; 0 picks a free one)"
+                    : "has no port in [1, 65535] (expected host:port)";
   for (size_t i = 0; i < colon; ++i) {
     const char c = s[i];
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' || c == ':' || c == '[' ||
@@ -585,6 +584,7 @@ const std::vector<Field>& table() {
     const EnumC<Checksum> checksum{{{"xxh3", Checksum::kXxh3}, {"none", Checksum::kNone}}};
     const Check host_port_or_off = [](const std::string& s) { return check_host_port(s, true); };
     const Check host_port = [](const std::string& s) { return check_host_port(s, false); };
+    const Check metrics_host_port = [](const std::string& s) { return check_host_port(s, true, true); };
     const Check group = [](const std::string& s) { return s.empty() ? "" : check_name(s, 32); };
     const Check abs_path_or_off = [](const std::string& s) {
       return s.empty() || s[0] == '/' ? std::string() : std::string("is not an absolute path (or \"\" for off)");
@@ -624,8 +624,8 @@ const std::vector<Field>& table() {
         field("daemon.allowed_gids", KVF_MEMBER(daemon.allowed_gids), IdListC{}, kReload, "peer gids allowed"),
         field("daemon.log_level", KVF_MEMBER(daemon.log_level), log_level, kReload,
               "trace | debug | info | warn | error | off"),
-        field("daemon.metrics_listen", KVF_MEMBER(daemon.metrics_listen), StrC{host_port_or_off}, kRestart,
-              "host:port of /metrics and /healthz (\"\" = off)"),
+        field("daemon.metrics_listen", KVF_MEMBER(daemon.metrics_listen), StrC{metrics_host_port}, kRestart,
+              "host:port of /metrics and /healthz (\"\" = off; port 0 picks a free one, logged)"),
         field("daemon.admin_uids", KVF_MEMBER(daemon.admin_uids), IdListC{}, kReload,
               "peer uids that see and manage every tenant, free of quotas ([] = none)"),
         field("daemon.admin_gids", KVF_MEMBER(daemon.admin_gids), IdListC{}, kReload,

@@ -307,6 +307,13 @@ TEST(ConfigLoad, BadValues) {
       {"limits:\n  max_clients: eight", "limits.max_clients: 'eight' is not an integer"},
       {"limits:\n  max_clients: 0", "limits.max_clients: '0' is outside [1, 65536]"},
       {"limits:\n  max_clients: 8.5", "limits.max_clients: '8.5' is not an integer"},
+      // Past int64 (19 digits): refused, never wrapped (the old digit loop overflowed there).
+      {"limits:\n  max_clients: 9999999999999999999", "limits.max_clients: '9999999999999999999' is not an integer"},
+      {"limits:\n  max_clients: 99999999999999999999999", "is not an integer"},
+      {"limits:\n  max_clients: +-3", "limits.max_clients: '+-3' is not an integer"},
+      {"daemon:\n  metrics_listen: 127.0.0.1:65536",
+       "daemon.metrics_listen: '127.0.0.1:65536' has no port in [0, 65535]"},
+      {"tiers:\n  remote:\n    listen: 127.0.0.1:99999999999999999999", "tiers.remote.listen"},
       {"limits:\n  ring_entries: 1000", "limits.ring_entries: '1000' is not a power of two"},
       {"limits:\n  ring_entries: 8", "limits.ring_entries: '8' is outside [16, 65536]"},
       {"limits:\n  request_timeout: 30", "limits.request_timeout: '30' is not a duration"},
@@ -328,8 +335,8 @@ TEST(ConfigLoad, BadValues) {
       {"daemon:\n  allowed_uids: 1000", "daemon.allowed_uids: '1000' is not a list of ids"},
       {"daemon:\n  allowed_uids:\n    - 1\n    - -2", "t.yaml:4: daemon.allowed_uids[1]: '-2' is outside"},
       {"daemon:\n  metrics_listen: localhost", "daemon.metrics_listen: 'localhost' is not host:port"},
-      {"daemon:\n  metrics_listen: 'h:0'", "has no port in [1, 65535]"},
-      {"daemon:\n  metrics_listen: 'h:70000'", "has no port in [1, 65535]"},
+      {"tiers:\n  remote:\n    listen: 'h:0'", "has no port in [1, 65535]"},
+      {"daemon:\n  metrics_listen: 'h:70000'", "has no port in [0, 65535]"},
       {"tiers:\n  host:\n    high_watermark: 0", "tiers.host.high_watermark: '0' is outside (0, 1]"},
       {"tiers:\n  host:\n    high_watermark: 1.01", "'1.01' is outside (0, 1]"},
       {"tiers:\n  host:\n    high_watermark: nan", "'nan' is not a number"},
@@ -747,5 +754,16 @@ TEST(ConfigReload, RegionSpecChangeIsSeen) {
   EXPECT_FALSE(a == b);
 }
 
+}  // namespace
+}  // namespace kvferry::config
+
+namespace kvferry::config {
+namespace {
+// daemon.metrics_listen takes port 0 in the file as on the command line (a free port, logged).
+TEST(ConfigLoad, MetricsListenTakesPortZero) {
+  auto c = load_string("daemon:\n  metrics_listen: 127.0.0.1:0\n", "t.yaml");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->daemon.metrics_listen, "127.0.0.1:0");
+}
 }  // namespace
 }  // namespace kvferry::config
