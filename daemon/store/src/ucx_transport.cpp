@@ -390,13 +390,19 @@ struct UcxTransport::Impl {
     // accepted connections of the one before sit in TIME_WAIT on that port for a minute. UCX
     // reads its transports' options from the environment only; an operator's setting wins.
     ::setenv("UCX_TCP_CM_REUSEADDR", "y", 0);
+    // The TCP transport's own keepalive (read from the environment only) below the membership
+    // TTL too: idle for the keepalive interval, then probes a quarter of that apart (UCX's
+    // defaults, 10 s and 2 s, would notice a silent peer only after the lease had long expired).
+    const int64_t ka_ms = std::max<int64_t>(1, opts.keepalive.count());
+    ::setenv("UCX_TCP_KEEPIDLE", (std::to_string(ka_ms) + "ms").c_str(), 0);
+    ::setenv("UCX_TCP_KEEPINTVL", (std::to_string(std::max<int64_t>(1, ka_ms / 4)) + "ms").c_str(), 0);
     ucp_config_t* cfg = nullptr;
     KVFERRY_UCX_TRY(ucp_config_read(nullptr, nullptr, &cfg));
     Status s = KVFERRY_UCX_STATUS(ucp_config_modify(cfg, "TLS", opts.tls.c_str()), "setting UCX_TLS");
     const std::string ka = std::to_string(std::max<int64_t>(1, opts.keepalive.count())) + "ms";
     // UCX's keepalive below the membership TTL, so a silent peer is noticed by UCX as well. (The
-    // TCP transport's own TCP_KEEPIDLE/KEEPINTVL are read from the environment only: UCX 1.13
-    // does not apply them through ucp_config_modify.)
+    // TCP transport's own TCP_KEEPIDLE/KEEPINTVL are read from the environment only, set above:
+    // UCX 1.13 does not apply them through ucp_config_modify.)
     if (ucp_config_modify(cfg, "KEEPALIVE_INTERVAL", ka.c_str()) != UCS_OK) log("UCX does not take KEEPALIVE_INTERVAL");
     if (s.ok()) {
       ucp_params_t p{};
