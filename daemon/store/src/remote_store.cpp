@@ -1020,25 +1020,29 @@ std::vector<uint8_t> RemoteStore::lookup(const std::string& ns_name, std::span<c
   std::vector<uint8_t> found(keys.size(), 0);
   auto pl = d.view();
   if (!pl) return found;
-  std::map<std::string, std::vector<size_t>> by_owner;
-  for (size_t i = 0; i < keys.size(); ++i) {
-    auto o = Impl::owners(*pl, keys[i], d.opts.replicas, d.self_id);
-    if (!o.empty()) by_owner[o.front()].push_back(i);
-  }
-  for (auto& [peer, idx] : by_owner) {
-    const milliseconds budget = left_until(deadline);
-    if (budget.count() == 0) break;
-    auto ep = d.endpoint(peer);
-    if (!ep.ok()) continue;
-    wire::LookupRequest q{ns_name, {}};
-    for (size_t i : idx) q.keys.push_back(keys[i]);
-    auto rep = d.transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kLookup), q.encode(), budget);
-    Result<wire::LookupReply> lr = rep.ok() ? wire::LookupReply::decode(*rep) : Result<wire::LookupReply>(rep.status());
-    if (!lr.ok() || lr->entries.size() != idx.size()) {
-      if (!lr.ok()) d.failed(peer, *ep, lr.status());
-      continue;
+  std::vector<std::vector<std::string>> own(keys.size());
+  for (size_t i = 0; i < keys.size(); ++i) own[i] = Impl::owners(*pl, keys[i], d.opts.replicas, d.self_id);
+  // Rank by rank: a key its first owner does not hold (or that owner cannot answer) is asked of the next.
+  for (size_t rank = 0; rank < d.opts.replicas; ++rank) {
+    std::map<std::string, std::vector<size_t>> by_owner;
+    for (size_t i = 0; i < keys.size(); ++i)
+      if (!found[i] && rank < own[i].size()) by_owner[own[i][rank]].push_back(i);
+    for (auto& [peer, idx] : by_owner) {
+      const milliseconds budget = left_until(deadline);
+      if (budget.count() == 0) return found;
+      auto ep = d.endpoint(peer);
+      if (!ep.ok()) continue;
+      wire::LookupRequest q{ns_name, {}};
+      for (size_t i : idx) q.keys.push_back(keys[i]);
+      auto rep = d.transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kLookup), q.encode(), budget);
+      Result<wire::LookupReply> lr =
+          rep.ok() ? wire::LookupReply::decode(*rep) : Result<wire::LookupReply>(rep.status());
+      if (!lr.ok() || lr->entries.size() != idx.size()) {
+        if (!lr.ok()) d.failed(peer, *ep, lr.status());
+        continue;
+      }
+      for (size_t k = 0; k < idx.size(); ++k) found[idx[k]] = lr->entries[k].found ? 1 : 0;
     }
-    for (size_t k = 0; k < idx.size(); ++k) found[idx[k]] = lr->entries[k].found ? 1 : 0;
   }
   return found;
 }
