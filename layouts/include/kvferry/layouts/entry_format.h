@@ -53,6 +53,11 @@ struct EntryFormat {
   int32_t heads = 1;           ///< kMha: KV heads
   int32_t head_dim = kMlaDim;  ///< kMha: elements per head
   MhaOrder order = MhaOrder::kNHD;
+  /// kMha under tensor parallelism: this cache holds heads [head_first, head_first + heads) of
+  /// heads_total (0 = heads: all of them). A slice changes no byte layout, only which heads the
+  /// bytes are; loads map heads between slices (layouts/geometry.h).
+  int32_t head_first = 0;
+  int32_t heads_total = 0;
 
   static EntryFormat mla_bf16() { return {FormatKind::kMlaBf16, DType::kBF16, 1, kMlaDim, MhaOrder::kNHD}; }
   static EntryFormat mla_fp8() { return {FormatKind::kMlaFp8, DType::kFP8E4M3, 1, kMlaDim, MhaOrder::kNHD}; }
@@ -61,6 +66,19 @@ struct EntryFormat {
   static EntryFormat mha(int32_t heads, int32_t head_dim, DType dtype, MhaOrder order = MhaOrder::kNHD) {
     return {FormatKind::kMha, dtype, heads, head_dim, order};
   }
+  /// An MHA cache holding heads [first, first + heads) of `total` (one tensor-parallel rank's).
+  static EntryFormat mha_slice(int32_t heads, int32_t head_dim, DType dtype, MhaOrder order, int32_t first,
+                               int32_t total) {
+    EntryFormat f{FormatKind::kMha, dtype, heads, head_dim, order};
+    f.head_first = first;
+    f.heads_total = total == heads && first == 0 ? 0 : total;
+    return f;
+  }
+
+  /// All heads of the model (kMha): heads_total, or heads when the cache holds all of them.
+  KVFERRY_HOST_DEVICE int32_t total_heads() const { return heads_total > 0 ? heads_total : heads; }
+  /// Whether this (kMha) cache holds only some of the model's heads.
+  KVFERRY_HOST_DEVICE bool sliced() const { return kind == FormatKind::kMha && total_heads() != heads; }
 
   KVFERRY_HOST_DEVICE bool is_mla() const {
     return kind == FormatKind::kMlaBf16 || kind == FormatKind::kMlaFp8 || kind == FormatKind::kMlaFp8Ds;
@@ -116,12 +134,14 @@ struct EntryFormat {
   KVFERRY_HOST_DEVICE bool operator==(const EntryFormat& o) const {
     if (kind != o.kind) return false;
     if (kind != FormatKind::kMha) return true;
-    return dtype == o.dtype && heads == o.heads && head_dim == o.head_dim && order == o.order;
+    return dtype == o.dtype && heads == o.heads && head_dim == o.head_dim && order == o.order &&
+           head_first == o.head_first && total_heads() == o.total_heads();
   }
   KVFERRY_HOST_DEVICE bool operator!=(const EntryFormat& o) const { return !(*this == o); }
 
 #if !defined(__CUDA_ARCH__)
-  /// "mla_fp8_ds", or "mha:bf16:8x128:nhd". Parsed back by parse().
+  /// "mla_fp8_ds", "mha:bf16:8x128:nhd", or a tensor-parallel slice "mha:bf16:4x128:nhd:slice=4/8"
+  /// (heads 4..7 of 8). Parsed back by parse().
   std::string name() const {
     switch (kind) {
       case FormatKind::kMlaBf16: return "mla_bf16";
@@ -130,7 +150,10 @@ struct EntryFormat {
       case FormatKind::kIndexerFp8: return "indexer_fp8";
       case FormatKind::kMha:
         return "mha:" + std::string(dtype_name(dtype)) + ":" + std::to_string(heads) + "x" + std::to_string(head_dim) +
-               (order == MhaOrder::kNHD ? ":nhd" : ":hnd");
+               (order == MhaOrder::kNHD ? ":nhd" : ":hnd") +
+               (sliced() || head_first != 0
+                    ? ":slice=" + std::to_string(head_first) + "/" + std::to_string(total_heads())
+                    : std::string());
     }
     return "?";
   }
@@ -144,17 +167,21 @@ struct EntryFormat {
       return {ErrorCode::kInvalidArgument, "mha heads " + std::to_string(heads) + " is outside [1, 1024]"};
     if (head_dim < 1 || head_dim > 1024)
       return {ErrorCode::kInvalidArgument, "mha head_dim " + std::to_string(head_dim) + " is outside [1, 1024]"};
+    if (head_first < 0 || heads_total < 0 || heads_total > 1024 || head_first + heads > total_heads())
+      return {ErrorCode::kInvalidArgument, "mha slice of heads [" + std::to_string(head_first) + ", " +
+                                               std::to_string(head_first + heads) + ") does not fit in " +
+                                               std::to_string(total_heads()) + " heads"};
     return Status::Ok();
   }
 
-  /// Parses a name(): mla_bf16 | mla_fp8 | mla_fp8_ds | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd].
+  /// Parses a name(): mla_bf16 | mla_fp8 | mla_fp8_ds | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd][:slice=A/T].
   static Result<EntryFormat> parse(std::string_view s) {
     if (s == "mla_bf16") return mla_bf16();
     if (s == "mla_fp8") return mla_fp8();
     if (s == "mla_fp8_ds") return mla_fp8_ds();
     if (s == "indexer_fp8") return indexer_fp8();
     const std::string bad = "unknown format '" + std::string(s) +
-                            "' (expected mla_bf16, mla_fp8, mla_fp8_ds, indexer_fp8 or mha:DTYPE:HxD[:nhd|:hnd])";
+                            "' (expected mla_bf16, mla_fp8, mla_fp8_ds, indexer_fp8 or mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL])";
     if (s.substr(0, 4) != "mha:") return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
     std::string_view rest = s.substr(4);
     const auto c1 = rest.find(':');
@@ -170,18 +197,6 @@ struct EntryFormat {
       dtype = DType::kFP8E4M3;
     else
       return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
-    MhaOrder order = MhaOrder::kNHD;
-    const auto c2 = rest.find(':');
-    if (c2 != std::string_view::npos) {
-      const std::string_view o = rest.substr(c2 + 1);
-      if (o == "hnd")
-        order = MhaOrder::kHND;
-      else if (o != "nhd")
-        return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
-      rest = rest.substr(0, c2);
-    }
-    const auto x = rest.find('x');
-    if (x == std::string_view::npos) return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
     auto num = [](std::string_view v, int32_t* out) {
       if (v.empty() || v.size() > 6) return false;
       int32_t n = 0;
@@ -192,10 +207,38 @@ struct EntryFormat {
       *out = n;
       return true;
     };
+    MhaOrder order = MhaOrder::kNHD;
+    int32_t first = 0, total = 0;
+    bool has_slice = false;
+    const auto c2 = rest.find(':');
+    if (c2 != std::string_view::npos) {
+      std::string_view opts = rest.substr(c2 + 1);
+      rest = rest.substr(0, c2);
+      while (!opts.empty()) {
+        const auto c = opts.find(':');
+        const std::string_view o = opts.substr(0, c);
+        opts = c == std::string_view::npos ? std::string_view() : opts.substr(c + 1);
+        if (o == "hnd") {
+          order = MhaOrder::kHND;
+        } else if (o == "nhd") {
+          order = MhaOrder::kNHD;
+        } else if (o.substr(0, 6) == "slice=" && !has_slice) {
+          const std::string_view v = o.substr(6);
+          const auto sl = v.find('/');
+          if (sl == std::string_view::npos || !num(v.substr(0, sl), &first) || !num(v.substr(sl + 1), &total))
+            return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
+          has_slice = true;
+        } else {
+          return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
+        }
+      }
+    }
+    const auto x = rest.find('x');
+    if (x == std::string_view::npos) return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
     int32_t h = 0, d = 0;
     if (!num(rest.substr(0, x), &h) || !num(rest.substr(x + 1), &d))
       return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
-    EntryFormat f = mha(h, d, dtype, order);
+    EntryFormat f = has_slice ? mha_slice(h, d, dtype, order, first, total) : mha(h, d, dtype, order);
     Status st = f.validate();
     if (!st.ok()) return st;
     return f;
