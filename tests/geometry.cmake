@@ -1,0 +1,4 @@
+# Loads across geometries (issue 40): page sizes, tensor-parallel head slices, NHD/HND.
+kvferry_add_gtest(layouts_geometry_test LABEL unit
+  SOURCES unit/layouts_geometry_test.cpp
+  LIBS kvferry::layouts)
