@@ -371,7 +371,9 @@ TEST(FormatFamily, MlaFormatsShareAFamily) {
   EXPECT_EQ(format_family(EntryFormat::mla_fp8()), "mla");
   EXPECT_EQ(format_family(EntryFormat::mla_fp8_ds()), "mla");
   EXPECT_EQ(format_family(EntryFormat::mla_bf16()), "mla");
-  EXPECT_EQ(format_family(EntryFormat::mha(8, 128, DType::kBF16)), "mha:bf16:8x128:nhd");
+  EXPECT_EQ(format_family(EntryFormat::mha(8, 128, DType::kBF16)), "mha:bf16:8x128");
+  // Tensor-parallel ranks and both head layouts of one model share blocks (loads map between them).
+  EXPECT_EQ(format_family(*EntryFormat::parse("mha:bf16:2x128:hnd:slice=6/8")), "mha:bf16:8x128");
 }
 
 }  // namespace

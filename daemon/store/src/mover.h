@@ -53,6 +53,9 @@ class MoveOp {
   /// appended to `*lossy` and leaves the region untouched (Ok). Synchronous.
   virtual Status convert_block(const uint8_t* stored, const BlockShape& shape, std::span<const CopyRun> runs,
                                std::vector<int64_t>* lossy) = 0;
+  /// Loads only: moves a block laid out in host memory [buf, buf + bytes) (a mapped load's block,
+  /// assembled there) into the region by `runs` (source offsets into buf). Synchronous.
+  virtual Status place_block(const uint8_t* buf, int64_t bytes, std::span<const CopyRun> runs) = 0;
   /// Waits for everything enqueued; the first copy failure, if any.
   virtual Status finish() = 0;
 };

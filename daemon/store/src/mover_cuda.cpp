@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstring>
 #include <mutex>
 #include <vector>
 
@@ -132,20 +133,9 @@ class CudaOp final : public MoveOp {
   Status convert_block(const uint8_t* stored, const BlockShape& shape, std::span<const CopyRun> runs,
                        std::vector<int64_t>* lossy) override {
     if (to_pool_) return {ErrorCode::kInternal, "convert_block on a save"};
-    Lane& lane = *lane_;
     const KvCacheSpec one = BlockShape{region_.spec.layers, region_.spec.block_size, region_.spec.format}.slot_spec();
-    if (lane.staging_bytes < one.region_bytes()) {
-      if (lane.staging) {
-        KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-        cudaFreeHost(lane.staging);
-      }
-      lane.staging = nullptr;
-      lane.staging_bytes = 0;
-      void* p = nullptr;
-      KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(one.region_bytes())));
-      lane.staging = static_cast<uint8_t*>(p);
-      lane.staging_bytes = one.region_bytes();
-    }
+    KVFERRY_TRY(grow_staging(one.region_bytes()));
+    Lane& lane = *lane_;
     KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));  // the staging's previous block is out
     const int64_t zero = 0;
     KVFERRY_TRY(kernels::convert_blocks_cpu(stored, shape.slot_spec(), {&zero, 1}, lane.staging, one, {&zero, 1},
@@ -157,11 +147,41 @@ class CudaOp final : public MoveOp {
     return Status::Ok();
   }
 
+  /// Through the lane's pinned staging, as convert_block: a copy on the host, then one DMA.
+  Status place_block(const uint8_t* buf, int64_t bytes, std::span<const CopyRun> runs) override {
+    if (to_pool_) return {ErrorCode::kInternal, "place_block on a save"};
+    KVFERRY_TRY(grow_staging(bytes));
+    Lane& lane = *lane_;
+    KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));  // the staging's previous block is out
+    std::memcpy(lane.staging, buf, static_cast<size_t>(bytes));
+    KVFERRY_TRY(kernels::validate_copy_runs(runs, bytes, region_.spec.region_bytes()));
+    KVFERRY_TRY(lane.copiers[0]->copy(lane.staging, region_.base, runs, kernels::CopyEngine::kDma, lane.stream));
+    KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+    return Status::Ok();
+  }
+
   Status finish() override {
     return cuda_status(cudaStreamSynchronize(lane_->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
   }
 
  private:
+  /// The lane's pinned staging, at least `bytes` (regrown after the stream is idle).
+  Status grow_staging(int64_t bytes) {
+    Lane& lane = *lane_;
+    if (lane.staging_bytes >= bytes) return Status::Ok();
+    if (lane.staging) {
+      KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+      cudaFreeHost(lane.staging);
+    }
+    lane.staging = nullptr;
+    lane.staging_bytes = 0;
+    void* p = nullptr;
+    KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(bytes)));
+    lane.staging = static_cast<uint8_t*>(p);
+    lane.staging_bytes = bytes;
+    return Status::Ok();
+  }
+
   CudaMover& mover_;
   std::unique_ptr<Lane> lane_;
   RegionAccess region_;

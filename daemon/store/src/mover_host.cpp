@@ -39,6 +39,11 @@ class HostOp final : public MoveOp {
                                     {1});
   }
 
+  Status place_block(const uint8_t* buf, int64_t bytes, std::span<const CopyRun> runs) override {
+    if (to_pool_) return {ErrorCode::kInternal, "place_block on a save"};
+    return kernels::copy_blocks_cpu(buf, bytes, region_.base, region_.spec.region_bytes(), runs, {1});
+  }
+
   Status finish() override { return Status::Ok(); }
 
  private:

@@ -10,6 +10,9 @@
 #include <thread>
 #include <unordered_map>
 
+#include "kvferry/layouts/geometry.h"
+#include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/copy_blocks.h"
 #include "mover.h"
 
 namespace kvferry::store {
@@ -170,18 +173,47 @@ struct BlockKeyHash {
 
 }  // namespace
 
-std::string format_family(const EntryFormat& f) { return f.is_mla() ? std::string("mla") : f.name(); }
+std::string format_family(const EntryFormat& f) {
+  if (f.is_mla()) return "mla";
+  // MHA caches of one model share blocks whatever their order and whichever heads a rank holds:
+  // loads map both.
+  if (f.kind == FormatKind::kMha)
+    return "mha:" + std::string(dtype_name(f.dtype)) + ":" + std::to_string(f.total_heads()) + "x" +
+           std::to_string(f.head_dim);
+  return f.name();
+}
 
 Status check_loadable(const BlockShape& from, const BlockShape& to) {
   if (from.layers != to.layers || from.block_size != to.block_size)
-    return {ErrorCode::kInvalidArgument, "stored block is " + std::to_string(from.layers) + " layers x " +
-                                             std::to_string(from.block_size) + " tokens but the region's blocks are " +
-                                             std::to_string(to.layers) + " x " + std::to_string(to.block_size)};
+    return {ErrorCode::kInvalidArgument,
+            "stored block is " + std::to_string(from.layers) + " layers x " + std::to_string(from.block_size) +
+                " tokens but the region's blocks are " + std::to_string(to.layers) + " x " +
+                std::to_string(to.block_size) +
+                (from.layers == to.layers ? " (a mapped load says which part of it goes into which block)" : "")};
   if (from.format == to.format || convertible(from.format.kind, to.format.kind)) return Status::Ok();
   return {ErrorCode::kUnsupported, "no conversion from the stored format " + from.format.name() + " to the region's " +
                                        to.format.name() +
                                        " (supported: mla_fp8->mla_fp8_ds, mla_bf16->mla_fp8_ds, "
                                        "mla_fp8_ds->mla_bf16, mla_fp8_ds->mla_fp8 when lossless)"};
+}
+
+Status check_mappable(const BlockShape& from, const BlockShape& to) {
+  auto both = [&] {
+    return " (stored: " + geometry_name(from.format, from.layers, from.block_size) +
+           "; region: " + geometry_name(to.format, to.layers, to.block_size) + ")";
+  };
+  if (from.layers != to.layers) return {ErrorCode::kInvalidArgument, "different layer counts" + both()};
+  if (!same_entries(from.format, to.format) && !convertible(from.format.kind, to.format.kind)) {
+    if (from.format.kind == FormatKind::kMha && to.format.kind == FormatKind::kMha)
+      return {ErrorCode::kUnsupported, "MHA caches of another dtype, head size or head count" + both()};
+    return {ErrorCode::kUnsupported, "no conversion between these entry formats" + both()};
+  }
+  if (from.format.kind == FormatKind::kMha && common_heads(from.format, to.format).count() == 0)
+    return {ErrorCode::kInvalidArgument, "the stored block holds none of the region's heads" + both()};
+  const int64_t a = from.block_size, b = to.block_size;
+  if (a < 1 || b < 1 || (a >= b ? a % b : b % a) != 0)
+    return {ErrorCode::kUnsupported, "page sizes that do not divide each other" + both()};
+  return Status::Ok();
 }
 
 struct OffloadService::Impl {
@@ -213,6 +245,9 @@ struct OffloadService::Impl {
         loaded_bytes(m.counter("kvferry_bytes_loaded_total", "Bytes loaded", "tier=\"host\"")),
         load_misses(m.counter("kvferry_load_misses_total", "Loads of blocks that were not stored")),
         converted(m.counter("kvferry_blocks_converted_total", "Blocks converted to another format on load")),
+        remapped(m.counter("kvferry_blocks_remapped_total",
+                           "Region blocks loaded from stored blocks of another geometry (page size, head slice or "
+                           "head layout)")),
         checksum_failures(m.counter("kvferry_checksum_failures_total", "Stored blocks whose checksum did not match")),
         save_failures(m.counter("kvferry_save_failures_total", "Blocks that could not be saved")),
         timeouts(m.counter("kvferry_transfer_timeouts_total", "Blocks failed because limits.request_timeout passed")),
@@ -230,8 +265,8 @@ struct OffloadService::Impl {
   Options opts;
   std::atomic<bool> verify_on_load;
   std::unique_ptr<TaskPool> hashers;
-  Counter &saved_blocks, &saved_bytes, &loaded_blocks, &loaded_bytes, &load_misses, &converted, &checksum_failures,
-      &save_failures, &timeouts;
+  Counter &saved_blocks, &saved_bytes, &loaded_blocks, &loaded_bytes, &load_misses, &converted, &remapped,
+      &checksum_failures, &save_failures, &timeouts;
   Histogram &save_seconds, &load_seconds;
   Phases save_phase, load_phase;
 
@@ -441,7 +476,7 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
   std::vector<Status> res(keys.size());
   if (keys.size() != block_ids.size()) return mismatched_lists("load", keys.size(), block_ids.size());
   const BlockShape target{region.spec.layers, region.spec.block_size, region.spec.format};
-  std::vector<size_t> which;
+  std::vector<size_t> which, remap;
   std::vector<Hold> holds;
   refuse_duplicates<int64_t>(block_ids, &res, "target block", [](const int64_t& b) { return std::to_string(b); });
   for (size_t i = 0; i < keys.size(); ++i) {
@@ -457,7 +492,11 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
       continue;
     }
     if (Status st = check_loadable(h->meta.shape, target); !st.ok()) {
-      res[i] = st;
+      // Another head slice or order of the same pages: a one-to-one mapped load.
+      if (h->meta.shape.block_size == target.block_size && check_mappable(h->meta.shape, target).ok())
+        remap.push_back(i);
+      else
+        res[i] = st;
       d.index.release(*h);
       continue;
     }
@@ -576,6 +615,19 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
       }
     }
   }
+  if (!remap.empty()) {
+    std::vector<BlockKey> rk;
+    std::vector<int64_t> rb;
+    std::vector<uint8_t> rv;
+    for (size_t i : remap) {
+      rk.push_back(keys[i]);
+      rb.push_back(block_ids[i]);
+      rv.push_back(i < verified.size() ? verified[i] : 0);
+    }
+    const std::vector<int32_t> parts(remap.size(), 0);
+    auto r = load_mapped(region, ns, rk, rb, parts, deadline, rv);
+    for (size_t j = 0; j < remap.size(); ++j) res[remap[j]] = std::move(r[j]);
+  }
   const double total = seconds_since(t0);
   d.load_phase.prepare->add(micros(t_prepare));
   d.load_phase.enqueue->add(micros(t_enqueue));
@@ -583,6 +635,309 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
   d.load_phase.hash->add(micros(t_hash));
   d.load_phase.total->add(micros(total));
   d.load_seconds.observe(total);
+  return res;
+}
+
+std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, NamespaceId ns,
+                                                std::span<const BlockKey> keys, std::span<const int64_t> block_ids,
+                                                std::span<const int32_t> parts, Clock::time_point deadline,
+                                                std::span<const uint8_t> verified) {
+  const auto t0 = Clock::now();
+  Impl& d = *impl_;
+  const size_t n = keys.size();
+  if (block_ids.size() != n) return mismatched_lists("mapped load", n, block_ids.size());
+  if (parts.size() != n)
+    return std::vector<Status>(n, Status(ErrorCode::kInvalidArgument, "mapped load: " + std::to_string(n) +
+                                                                          " keys but " + std::to_string(parts.size()) +
+                                                                          " parts"));
+  std::vector<Status> res(n);
+  const BlockShape target{region.spec.layers, region.spec.block_size, region.spec.format};
+  const KvCacheSpec one = target.slot_spec();  // a region block alone, as it is assembled on the host
+  const bool verify = d.opts.checksum && d.verify_on_load.load();
+
+  // Each stored block once, held for the whole call; a key may feed several region blocks.
+  struct Source {
+    Hold hold;
+    Status st;  // why it cannot be used (a miss, ...)
+    bool held = false, checked = false, bad = false, trusted = false;
+  };
+  std::vector<Source> srcs;
+  std::vector<size_t> src_of(n, 0);
+  {
+    std::unordered_map<BlockKey, size_t, BlockKeyHash> at;
+    for (size_t i = 0; i < n; ++i) {
+      auto [it, fresh] = at.emplace(keys[i], srcs.size());
+      src_of[i] = it->second;
+      if (!fresh) {
+        srcs[it->second].trusted = srcs[it->second].trusted && i < verified.size() && verified[i];
+        continue;
+      }
+      Source src;
+      src.trusted = i < verified.size() && verified[i];
+      auto h = d.index.acquire(NsKey{ns, keys[i]});
+      if (h.ok()) {
+        src.hold = *h;
+        src.held = true;
+      } else {
+        src.st = h.status();
+        d.load_misses.add();
+      }
+      srcs.push_back(std::move(src));
+    }
+  }
+  // Where each entry's tokens go, and whether its stored block needs a format conversion first.
+  std::vector<TokenSpan> span(n);
+  std::vector<uint8_t> conv(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    if (Status st = region.spec.check_block(block_ids[i]); !st.ok()) {
+      res[i] = st;
+      continue;
+    }
+    const Source& src = srcs[src_of[i]];
+    if (!src.held) {
+      res[i] = src.st;
+      continue;
+    }
+    const BlockShape& from = src.hold.meta.shape;
+    if (Status st = check_mappable(from, target); !st.ok()) {
+      res[i] = st.with_context("stored block " + keys[i].hex());
+      continue;
+    }
+    auto sp = token_span(from.block_size, target.block_size, parts[i]);
+    if (!sp.ok()) {
+      res[i] = sp.status().with_context("stored block " + keys[i].hex());
+      continue;
+    }
+    span[i] = *sp;
+    conv[i] = from.format == target.format || same_entries(from.format, target.format) ? 0 : 1;
+  }
+  // Region blocks, in order of first mention, with their entries.
+  struct Group {
+    int64_t block = 0;
+    std::vector<size_t> entries;
+    Status st;
+    bool convert = false;
+  };
+  std::vector<Group> groups;
+  {
+    std::unordered_map<int64_t, size_t> at;
+    for (size_t i = 0; i < n; ++i) {
+      if (region.spec.check_block(block_ids[i]).ok()) {
+        auto [it, fresh] = at.emplace(block_ids[i], groups.size());
+        if (fresh) groups.push_back(Group{block_ids[i], {}, Status::Ok(), false});
+        groups[it->second].entries.push_back(i);
+      }
+    }
+  }
+  const bool mha = target.format.kind == FormatKind::kMha;
+  const int64_t need = target.block_size * (mha ? target.format.heads : 1);
+  auto fail_group = [&](Group& g, size_t cause, const Status& why) {
+    if (!g.st.ok()) return;
+    g.st = Status(why.code(), "region block " + std::to_string(g.block) + " was not loaded: entry " +
+                                  std::to_string(cause) + " (stored block " + keys[cause].hex() + ", part " +
+                                  std::to_string(parts[cause]) + "): " + why.message());
+  };
+  for (Group& g : groups) {
+    for (size_t i : g.entries)
+      if (!res[i].ok()) fail_group(g, i, res[i]);
+    if (!g.st.ok()) continue;
+    // Coverage: each token (and head) of the region block exactly once.
+    int64_t covered = 0;
+    for (size_t a = 0; a < g.entries.size() && g.st.ok(); ++a) {
+      const size_t i = g.entries[a];
+      const HeadRange hi = mha ? common_heads(srcs[src_of[i]].hold.meta.shape.format, target.format) : HeadRange{0, 1};
+      covered += span[i].tokens * hi.count();
+      g.convert = g.convert || conv[i];
+      for (size_t b = 0; b < a; ++b) {
+        const size_t j = g.entries[b];
+        const HeadRange hj = mha ? common_heads(srcs[src_of[j]].hold.meta.shape.format, target.format) : HeadRange{0, 1};
+        const bool tokens = span[i].dst_token < span[j].dst_token + span[j].tokens &&
+                            span[j].dst_token < span[i].dst_token + span[i].tokens;
+        const bool heads = std::max(hi.first, hj.first) < std::min(hi.end, hj.end);
+        if (tokens && heads)
+          fail_group(g, i,
+                     Status(ErrorCode::kInvalidArgument,
+                            "it overlaps entry " + std::to_string(j) + " (tokens [" +
+                                std::to_string(span[i].dst_token) + ", " +
+                                std::to_string(span[i].dst_token + span[i].tokens) + ") of the region block twice)"));
+      }
+    }
+    if (g.st.ok() && covered != need)
+      fail_group(g, g.entries.front(),
+                 Status(ErrorCode::kInvalidArgument,
+                        "the request fills " + std::to_string(covered) + " of its " + std::to_string(need) +
+                            (mha ? " token-heads" : " tokens") + "; name the stored blocks of every part"));
+  }
+  // Verifies the stored blocks `which` (not yet checked) on the hashing pool.
+  auto check_sources = [&](std::vector<size_t>& which) {
+    if (!verify || which.empty()) return;
+    d.hashers->parallel_for(which.size(), target.bytes(), [&](size_t k) {
+      Source& src = srcs[which[k]];
+      if (block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum) src.bad = true;
+    });
+  };
+  auto group_bad = [&](Group& g) {
+    for (size_t i : g.entries)
+      if (srcs[src_of[i]].bad) {
+        fail_group(g, i, Status(ErrorCode::kChecksumMismatch, "it failed its checksum; it was dropped"));
+        return true;
+      }
+    return false;
+  };
+  auto sources_of = [&](size_t from, size_t to, const std::vector<size_t>& gi) {  // unchecked sources of groups
+    std::vector<size_t> which;
+    for (size_t k = from; k < to; ++k)
+      for (size_t i : groups[gi[k]].entries) {
+        Source& src = srcs[src_of[i]];
+        if (src.checked) continue;
+        src.checked = true;
+        if (!src.trusted) which.push_back(src_of[i]);
+      }
+    return which;
+  };
+  std::vector<size_t> direct, staged;  // indices into groups
+  for (size_t g = 0; g < groups.size(); ++g)
+    if (groups[g].st.ok()) (groups[g].convert ? staged : direct).push_back(g);
+
+  std::unique_ptr<MoveOp> op;
+  if (!direct.empty() || !staged.empty()) {
+    auto o = d.begin(region, false);
+    if (o.ok())
+      op = std::move(*o);
+    else
+      for (Group& g : groups) fail_group(g, g.entries.front(), o.status());
+  }
+  // Direct groups: runs from the stored blocks' slots straight into the region, in sub-batches;
+  // sub-batch k's stored blocks are verified while k-1 is being copied.
+  const uint64_t bb = static_cast<uint64_t>(target.bytes());
+  const auto subs = split(direct.size(), bb, d.sub_batch_bytes(bb));
+  std::vector<CopyRun> runs, kept;
+  std::vector<size_t> run_at(direct.size() + 1, 0);
+  for (size_t k = 0; op && k < direct.size(); ++k) {
+    Group& g = groups[direct[k]];
+    run_at[k] = runs.size();
+    for (size_t i : g.entries) {
+      const Source& src = srcs[src_of[i]];
+      const BlockShape& from = src.hold.meta.shape;
+      const KvCacheSpec sspec = from.slot_spec();
+      const size_t floor = runs.size();
+      Status st = push_token_runs(&runs, sspec, 0, span[i].src_token, region.spec, g.block, span[i].dst_token,
+                                  span[i].tokens, static_cast<int64_t>(src.hold.slot.offset), 0);
+      if (!st.ok()) {
+        runs.resize(floor);
+        fail_group(g, i, st);
+      }
+    }
+  }
+  run_at[direct.size()] = runs.size();
+  for (size_t k = 0; op && k < subs.size(); ++k) {
+    d.test_delay();
+    if (Clock::now() >= deadline) {
+      for (size_t q = subs[k].first; q < direct.size(); ++q)
+        fail_group(groups[direct[q]], groups[direct[q]].entries.front(), Impl::timed_out("load"));
+      break;
+    }
+    auto which = sources_of(subs[k].first, subs[k].second, direct);
+    check_sources(which);
+    kept.clear();
+    std::vector<size_t> go;
+    for (size_t q = subs[k].first; q < subs[k].second; ++q) {
+      Group& g = groups[direct[q]];
+      if (!g.st.ok() || group_bad(g)) continue;
+      go.push_back(q);
+      kept.insert(kept.end(), runs.begin() + static_cast<std::ptrdiff_t>(run_at[q]),
+                  runs.begin() + static_cast<std::ptrdiff_t>(run_at[q + 1]));
+    }
+    if (op->by_block()) {
+      d.hashers->parallel_for(go.size(), bb, [&](size_t x) {
+        const size_t q = go[x];
+        Status st = op->move_block(std::span<const CopyRun>(runs).subspan(run_at[q], run_at[q + 1] - run_at[q]));
+        if (!st.ok()) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
+      });
+    } else if (!kept.empty()) {
+      if (Status st = op->enqueue(k, kept); !st.ok()) {
+        for (size_t q = subs[k].first; q < direct.size(); ++q)
+          fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
+        break;
+      }
+    }
+  }
+  if (op && !direct.empty()) {
+    if (Status st = op->finish(); !st.ok())
+      for (size_t q : direct) fail_group(groups[q], groups[q].entries.front(), st);
+  }
+  // Groups with a conversion: assembled on the host (each stored block converted into the
+  // region's format at its own geometry, then mapped), then placed whole.
+  std::vector<uint8_t> block_buf, conv_buf;
+  for (size_t q : staged) {
+    Group& g = groups[q];
+    if (!op || !g.st.ok()) continue;
+    if (Clock::now() >= deadline) {
+      fail_group(g, g.entries.front(), Impl::timed_out("load"));
+      continue;
+    }
+    auto which = sources_of(0, 1, std::vector<size_t>{q});
+    check_sources(which);
+    if (group_bad(g)) continue;
+    block_buf.assign(static_cast<size_t>(one.region_bytes()), 0);
+    for (size_t i : g.entries) {
+      if (!g.st.ok()) break;
+      const Source& src = srcs[src_of[i]];
+      const BlockShape& from = src.hold.meta.shape;
+      const uint8_t* sbase = src.hold.data;
+      KvCacheSpec sspec = from.slot_spec();
+      if (conv[i]) {
+        const KvCacheSpec cspec{from.layers, 1, from.block_size, target.format, Layout::kBlockMajor};
+        conv_buf.assign(static_cast<size_t>(cspec.region_bytes()), 0);
+        std::vector<int64_t> lossy;
+        const int64_t zero = 0;
+        Status st = kernels::convert_blocks_cpu(sbase, sspec, {&zero, 1}, conv_buf.data(), cspec, {&zero, 1},
+                                                {d.opts.cpu_threads}, &lossy);
+        if (st.ok() && !lossy.empty())
+          st = {ErrorCode::kDataLoss, "it is not losslessly representable as " + target.format.name() + "; recompute it"};
+        if (!st.ok()) {
+          fail_group(g, i, st);
+          break;
+        }
+        sbase = conv_buf.data();
+        sspec = cspec;
+      }
+      std::vector<CopyRun> cr;
+      Status st = push_token_runs(&cr, sspec, 0, span[i].src_token, one, 0, span[i].dst_token, span[i].tokens);
+      if (st.ok())
+        st = kernels::copy_blocks_cpu(sbase, sspec.region_bytes(), block_buf.data(), one.region_bytes(), cr, {1});
+      if (!st.ok()) fail_group(g, i, st);
+    }
+    if (!g.st.ok()) continue;
+    std::vector<CopyRun> place;
+    push_block_runs(&place, region.spec, g.block, 0, false);
+    if (Status st = op->place_block(block_buf.data(), one.region_bytes(), place); !st.ok())
+      fail_group(g, g.entries.front(), st);
+    else
+      d.converted.add();
+  }
+  op.reset();  // waits for its copies before the holds go
+  // Damaged stored blocks are dropped; holds released; every entry gets its region block's status.
+  for (size_t k = 0; k < srcs.size(); ++k) {
+    Source& src = srcs[k];
+    if (!src.held) continue;
+    d.index.release(src.hold);
+    if (src.bad) {
+      d.checksum_failures.add();
+      (void)d.index.evict(ns, std::span<const BlockKey>(&src.hold.key.key, 1));
+    }
+  }
+  for (const Group& g : groups) {
+    for (size_t i : g.entries) res[i] = g.st;
+    if (g.st.ok()) {
+      d.loaded_blocks.add();
+      d.loaded_bytes.add(bb);
+      d.remapped.add();
+    } else if (g.st.code() == ErrorCode::kTimeout) {
+      d.timeouts.add();
+    }
+  }
+  d.load_seconds.observe(seconds_since(t0));
   return res;
 }
 

@@ -41,6 +41,11 @@ std::string format_family(const EntryFormat& f);
 /// size; same format, or a supported conversion).
 Status check_loadable(const BlockShape& from, const BlockShape& to);
 
+/// Whether a block stored as `from` can go into blocks of `to` through a mapped load: the same
+/// layers; page sizes that divide each other; the same entries apart from the MHA head slice and
+/// order (which must share a head), or an MLA format conversion. The error names both geometries.
+Status check_mappable(const BlockShape& from, const BlockShape& to);
+
 class OffloadService {
  public:
   struct Options {
@@ -81,6 +86,21 @@ class OffloadService {
   std::vector<Status> load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
                            std::span<const int64_t> block_ids, Clock::time_point deadline = kNoDeadline,
                            std::span<const uint8_t> verified = {});
+
+  /// A load across geometries: entry i puts part parts[i] of the stored block keys[i] into region
+  /// block block_ids[i] (layouts/geometry.h token_span: with stored pages larger than the region's,
+  /// part p is the stored tokens [p R, (p+1) R); with smaller ones, the stored block fills region
+  /// tokens [p S, (p+1) S)), the heads both hold (MHA tensor-parallel slices), NHD <-> HND, and
+  /// the MLA format conversions of load(). Several entries may fill one region block (smaller
+  /// pages, or head slices that ranks saved) and one key may feed several. A region block is
+  /// written only when all its entries can be: together they must cover each of its tokens and
+  /// heads exactly once, else every entry of it fails (kInvalidArgument naming the gap or the
+  /// overlap); a missing, damaged or unmappable stored block fails every entry of the region
+  /// blocks it feeds, naming the entry and both geometries, and leaves them untouched.
+  /// Per-entry statuses. `verified` as in load(), one flag per entry.
+  std::vector<Status> load_mapped(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                                  std::span<const int64_t> block_ids, std::span<const int32_t> parts,
+                                  Clock::time_point deadline = kNoDeadline, std::span<const uint8_t> verified = {});
 
   /// integrity.verify_on_load may change at run time (SIGHUP).
   void set_verify_on_load(bool on);
