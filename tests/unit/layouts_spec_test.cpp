@@ -29,6 +29,20 @@ TEST(EntryFormat, SizesAndOffsetsMatchTheSpecTables) {
   const MlaFields f8 = EntryFormat::mla_fp8().mla_fields();
   EXPECT_EQ(f8.rope_offset, 512);
   EXPECT_EQ(f8.scale_bytes, 0);
+  const EntryFormat f4 = EntryFormat::mla_fp4();
+  EXPECT_EQ(f4.bytes_per_token(), 288 + 36);
+  EXPECT_EQ(f4.entry_elems(), 324);
+  EXPECT_EQ(f4.dtype, DType::kU8);
+  EXPECT_EQ(f4.alignment(), 4);
+  EXPECT_TRUE(f4.is_mla());
+  EXPECT_FALSE(EntryFormat::indexer_fp8().is_mla());
+  // mla_fp4's fields are ranges of the token's value row; its scales live in the scale plane.
+  const MlaFields fp4 = f4.mla_fields();
+  EXPECT_EQ(fp4.nope_offset, 0);
+  EXPECT_EQ(fp4.nope_bytes, 256);
+  EXPECT_EQ(fp4.scale_bytes, 0);
+  EXPECT_EQ(fp4.rope_offset, 256);
+  EXPECT_EQ(fp4.rope_offset + fp4.rope_bytes, kMlaFp4ValueBytes);
   EXPECT_EQ(EntryFormat::mha(8, 128, DType::kBF16).bytes_per_token(), 2 * 8 * 128 * 2);
   EXPECT_EQ(EntryFormat::mha(8, 128, DType::kFP8E4M3, MhaOrder::kHND).bytes_per_token(), 2 * 8 * 128);
 }
@@ -36,19 +50,22 @@ TEST(EntryFormat, SizesAndOffsetsMatchTheSpecTables) {
 TEST(EntryFormat, NamesParseBack) {
   for (const EntryFormat& f :
        {EntryFormat::mla_bf16(), EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds(), EntryFormat::indexer_fp8(),
-        EntryFormat::mha(8, 128, DType::kBF16), EntryFormat::mha(32, 64, DType::kFP16, MhaOrder::kHND),
-        EntryFormat::mha(1, 256, DType::kFP8E4M3)}) {
+        EntryFormat::mla_fp4(), EntryFormat::mha(8, 128, DType::kBF16),
+        EntryFormat::mha(32, 64, DType::kFP16, MhaOrder::kHND), EntryFormat::mha(1, 256, DType::kFP8E4M3)}) {
     auto p = EntryFormat::parse(f.name());
     ASSERT_TRUE(p.ok()) << f.name() << ": " << p.status().to_string();
     EXPECT_EQ(*p, f) << f.name();
     EXPECT_EQ(p->name(), f.name());
   }
   for (const char* bad : {"", "mla", "mha:", "mha:bf16", "mha:bf16:8x", "mha:int4:8x128", "mha:bf16:0x128",
-                          "mha:bf16:8x128:xyz", "mla_fp8_ds "}) {
+                          "mha:bf16:8x128:xyz", "mla_fp8_ds ", "mla_fp4x", "MLA_FP4"}) {
     auto p = EntryFormat::parse(bad);
     EXPECT_FALSE(p.ok()) << "'" << bad << "' parsed";
   }
   EXPECT_NE(EntryFormat::parse("mla_fp9").status().message().find("mla_fp9"), std::string::npos);
+  EXPECT_NE(EntryFormat::parse("mla_fp9").status().message().find("mla_fp4"), std::string::npos);
+  EXPECT_NE(EntryFormat::mla_fp4(), EntryFormat::mla_fp8());
+  EXPECT_EQ(EntryFormat::parse("mla_fp4")->kind, FormatKind::kMlaFp4);
 }
 
 // The specs the property tests run over: every format, both layouts, L in {1,2,3,61}.
@@ -58,6 +75,7 @@ std::vector<KvCacheSpec> spec_table() {
                               EntryFormat::mla_fp8(),
                               EntryFormat::mla_fp8_ds(),
                               EntryFormat::indexer_fp8(),
+                              EntryFormat::mla_fp4(),
                               EntryFormat::mha(4, 64, DType::kBF16),
                               EntryFormat::mha(2, 128, DType::kFP8E4M3, MhaOrder::kHND)};
   for (const EntryFormat& f : fmts)
@@ -101,10 +119,51 @@ TEST(KvCacheSpec, EveryViewCoordinateMapsToTheFormulaByte) {
           for (int64_t t : {int64_t{0}, int64_t{1}, s.block_size - 1})
             for (int64_t e : {int64_t{0}, s.format.entry_elems() - 1})
               ASSERT_EQ(v.offset_at(b, t, e), base + t * bpt + e * eb) << describe(s);
+          if (s.format.kind == FormatKind::kMlaFp4) {
+            const TensorView val = s.mla_fp4_values_view(l), sc = s.mla_fp4_scales_view(l);
+            ASSERT_TRUE(val.validate(s.region_bytes(), 4).ok()) << describe(s);
+            ASSERT_TRUE(sc.validate(s.region_bytes(), 4).ok()) << describe(s);
+            for (int64_t t : {int64_t{0}, int64_t{1}, s.block_size - 1}) {
+              for (int64_t e : {int64_t{0}, int64_t{kMlaFp4ValueBytes - 1}})
+                ASSERT_EQ(val.offset_at(b, t, e), base + t * kMlaFp4ValueBytes + e) << describe(s);
+              for (int64_t e : {int64_t{0}, int64_t{kMlaFp4ScaleBytes - 1}})
+                ASSERT_EQ(sc.offset_at(b, t, e), base + s.block_size * kMlaFp4ValueBytes + t * kMlaFp4ScaleBytes + e)
+                    << describe(s);
+            }
+          }
         }
       }
     }
   }
+}
+
+// The two mla_fp4 planes of every layer's page tile it exactly: each byte of the region belongs to
+// exactly one (layer, block, token, byte) of exactly one plane, for any block size.
+TEST(KvCacheSpec, MlaFp4PlanesTileEveryPage) {
+  for (Layout lay : {Layout::kBlockMajor, Layout::kLayerMajor})
+    for (int64_t bs : {1, 3, 64})
+      for (int64_t L : {1, 3}) {
+        KvCacheSpec s{L, 5, bs, EntryFormat::mla_fp4(), lay};
+        ASSERT_TRUE(s.validate().ok());
+        std::vector<int> hits(static_cast<size_t>(s.region_bytes()), 0);
+        for (int64_t l = 0; l < L; ++l) {
+          const TensorView planes[] = {s.mla_fp4_values_view(l), s.mla_fp4_scales_view(l)};
+          for (const TensorView& v : planes) {
+            ASSERT_EQ(v.dtype, DType::kU8);
+            ASSERT_EQ(v.stride(0), s.block_stride_bytes());
+            ASSERT_TRUE(v.validate(s.region_bytes(), 4).ok()) << v.to_string();
+            for (int64_t b = 0; b < s.blocks; ++b)
+              for (int64_t t = 0; t < bs; ++t)
+                for (int64_t e = 0; e < v.size(2); ++e) ++hits[static_cast<size_t>(v.offset_at(b, t, e))];
+          }
+        }
+        for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "byte " << i << " bs " << bs;
+      }
+  KvCacheSpec s{3, 32, 64, EntryFormat::mla_fp4(), Layout::kBlockMajor};
+  EXPECT_EQ(s.mla_fp4_values_view(1).to_string(), "(32,64,288):(62208,288,1)+20736B");
+  EXPECT_EQ(s.mla_fp4_scales_view(1).to_string(), "(32,64,36):(62208,36,1)+39168B");
+  s.layout = Layout::kLayerMajor;
+  EXPECT_EQ(s.mla_fp4_scales_view(2).to_string(), "(32,64,36):(20736,36,1)+1345536B");
 }
 
 TEST(KvCacheSpec, BlockMajorViewHasInflatedBlockStride) {

@@ -19,6 +19,7 @@ enum class FormatKind : uint8_t {
   kMlaFp8Ds = 2,    ///< 656 B: 512 e4m3 nope, 4 fp32 tile scales at 512, 64 bf16 rope at 528
   kMha = 3,         ///< K plane then V plane per page, heads x head_dim x dtype, NHD or HND
   kIndexerFp8 = 4,  ///< 132 B/token: per page all values (BS x 128 e4m3) then all fp32 scales
+  kMlaFp4 = 5,      ///< SGLang FP4: 576 e2m1 (288 B) + 36 ue8m0 group scales; per page all values then all scales
 };
 
 /// Order of a per-page MHA plane: token-major (NHD: [BS, H, D]) or head-major (HND: [H, BS, D]).
@@ -35,6 +36,14 @@ constexpr int kMlaFp8Bytes = 576;
 constexpr int kMlaDsBytes = 656;
 constexpr int kMlaDsScaleOffset = 512;  // 4 x fp32
 constexpr int kMlaDsRopeOffset = 528;   // 64 x bf16
+// mla_fp4 (SGLang MLAKVCacheLayout.FP4): element 2i in the low nibble of value byte i, one scale
+// byte per 16 elements. A layer's page of BS tokens is [BS x 288 value bytes][BS x 36 scale bytes]
+// (token t's values at t*288, its scales at BS*288 + t*36), as SGLang's per-layer value and scale
+// buffers placed one after the other per page.
+constexpr int kMlaFp4Group = 16;                                     // elements per scale byte
+constexpr int kMlaFp4ValueBytes = kMlaDim / 2;                       // 288
+constexpr int kMlaFp4ScaleBytes = kMlaDim / kMlaFp4Group;            // 36: nope groups 0..31, rope 32..35
+constexpr int kMlaFp4Bytes = kMlaFp4ValueBytes + kMlaFp4ScaleBytes;  // 324 per token
 constexpr int kIndexerHeadDim = 128;
 constexpr int kIndexerQuantBlock = 128;
 constexpr int kIndexerBytes = kIndexerHeadDim + kIndexerHeadDim / kIndexerQuantBlock * 4;  // 132
@@ -63,6 +72,7 @@ struct EntryFormat {
   static EntryFormat mla_fp8() { return {FormatKind::kMlaFp8, DType::kFP8E4M3, 1, kMlaDim, MhaOrder::kNHD}; }
   static EntryFormat mla_fp8_ds() { return {FormatKind::kMlaFp8Ds, DType::kU8, 1, kMlaDsBytes, MhaOrder::kNHD}; }
   static EntryFormat indexer_fp8() { return {FormatKind::kIndexerFp8, DType::kU8, 1, kIndexerBytes, MhaOrder::kNHD}; }
+  static EntryFormat mla_fp4() { return {FormatKind::kMlaFp4, DType::kU8, 1, kMlaFp4Bytes, MhaOrder::kNHD}; }
   static EntryFormat mha(int32_t heads, int32_t head_dim, DType dtype, MhaOrder order = MhaOrder::kNHD) {
     return {FormatKind::kMha, dtype, heads, head_dim, order};
   }
@@ -81,16 +91,19 @@ struct EntryFormat {
   KVFERRY_HOST_DEVICE bool sliced() const { return kind == FormatKind::kMha && total_heads() != heads; }
 
   KVFERRY_HOST_DEVICE bool is_mla() const {
-    return kind == FormatKind::kMlaBf16 || kind == FormatKind::kMlaFp8 || kind == FormatKind::kMlaFp8Ds;
+    return kind == FormatKind::kMlaBf16 || kind == FormatKind::kMlaFp8 || kind == FormatKind::kMlaFp8Ds ||
+           kind == FormatKind::kMlaFp4;
   }
 
-  /// Elements of `dtype` in the last dim of a per-layer view (one entry; for MHA one head).
+  /// Elements of `dtype` in the last dim of a per-layer view (one entry; for MHA one head). For
+  /// kIndexerFp8 and kMlaFp4 the view's pages are not token-interleaved (values, then scales).
   KVFERRY_HOST_DEVICE int64_t entry_elems() const {
     switch (kind) {
       case FormatKind::kMlaBf16:
       case FormatKind::kMlaFp8: return kMlaDim;
       case FormatKind::kMlaFp8Ds: return kMlaDsBytes;
       case FormatKind::kIndexerFp8: return kIndexerBytes;
+      case FormatKind::kMlaFp4: return kMlaFp4Bytes;
       case FormatKind::kMha: return head_dim;
     }
     return 0;
@@ -103,6 +116,7 @@ struct EntryFormat {
       case FormatKind::kMlaFp8: return kMlaFp8Bytes;
       case FormatKind::kMlaFp8Ds: return kMlaDsBytes;
       case FormatKind::kIndexerFp8: return kIndexerBytes;
+      case FormatKind::kMlaFp4: return kMlaFp4Bytes;
       case FormatKind::kMha: return 2 * int64_t{heads} * head_dim * dtype_size(dtype);
     }
     return 0;
@@ -114,19 +128,23 @@ struct EntryFormat {
       case FormatKind::kMlaBf16:
       case FormatKind::kMlaFp8:
       case FormatKind::kMlaFp8Ds: return 16;
-      case FormatKind::kIndexerFp8: return 4;
+      case FormatKind::kIndexerFp8:
+      case FormatKind::kMlaFp4: return 4;  // 324 = 4 x 81: pages of any block size stay 4-byte aligned
       case FormatKind::kMha: return dtype_size(dtype);
     }
     return 1;
   }
 
-  /// Field layout of an MLA entry (kind must be MLA).
+  /// Field layout of an MLA entry (kind must be MLA). kMlaFp4: the ranges inside the token's row
+  /// of the value plane (KvCacheSpec::mla_fp4_values_view); its scales are not in that row but in
+  /// the page's scale plane (KvCacheSpec::mla_fp4_scales_view), so scale_bytes is 0 here.
   KVFERRY_HOST_DEVICE MlaFields mla_fields() const {
     switch (kind) {
       case FormatKind::kMlaBf16: return {0, kMlaRank * 2, 0, 0, kMlaRank * 2, kMlaRope * 2};
       case FormatKind::kMlaFp8: return {0, kMlaRank, 0, 0, kMlaRank, kMlaRope};
       case FormatKind::kMlaFp8Ds:
         return {0, kMlaRank, kMlaDsScaleOffset, kMlaTiles * 4, kMlaDsRopeOffset, kMlaRope * 2};
+      case FormatKind::kMlaFp4: return {0, kMlaRank / 2, 0, 0, kMlaRank / 2, kMlaRope / 2};
       default: return {0, 0, 0, 0, 0, 0};
     }
   }
@@ -148,6 +166,7 @@ struct EntryFormat {
       case FormatKind::kMlaFp8: return "mla_fp8";
       case FormatKind::kMlaFp8Ds: return "mla_fp8_ds";
       case FormatKind::kIndexerFp8: return "indexer_fp8";
+      case FormatKind::kMlaFp4: return "mla_fp4";
       case FormatKind::kMha:
         return "mha:" + std::string(dtype_name(dtype)) + ":" + std::to_string(heads) + "x" + std::to_string(head_dim) +
                (order == MhaOrder::kNHD ? ":nhd" : ":hnd") +
@@ -174,14 +193,17 @@ struct EntryFormat {
     return Status::Ok();
   }
 
-  /// Parses a name(): mla_bf16 | mla_fp8 | mla_fp8_ds | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd][:slice=A/T].
+  /// Parses a name(): mla_bf16 | mla_fp8 | mla_fp8_ds | mla_fp4 | indexer_fp8 |
+  /// mha:DTYPE:HxD[:nhd|:hnd][:slice=A/T].
   static Result<EntryFormat> parse(std::string_view s) {
     if (s == "mla_bf16") return mla_bf16();
     if (s == "mla_fp8") return mla_fp8();
     if (s == "mla_fp8_ds") return mla_fp8_ds();
     if (s == "indexer_fp8") return indexer_fp8();
+    if (s == "mla_fp4") return mla_fp4();
     const std::string bad = "unknown format '" + std::string(s) +
-                            "' (expected mla_bf16, mla_fp8, mla_fp8_ds, indexer_fp8 or mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL])";
+                            "' (expected mla_bf16, mla_fp8, mla_fp8_ds, mla_fp4, indexer_fp8 or "
+                            "mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL])";
     if (s.substr(0, 4) != "mha:") return Result<EntryFormat>(ErrorCode::kInvalidArgument, bad);
     std::string_view rest = s.substr(4);
     const auto c1 = rest.find(':');

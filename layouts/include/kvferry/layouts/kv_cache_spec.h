@@ -66,7 +66,9 @@ struct KvCacheSpec {
   }
 
   /// Layer `layer`'s view `(NB, BS, E)` for token-interleaved formats (MLA, indexer).
-  /// Strides `(block_stride, E, 1)` in elements, offset = page_offset(layer, 0).
+  /// Strides `(block_stride, E, 1)` in elements, offset = page_offset(layer, 0). For kIndexerFp8
+  /// and kMlaFp4 it spans the right bytes per page but a page holds planes (values, then scales):
+  /// kMlaFp4's planes are mla_fp4_values_view and mla_fp4_scales_view.
   KVFERRY_HOST_DEVICE TensorView layer_view(int64_t layer) const {
     TensorView v;
     v.dtype = format.dtype;
@@ -105,6 +107,36 @@ struct KvCacheSpec {
     }
     v.strides[3] = 1;
     v.offset = page_offset(layer, 0) + (v_plane ? plane_bytes() : 0);
+    return v;
+  }
+
+  /// kMlaFp4: byte offset of the scale plane inside a layer's page (after the BS x 288 value bytes).
+  KVFERRY_HOST_DEVICE int64_t mla_fp4_scale_plane_offset() const { return block_size * kMlaFp4ValueBytes; }
+
+  /// kMlaFp4: layer `layer`'s packed e2m1 values `(NB, BS, 288)` u8, strides
+  /// `(block_stride, 288, 1)`, offset = page_offset(layer, 0).
+  KVFERRY_HOST_DEVICE TensorView mla_fp4_values_view(int64_t layer) const {
+    return plane_view(layer, 0, kMlaFp4ValueBytes);
+  }
+  /// kMlaFp4: layer `layer`'s ue8m0 scale bytes `(NB, BS, 36)` u8 (nope groups 0..31, rope 32..35),
+  /// strides `(block_stride, 36, 1)`, offset = page_offset(layer, 0) + mla_fp4_scale_plane_offset().
+  KVFERRY_HOST_DEVICE TensorView mla_fp4_scales_view(int64_t layer) const {
+    return plane_view(layer, mla_fp4_scale_plane_offset(), kMlaFp4ScaleBytes);
+  }
+
+  /// A u8 `(NB, BS, row)` view of dense rows of `row` bytes starting `shift` bytes into each of
+  /// layer `layer`'s pages.
+  KVFERRY_HOST_DEVICE TensorView plane_view(int64_t layer, int64_t shift, int64_t row) const {
+    TensorView v;
+    v.dtype = DType::kU8;
+    v.rank = 3;
+    v.sizes[0] = blocks;
+    v.sizes[1] = block_size;
+    v.sizes[2] = row;
+    v.strides[0] = block_stride_bytes();
+    v.strides[1] = row;
+    v.strides[2] = 1;
+    v.offset = page_offset(layer, 0) + shift;
     return v;
   }
 
