@@ -4,6 +4,9 @@ kvferry_add_gtest(kernels_datapath_test LABEL unit
   LIBS kvferry::kernels)
 # One test checks the CPU twins' private lookup tables.
 target_include_directories(kernels_datapath_test PRIVATE ${PROJECT_SOURCE_DIR}/kernels/src)
+kvferry_add_gtest(kernels_fp4_test LABEL unit
+  SOURCES unit/kernels_fp4_test.cpp
+  LIBS kvferry::kernels)
 if(KVFERRY_WITH_CUDA)
   kvferry_add_gtest(kernels_datapath_gpu_test LABEL gpu TIMEOUT 300
     SOURCES gpu/kernels_datapath_gpu_test.cpp
@@ -16,6 +19,9 @@ if(KVFERRY_WITH_CUDA)
       DISCOVERY_TIMEOUT 60
       PROPERTIES LABELS gpu TIMEOUT 300 ENVIRONMENT KVFERRY_DATAPATH_ENGINE=${engine})
   endforeach()
+  kvferry_add_gtest(kernels_fp4_gpu_test LABEL gpu
+    SOURCES gpu/kernels_fp4_gpu_test.cpp
+    LIBS kvferry::kernels)
   kvferry_add_gtest(kernels_fp8_exhaustive_test LABEL gpu
     SOURCES gpu/kernels_fp8_exhaustive_test.cu
     LIBS kvferry::kernels)
