@@ -1,7 +1,8 @@
 // mla_fp4 CPU twins: the e2m1 codec against SGLang's quantizer restated literally (scale byte for
 // every bf16 amax, codes for every bf16 value), hand-checked groups (ties, zeros, non-finite,
 // overflow), the fp4 error bound over extreme scales, the cross-layer equivalence design (layer l
-// of a region quantizes to the bytes a one-layer region gets, neighbours untouched), block lists.
+// of a region quantizes to the bytes a one-layer region gets, neighbours untouched), block lists,
+// and the load conversions through convert_blocks_cpu.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,11 +12,13 @@
 #include <vector>
 
 #include "kernels_test_util.h"
+#include "kvferry/kernels/convert.h"
 #include "kvferry/kernels/fp4.h"
 
 namespace kvferry {
 namespace {
 
+using kernels::ConvertKind;
 using kernels::MlaFp4Params;
 using test::Region;
 
@@ -424,6 +427,158 @@ TEST(Fp4Regions, ValidationRejectsBadViews) {
   EXPECT_FALSE(
       kernels::make_mla_fp4_params(h.bytes.data(), hs, f.bytes.data(), test::mk_spec(2, 4, 16, EntryFormat::mla_fp4()))
           .ok());
+}
+
+// ---- load conversions ----
+
+std::vector<int64_t> iota(int64_t n) {
+  std::vector<int64_t> v(static_cast<size_t>(n));
+  std::iota(v.begin(), v.end(), 0);
+  return v;
+}
+
+TEST(Fp4Convert, Bf16AndFp4ThroughConvertBlocksMatchTheKernels) {
+  for (const Case& c : kCases) {
+    const auto hs = test::mk_spec(c.layers, c.blocks, c.bs, EntryFormat::mla_bf16(), c.layout);
+    const auto fs = test::mk_spec(c.layers, c.blocks, c.bs, EntryFormat::mla_fp4(),
+                                  c.layout == Layout::kBlockMajor ? Layout::kLayerMajor : Layout::kBlockMajor);
+    Region h(hs, 31), viaconv(fs, 32), direct(fs, 32);
+    fill_bf16(h, 33);
+    const auto ids = iota(c.blocks);
+    const Status st = kernels::convert_blocks_cpu(h.bytes.data(), hs, ids, viaconv.bytes.data(), fs, ids, {2});
+    ASSERT_TRUE(st.ok()) << name(c) << ": " << st.to_string();
+    auto p = kernels::make_mla_fp4_params(h.bytes.data(), hs, direct.bytes.data(), fs);
+    p->count = c.blocks;
+    ASSERT_TRUE(kernels::quantize_mla_fp4_cpu(*p).ok());
+    EXPECT_TRUE(viaconv.bytes == direct.bytes) << name(c);
+    Region b1(hs, 34), b2(hs, 34);
+    ASSERT_TRUE(kernels::convert_blocks_cpu(viaconv.bytes.data(), fs, ids, b1.bytes.data(), hs, ids).ok());
+    auto q = kernels::make_mla_fp4_params(b2.bytes.data(), hs, direct.bytes.data(), fs);
+    q->count = c.blocks;
+    ASSERT_TRUE(kernels::dequantize_mla_fp4_cpu(*q).ok());
+    EXPECT_TRUE(b1.bytes == b2.bytes) << name(c);
+  }
+}
+
+// fp8 -> fp4 is e4m3 -> bf16 (exact) -> fp4; ds -> fp4 is the ds dequantization -> fp4; fp4 -> ds
+// is the exact fp4 dequantization -> bf16 -> ds.
+TEST(Fp4Convert, ThroughBf16) {
+  const auto s8 = test::mk_spec(3, 4, 8, EntryFormat::mla_fp8());
+  const auto sds = test::mk_spec(3, 4, 8, EntryFormat::mla_fp8_ds());
+  const auto sbf = test::mk_spec(3, 4, 8, EntryFormat::mla_bf16());
+  const auto s4 = test::mk_spec(3, 4, 8, EntryFormat::mla_fp4(), Layout::kLayerMajor);
+  const auto ids = iota(4);
+  auto fill_valid = [](Region& r, uint32_t seed) {
+    std::mt19937 g(seed);
+    const int64_t e = r.spec.format.bytes_per_token();
+    for (int64_t l = 0; l < r.spec.layers; ++l)
+      for (int64_t b = 0; b < r.spec.blocks; ++b)
+        for (int64_t t = 0; t < r.spec.block_size; ++t)
+          test::random_entry(r.spec.format.kind, r.bytes.data() + r.spec.page_offset(l, b) + t * e, g);
+  };
+  for (const KvCacheSpec* src : {&s8, &sds}) {
+    Region a(*src, 41), mid(sbf, 42), want(s4, 43), got(s4, 44);
+    fill_valid(a, 45);
+    if (src == &sds) {
+      ASSERT_TRUE(kernels::convert_blocks_cpu(a.bytes.data(), sds, ids, mid.bytes.data(), sbf, ids).ok());
+    } else {  // there is no fp8 -> bf16 conversion: widen by hand (exact)
+      for (int64_t l = 0; l < 3; ++l)
+        for (int64_t b = 0; b < 4; ++b)
+          for (int64_t t = 0; t < 8; ++t)
+            for (int i = 0; i < kMlaDim; ++i)
+              st16(mid.bytes.data() + sbf.page_offset(l, b) + t * kMlaBf16Bytes, i,
+                   bf(e4m3_to_float(a.bytes.data()[s8.page_offset(l, b) + t * kMlaFp8Bytes + i])));
+    }
+    ASSERT_TRUE(kernels::convert_blocks_cpu(mid.bytes.data(), sbf, ids, want.bytes.data(), s4, ids).ok());
+    ASSERT_TRUE(kernels::convert_blocks_cpu(a.bytes.data(), *src, ids, got.bytes.data(), s4, ids).ok());
+    EXPECT_TRUE(got.bytes == want.bytes) << src->format.name();
+  }
+  Region f(s4, 51), mid(sbf, 52), want(sds, 53), got(sds, 54);
+  Region h(sbf, 55);
+  fill_bf16(h, 56);
+  ASSERT_TRUE(kernels::convert_blocks_cpu(h.bytes.data(), sbf, ids, f.bytes.data(), s4, ids).ok());
+  ASSERT_TRUE(kernels::convert_blocks_cpu(f.bytes.data(), s4, ids, mid.bytes.data(), sbf, ids).ok());
+  ASSERT_TRUE(kernels::convert_blocks_cpu(mid.bytes.data(), sbf, ids, want.bytes.data(), sds, ids).ok());
+  ASSERT_TRUE(kernels::convert_blocks_cpu(f.bytes.data(), s4, ids, got.bytes.data(), sds, ids).ok());
+  EXPECT_TRUE(got.bytes == want.bytes);
+}
+
+// fp4 -> fp8 is exact when every decoded value is an e4m3 value; blocks that are not are reported.
+// fp8 -> fp4 -> fp8 of e4m3 values that fp4 holds exactly comes back bit for bit.
+TEST(Fp4Convert, Fp4ToFp8ReportsLoss) {
+  const auto s8 = test::mk_spec(2, 3, 4, EntryFormat::mla_fp8());
+  const auto s4 = test::mk_spec(2, 3, 4, EntryFormat::mla_fp4());
+  const auto ids = iota(3);
+  Region a(s8, 61), f(s4, 62), back(s8, 63);
+  std::mt19937 g(64);
+  // e4m3 values of the form e2m1 * 2^k, k in [-6, 6] per 16-group, a +-6 * 2^k in each group.
+  for (int64_t l = 0; l < 2; ++l)
+    for (int64_t b = 0; b < 3; ++b)
+      for (int64_t t = 0; t < 4; ++t) {
+        uint8_t* p = a.bytes.data() + s8.page_offset(l, b) + t * kMlaFp8Bytes;
+        for (int grp = 0; grp < kernels::kMlaFp4Groups; ++grp) {
+          const int k = std::uniform_int_distribution<int>(-6, 6)(g);
+          for (int i = 0; i < 16; ++i) {
+            const float v = i == 3 ? 6.0f : kE2m1[g() % 8] * (g() % 2 ? 1.0f : -1.0f) + 0.0f;
+            p[grp * 16 + i] = float_to_e4m3(static_cast<float>(std::ldexp(v, k)));
+          }
+        }
+      }
+  // Block 1 of layer 1 gets a group of 448s: scale 2^7, 448 / 128 = 3.5 -> 4 -> 512, past e4m3: lossy.
+  uint8_t* big = a.bytes.data() + s8.page_offset(1, 1);
+  for (int i = 0; i < 16; ++i) big[i] = 0x7e;
+  ASSERT_TRUE(kernels::convert_blocks_cpu(a.bytes.data(), s8, ids, f.bytes.data(), s4, ids).ok());
+  std::vector<int64_t> bad;
+  ASSERT_TRUE(kernels::convert_blocks_cpu(f.bytes.data(), s4, ids, back.bytes.data(), s8, ids, {}, &bad).ok());
+  // The first block and the last are lossless and bit-exact.
+  for (int64_t l = 0; l < 2; ++l)
+    for (int64_t b : {0, 2})
+      EXPECT_EQ(std::memcmp(a.bytes.data() + s8.page_offset(l, b), back.bytes.data() + s8.page_offset(l, b),
+                            static_cast<size_t>(s8.page_bytes())),
+                0)
+          << l << " " << b;
+  EXPECT_EQ(bad, std::vector<int64_t>({1}));
+}
+
+TEST(Fp4Convert, KindsAndDeviceSupport) {
+  const auto s4 = test::mk_spec(1, 1, 4, EntryFormat::mla_fp4());
+  const std::pair<EntryFormat, ConvertKind> to4[] = {{EntryFormat::mla_bf16(), ConvertKind::kBf16ToFp4},
+                                                     {EntryFormat::mla_fp8(), ConvertKind::kFp8ToFp4},
+                                                     {EntryFormat::mla_fp8_ds(), ConvertKind::kDsToFp4}};
+  const std::pair<EntryFormat, ConvertKind> from4[] = {{EntryFormat::mla_bf16(), ConvertKind::kFp4ToBf16},
+                                                       {EntryFormat::mla_fp8(), ConvertKind::kFp4ToFp8},
+                                                       {EntryFormat::mla_fp8_ds(), ConvertKind::kFp4ToDs}};
+  Region f(s4, 1);
+  for (const auto& [fmt, kind] : to4) {
+    Region o(test::mk_spec(1, 1, 4, fmt), 2);
+    auto p = kernels::make_convert_params(o.bytes.data(), o.spec, f.bytes.data(), s4);
+    ASSERT_TRUE(p.ok()) << fmt.name();
+    EXPECT_EQ(p->kind, kind);
+    EXPECT_TRUE(kernels::is_fp4_convert(kind));
+    EXPECT_EQ(kernels::check_convert_on_device(kind).code(), ErrorCode::kUnsupported);
+  }
+  for (const auto& [fmt, kind] : from4) {
+    Region o(test::mk_spec(1, 1, 4, fmt), 2);
+    auto p = kernels::make_convert_params(f.bytes.data(), s4, o.bytes.data(), o.spec);
+    ASSERT_TRUE(p.ok()) << fmt.name();
+    EXPECT_EQ(p->kind, kind);
+    EXPECT_EQ(kernels::check_convert_on_device(kind).code(), ErrorCode::kUnsupported);
+  }
+  EXPECT_TRUE(kernels::check_convert_on_device(ConvertKind::kBf16ToDs).ok());
+  EXPECT_FALSE(kernels::is_fp4_convert(ConvertKind::kDsToFp8));
+  // An fp4 side must be a dense page view.
+  Region h(test::mk_spec(1, 2, 4, EntryFormat::mla_bf16()), 3), f2(test::mk_spec(1, 2, 4, EntryFormat::mla_fp4()), 4);
+  auto p = kernels::make_convert_params(h.bytes.data(), h.spec, f2.bytes.data(), f2.spec);
+  ASSERT_TRUE(p.ok());
+  p->count = 1;
+  ASSERT_TRUE(kernels::validate_convert(*p).ok());
+  p->dst.view.strides[1] = 328;
+  p->src.view.sizes[0] = p->dst.view.sizes[0] = 1;
+  const Status st = kernels::validate_convert(*p);
+  EXPECT_EQ(st.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("dense"), std::string::npos) << st.to_string();
+  EXPECT_EQ(kernels::make_convert_params(f.bytes.data(), s4, f.bytes.data(), s4).status().code(),
+            ErrorCode::kUnsupported);
 }
 
 }  // namespace

@@ -1,57 +1,129 @@
-// CPU twin of the MLA format conversions (576 <-> 656, bf16 <-> 656) and the spec-level helper
-// the daemon uses to convert staged blocks on the host.
+// CPU twin of the MLA format conversions (576 <-> 656, bf16 <-> 656, the mla_fp4 ones) and the
+// spec-level helper the daemon uses to convert staged blocks on the host.
 #include <atomic>
 #include <string>
 
 #include "cpu/cpu_common.h"
 #include "cpu/entry_ops.h"
 #include "kvferry/kernels/convert.h"
+#include "kvferry/kernels/fp4.h"
 
 namespace kvferry::kernels {
 namespace {
 
-struct KindShape {
-  int64_t src_elems, src_eb, dst_elems, dst_eb;
+struct Side {
+  int64_t elems, eb;
+  bool fp4;  ///< an mla_fp4 page view: (NB, BS, 324) u8, values then scales per page
 };
+struct KindShape {
+  Side src, dst;
+};
+
+constexpr Side kBf16{kMlaDim, 2, false};
+constexpr Side kFp8{kMlaFp8Bytes, 1, false};
+constexpr Side kDs{kMlaDsBytes, 1, false};
+constexpr Side kFp4{kMlaFp4Bytes, 1, true};
 
 KindShape shape_of(ConvertKind k) {
   switch (k) {
-    case ConvertKind::kFp8ToDs: return {kMlaFp8Bytes, 1, kMlaDsBytes, 1};
-    case ConvertKind::kDsToFp8: return {kMlaDsBytes, 1, kMlaFp8Bytes, 1};
-    case ConvertKind::kBf16ToDs: return {kMlaDim, 2, kMlaDsBytes, 1};
-    case ConvertKind::kDsToBf16: return {kMlaDsBytes, 1, kMlaDim, 2};
+    case ConvertKind::kFp8ToDs: return {kFp8, kDs};
+    case ConvertKind::kDsToFp8: return {kDs, kFp8};
+    case ConvertKind::kBf16ToDs: return {kBf16, kDs};
+    case ConvertKind::kDsToBf16: return {kDs, kBf16};
+    case ConvertKind::kBf16ToFp4: return {kBf16, kFp4};
+    case ConvertKind::kFp4ToBf16: return {kFp4, kBf16};
+    case ConvertKind::kFp8ToFp4: return {kFp8, kFp4};
+    case ConvertKind::kFp4ToFp8: return {kFp4, kFp8};
+    case ConvertKind::kDsToFp4: return {kDs, kFp4};
+    case ConvertKind::kFp4ToDs: return {kFp4, kDs};
   }
-  return {0, 0, 0, 0};
+  return {};
 }
 
-Status check_side(const CacheRef& c, const char* what, int64_t elems, int64_t eb, int64_t layers, int64_t stride) {
-  KVFERRY_TRY(detail::check_cache(c, what, 3, elems, eb, 16));
-  if (layers > 1) {
-    if (stride <= 0 || stride % 16 != 0)
-      return {ErrorCode::kInvalidArgument,
-              std::string(what) + ": layer stride " + std::to_string(stride) + " B must be a positive multiple of 16"};
+Status check_side(const CacheRef& c, const char* what, const Side& s, int64_t layers, int64_t stride) {
+  const int64_t align = s.fp4 ? 4 : 16;  // fp4 pages are BS x 324 B: 4-byte aligned for every BS
+  KVFERRY_TRY(detail::check_cache(c, what, 3, s.elems, s.eb, align));
+  if (s.fp4 && c.view.sizes[1] > 1 && c.view.strides[1] != kMlaFp4Bytes)
+    return {ErrorCode::kInvalidArgument,
+            std::string(what) + ": mla_fp4 view " + c.view.to_string() + " must have dense pages (stride(1) = 324)"};
+  if (layers > 1 && c.view.numel() > 0) {  // a view of no blocks (a layer-major region of none: stride 0)
+    if (stride <= 0 || stride % align != 0)
+      return {ErrorCode::kInvalidArgument, std::string(what) + ": layer stride " + std::to_string(stride) +
+                                               " B must be a positive multiple of " + std::to_string(align)};
     CacheRef last = c;
     int64_t shift = 0;
     if (__builtin_mul_overflow(layers - 1, stride, &shift) ||
         __builtin_add_overflow(last.view.offset, shift, &last.view.offset))
       return {ErrorCode::kOverflow, std::string(what) + ": layer offsets overflow int64"};
-    KVFERRY_TRY(detail::check_cache(last, what, 3, elems, eb, 16).with_context("last layer"));
+    KVFERRY_TRY(detail::check_cache(last, what, 3, s.elems, s.eb, align).with_context("last layer"));
   }
   return Status::Ok();
+}
+
+// ---- per-entry conversions through mla_fp4 (fp4.h's group code; `v`, `s`: the token's value
+// and scale rows) ----
+
+void entry_bf16_to_fp4(const uint8_t* src, uint8_t* v, uint8_t* s) {
+  uint16_t x[kMlaFp4Group];
+  for (int g = 0; g < kMlaFp4Groups; ++g) {
+    std::memcpy(x, src + g * kMlaFp4Group * 2, sizeof x);
+    s[g] = mla_fp4_quantize_group(x, v + g * kMlaFp4Group / 2);
+  }
+}
+
+void entry_fp4_to_bf16(const uint8_t* v, const uint8_t* s, uint8_t* dst) {
+  uint16_t x[kMlaFp4Group];
+  for (int g = 0; g < kMlaFp4Groups; ++g) {
+    mla_fp4_dequantize_group(v + g * kMlaFp4Group / 2, s[g], x);
+    std::memcpy(dst + g * kMlaFp4Group * 2, x, sizeof x);
+  }
+}
+
+void entry_fp8_to_fp4(const uint8_t* src, uint8_t* v, uint8_t* s) {
+  const uint16_t* lut = detail::e4m3_bf16_table();
+  uint16_t h[kMlaDim];
+  for (int i = 0; i < kMlaDim; ++i) h[i] = lut[src[i]];
+  entry_bf16_to_fp4(reinterpret_cast<const uint8_t*>(h), v, s);
+}
+
+/// False when a value is not an e4m3 value (the output is written either way).
+bool entry_fp4_to_fp8(const uint8_t* v, const uint8_t* s, uint8_t* dst) {
+  uint16_t h[kMlaDim];
+  entry_fp4_to_bf16(v, s, reinterpret_cast<uint8_t*>(h));
+  const uint8_t* to8 = detail::bf16_e4m3_table();
+  const uint16_t* back = detail::e4m3_bf16_table();
+  bool ok = true;
+  for (int i = 0; i < kMlaDim; ++i) {
+    dst[i] = to8[h[i]];
+    ok &= back[dst[i]] == h[i];
+  }
+  return ok;
+}
+
+void entry_ds_to_fp4(const uint8_t* src, uint8_t* v, uint8_t* s) {
+  alignas(16) uint8_t h[kMlaBf16Bytes];
+  detail::entry_ds_to_bf16(src, h);
+  entry_bf16_to_fp4(h, v, s);
+}
+
+void entry_fp4_to_ds(const uint8_t* v, const uint8_t* s, uint8_t* dst) {
+  alignas(16) uint8_t h[kMlaBf16Bytes];
+  entry_fp4_to_bf16(v, s, h);
+  detail::entry_bf16_to_ds(h, dst);
 }
 
 }  // namespace
 
 Status validate_convert(const ConvertParams& p) {
-  if (static_cast<int>(p.kind) > 3) return {ErrorCode::kInvalidArgument, "convert: unknown kind"};
+  if (static_cast<int>(p.kind) > 9) return {ErrorCode::kInvalidArgument, "convert: unknown kind"};
   const KindShape s = shape_of(p.kind);
   if (p.layers < 1) return {ErrorCode::kInvalidArgument, "convert: layers must be >= 1"};
   if (p.count < 0) return {ErrorCode::kInvalidArgument, "convert: count is negative"};
   constexpr int64_t kMax31 = int64_t{1} << 31;  // the CUDA kernels walk entries in 32-bit parts
   if (p.layers >= kMax31 || p.count >= kMax31 || p.src.view.sizes[1] >= kMax31)
     return {ErrorCode::kOutOfRange, "convert: layers, count and the block size must each be below 2^31"};
-  KVFERRY_TRY(check_side(p.src, "convert source", s.src_elems, s.src_eb, p.layers, p.src_layer_stride));
-  KVFERRY_TRY(check_side(p.dst, "convert destination", s.dst_elems, s.dst_eb, p.layers, p.dst_layer_stride));
+  KVFERRY_TRY(check_side(p.src, "convert source", s.src, p.layers, p.src_layer_stride));
+  KVFERRY_TRY(check_side(p.dst, "convert destination", s.dst, p.layers, p.dst_layer_stride));
   if (p.src.view.size(1) != p.dst.view.size(1))
     return {ErrorCode::kInvalidArgument, "convert: source block size " + std::to_string(p.src.view.size(1)) +
                                              " differs from destination block size " +
@@ -60,6 +132,14 @@ Status validate_convert(const ConvertParams& p) {
     return {ErrorCode::kInvalidArgument, "convert: give both block lists or neither"};
   if (p.src_blocks == nullptr && (p.count > p.src.view.size(0) || p.count > p.dst.view.size(0)))
     return {ErrorCode::kOutOfRange, "convert: count " + std::to_string(p.count) + " exceeds the views' blocks"};
+  return Status::Ok();
+}
+
+Status check_convert_on_device(ConvertKind kind) {
+  if (is_fp4_convert(kind))
+    return {ErrorCode::kUnsupported, "convert: the mla_fp4 conversions (kind " +
+                                         std::to_string(static_cast<int>(kind)) +
+                                         ") run on the host only (convert_cpu)"};
   return Status::Ok();
 }
 
@@ -84,15 +164,28 @@ Status convert_cpu(const ConvertParams& p, const CpuOptions& opt) {
       const int64_t l = w / p.count, i = w % p.count;
       const int64_t sb = p.src_blocks ? p.src_blocks[i] : i;
       const int64_t db = p.dst_blocks ? p.dst_blocks[i] : i;
+      // An mla_fp4 side's token t: values at t * 288, scales at BS * 288 + t * 36 of its page.
+      const uint8_t* spage = p.src.entry(sb, 0) + l * p.src_layer_stride;
+      uint8_t* dpage = p.dst.entry(db, 0) + l * p.dst_layer_stride;
       bool ok = true;
       for (int64_t t = 0; t < bs; ++t) {
         const uint8_t* src = p.src.entry(sb, t) + l * p.src_layer_stride;
         uint8_t* dst = p.dst.entry(db, t) + l * p.dst_layer_stride;
+        const uint8_t* sv = spage + t * kMlaFp4ValueBytes;
+        const uint8_t* ss = spage + bs * kMlaFp4ValueBytes + t * kMlaFp4ScaleBytes;
+        uint8_t* dv = dpage + t * kMlaFp4ValueBytes;
+        uint8_t* ds = dpage + bs * kMlaFp4ValueBytes + t * kMlaFp4ScaleBytes;
         switch (p.kind) {
           case ConvertKind::kFp8ToDs: entry_fp8_to_ds(src, dst); break;
           case ConvertKind::kDsToFp8: ok &= entry_ds_to_fp8(src, dst); break;
           case ConvertKind::kBf16ToDs: entry_bf16_to_ds(src, dst); break;
           case ConvertKind::kDsToBf16: entry_ds_to_bf16(src, dst); break;
+          case ConvertKind::kBf16ToFp4: entry_bf16_to_fp4(src, dv, ds); break;
+          case ConvertKind::kFp4ToBf16: entry_fp4_to_bf16(sv, ss, dst); break;
+          case ConvertKind::kFp8ToFp4: entry_fp8_to_fp4(src, dv, ds); break;
+          case ConvertKind::kFp4ToFp8: ok &= entry_fp4_to_fp8(sv, ss, dst); break;
+          case ConvertKind::kDsToFp4: entry_ds_to_fp4(src, dv, ds); break;
+          case ConvertKind::kFp4ToDs: entry_fp4_to_ds(sv, ss, dst); break;
         }
       }
       if (!ok && p.not_lossless) std::atomic_ref<int32_t>(p.not_lossless[i]).store(1, std::memory_order_relaxed);
@@ -120,6 +213,18 @@ Result<ConvertParams> make_convert_params(const void* src_base, const KvCacheSpe
     p.kind = ConvertKind::kBf16ToDs;
   else if (s == FormatKind::kMlaFp8Ds && d == FormatKind::kMlaBf16)
     p.kind = ConvertKind::kDsToBf16;
+  else if (s == FormatKind::kMlaBf16 && d == FormatKind::kMlaFp4)
+    p.kind = ConvertKind::kBf16ToFp4;
+  else if (s == FormatKind::kMlaFp4 && d == FormatKind::kMlaBf16)
+    p.kind = ConvertKind::kFp4ToBf16;
+  else if (s == FormatKind::kMlaFp8 && d == FormatKind::kMlaFp4)
+    p.kind = ConvertKind::kFp8ToFp4;
+  else if (s == FormatKind::kMlaFp4 && d == FormatKind::kMlaFp8)
+    p.kind = ConvertKind::kFp4ToFp8;
+  else if (s == FormatKind::kMlaFp8Ds && d == FormatKind::kMlaFp4)
+    p.kind = ConvertKind::kDsToFp4;
+  else if (s == FormatKind::kMlaFp4 && d == FormatKind::kMlaFp8Ds)
+    p.kind = ConvertKind::kFp4ToDs;
   else
     return Result<ConvertParams>(ErrorCode::kUnsupported, "convert: no conversion from " + src_spec.format.name() +
                                                               " to " + dst_spec.format.name());
@@ -142,7 +247,7 @@ Status convert_blocks_cpu(const void* src_base, const KvCacheSpec& src_spec, std
   p.dst_blocks = dst_blocks.data();
   p.count = static_cast<int64_t>(src_blocks.size());
   std::vector<int32_t> flags;
-  if (p.kind == ConvertKind::kDsToFp8) {
+  if (p.kind == ConvertKind::kDsToFp8 || p.kind == ConvertKind::kFp4ToFp8) {
     flags.assign(src_blocks.size(), 0);
     p.not_lossless = flags.data();
   }
