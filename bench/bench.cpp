@@ -1,11 +1,11 @@
 #include "bench.h"
 
-#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 namespace kvferry::bench {
 namespace {
@@ -18,30 +18,6 @@ struct Suite {
 std::map<std::string, Suite>& registry() {
   static std::map<std::string, Suite> r;
   return r;
-}
-
-std::string json_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      o += buf;
-    } else {
-      o += c;
-    }
-  }
-  return o;
-}
-
-std::string json_num(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.6g", v);
-  return buf;
 }
 
 }  // namespace
@@ -87,17 +63,19 @@ int Report::finish(const Options& opts) const {
     std::fprintf(stderr, "kvferry-bench: cannot write %s\n", opts.json_path.c_str());
     return 1;
   }
-  out << "{\"suite\":\"" << json_escape(suite_) << "\",\"rows\":[";
-  for (size_t i = 0; i < rows_.size(); ++i) {
-    const Row& r = rows_[i];
-    out << (i ? "," : "") << "{\"name\":\"" << json_escape(r.name) << "\",\"value\":" << json_num(r.value)
-        << ",\"unit\":\"" << json_escape(r.unit) << "\",\"limit\":" << json_num(r.limit) << ",\"limit_name\":\""
-        << json_escape(r.limit_name) << "\",\"ratio\":" << json_num(r.ratio()) << ",\"target\":" << json_num(r.target)
-        << ",\"note\":\"" << json_escape(r.note) << "\"}";
-  }
-  out << "],\"notes\":[";
-  for (size_t i = 0; i < notes_.size(); ++i) out << (i ? "," : "") << "\"" << json_escape(notes_[i]) << "\"";
-  out << "]}\n";
+  // NaN and infinity (a figure that could not be measured) are written as null.
+  nlohmann::ordered_json j = {
+      {"suite", suite_}, {"rows", nlohmann::ordered_json::array()}, {"notes", nlohmann::ordered_json(notes_)}};
+  for (const Row& r : rows_)
+    j["rows"].push_back({{"name", r.name},
+                         {"value", r.value},
+                         {"unit", r.unit},
+                         {"limit", r.limit},
+                         {"limit_name", r.limit_name},
+                         {"ratio", r.ratio()},
+                         {"target", r.target},
+                         {"note", r.note}});
+  out << j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) << "\n";
   std::printf("wrote %s\n", opts.json_path.c_str());
   return out.good() ? 0 : 1;
 }

@@ -2,6 +2,7 @@
 // Subcommands of the `kvferry` CLI. Each adds itself to the app and runs when selected.
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 
 namespace kvferry::cli {
@@ -11,6 +12,10 @@ void add_layout_command(CLI::App& app, std::function<int()>* run);
 
 /// The socket path clients use when --socket is not given: $KVFERRY_SOCKET, else the default.
 std::string default_socket();
+
+/// Prints `j` on one line of stdout, compact: every --json output goes through this one writer.
+/// Text that is not UTF-8 (a client's name is whatever the client sent) is printed as U+FFFD.
+void print_json(const nlohmann::ordered_json& j);
 
 /// Adds `kvferry status [--json]`, talking to the daemon at *socket_path (read when it runs).
 void add_status_command(CLI::App& app, std::function<int()>* run, const std::string* socket_path);

@@ -8,27 +8,13 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "kvferry/connector/wire_io.h"
 
 namespace kvferry::cli {
 namespace {
-
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", c);
-      o += b;
-      continue;
-    }
-    o += c;
-  }
-  return o + "\"";
-}
 
 int run_status(const std::string& socket_path, bool json) {
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -65,27 +51,27 @@ int run_status(const std::string& socket_path, bool json) {
     return 1;
   }
   if (json) {
-    std::printf("{\"version\":%s,\"uptime_s\":%.3f,\"pid\":%u,\"backend\":%s,\"regions\":[",
-                json_str(s->version).c_str(), s->uptime_ms / 1000.0, s->pid, json_str(s->backend).c_str());
-    for (size_t i = 0; i < s->regions.size(); ++i) {
-      const auto& r = s->regions[i];
-      std::printf(
-          "%s{\"id\":%u,\"name\":%s,\"layers\":%lld,\"blocks\":%lld,\"block_size\":%lld,\"format\":%s,"
-          "\"layout\":\"%s\",\"bytes\":%llu,\"backend\":\"%s\",\"holders\":%u,\"from_config\":%s}",
-          i ? "," : "", r.desc.id, json_str(r.desc.name).c_str(), static_cast<long long>(r.desc.spec.layers),
-          static_cast<long long>(r.desc.spec.blocks), static_cast<long long>(r.desc.spec.block_size),
-          json_str(r.desc.spec.format.name()).c_str(),
-          r.desc.spec.layout == Layout::kBlockMajor ? "block_major" : "layer_major",
-          static_cast<unsigned long long>(r.desc.bytes), std::string(proto::backend_name(r.desc.backend)).c_str(),
-          r.holders, r.from_config ? "true" : "false");
-    }
-    std::printf("],\"clients\":[");
-    for (size_t i = 0; i < s->clients.size(); ++i) {
-      const auto& c = s->clients[i];
-      std::printf("%s{\"id\":%u,\"name\":%s,\"pid\":%u,\"uid\":%u,\"ops\":%llu}", i ? "," : "", c.id,
-                  json_str(c.name).c_str(), c.pid, c.uid, static_cast<unsigned long long>(c.ops));
-    }
-    std::printf("]}\n");
+    nlohmann::ordered_json j = {{"version", s->version},
+                                {"uptime_s", s->uptime_ms / 1000.0},
+                                {"pid", s->pid},
+                                {"backend", s->backend},
+                                {"regions", nlohmann::ordered_json::array()},
+                                {"clients", nlohmann::ordered_json::array()}};
+    for (const auto& r : s->regions)
+      j["regions"].push_back({{"id", r.desc.id},
+                              {"name", r.desc.name},
+                              {"layers", r.desc.spec.layers},
+                              {"blocks", r.desc.spec.blocks},
+                              {"block_size", r.desc.spec.block_size},
+                              {"format", r.desc.spec.format.name()},
+                              {"layout", r.desc.spec.layout == Layout::kBlockMajor ? "block_major" : "layer_major"},
+                              {"bytes", r.desc.bytes},
+                              {"backend", std::string(proto::backend_name(r.desc.backend))},
+                              {"holders", r.holders},
+                              {"from_config", r.from_config}});
+    for (const auto& c : s->clients)
+      j["clients"].push_back({{"id", c.id}, {"name", c.name}, {"pid", c.pid}, {"uid", c.uid}, {"ops", c.ops}});
+    print_json(j);
     return 0;
   }
   std::printf("kvferryd %s, pid %u, up %.1f s, backend %s\n", s->version.c_str(), s->pid, s->uptime_ms / 1000.0,
@@ -109,6 +95,11 @@ struct StatusArgs {
 };
 
 }  // namespace
+
+void print_json(const nlohmann::ordered_json& j) {
+  const std::string text = j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  std::printf("%s\n", text.c_str());
+}
 
 std::string default_socket() {
   const char* env = std::getenv("KVFERRY_SOCKET");

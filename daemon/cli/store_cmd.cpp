@@ -20,16 +20,6 @@ struct Common {
   bool json = false;
 };
 
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (char c : s) {
-    if (c == '"' || c == '\\') o += '\\';
-    if (static_cast<unsigned char>(c) < 0x20) continue;
-    o += c;
-  }
-  return o + "\"";
-}
-
 Result<std::unique_ptr<Client>> connect(const std::string& socket, const Common& c) {
   Client::Options o;
   o.socket = socket;
@@ -90,33 +80,32 @@ std::string used_of(uint64_t used, uint64_t capacity) {
 }
 
 /// One lower tier as a JSON object: tier, healthy, reason, then its storage and/or cluster figures.
-std::string tier_json(const ops::TierStatsWire& t) {
-  const bool healthy = t.flags & ops::kTierHealthy;
-  std::string o = "{\"tier\":" + json_str(t.tier) + ",\"healthy\":" + (healthy ? "true" : "false") +
-                  ",\"reason\":" + json_str(t.reason);
-  auto field = [&o](const char* k, uint64_t v) { o += std::string(",\"") + k + "\":" + std::to_string(v); };
+nlohmann::ordered_json tier_json(const ops::TierStatsWire& t) {
+  nlohmann::ordered_json o = {{"tier", std::string(t.tier)},
+                              {"healthy", (t.flags & ops::kTierHealthy) != 0},
+                              {"reason", std::string(t.reason)}};
   if (t.flags & ops::kTierStorage) {
-    field("capacity_bytes", t.capacity_bytes);
-    field("used_bytes", t.used_bytes);
-    field("blocks", t.blocks);
-    field("pinned", t.pinned);
-    field("evictions", t.evictions);
-    field("io_errors", t.io_errors);
-    field("checksum_failures", t.checksum_failures);
-    field("bytes_written", t.bytes_written);
-    field("bytes_read", t.bytes_read);
+    o["capacity_bytes"] = t.capacity_bytes;
+    o["used_bytes"] = t.used_bytes;
+    o["blocks"] = t.blocks;
+    o["pinned"] = t.pinned;
+    o["evictions"] = t.evictions;
+    o["io_errors"] = t.io_errors;
+    o["checksum_failures"] = t.checksum_failures;
+    o["bytes_written"] = t.bytes_written;
+    o["bytes_read"] = t.bytes_read;
   }
   if (t.flags & ops::kTierPeers) {
-    o += ",\"member\":" + json_str(t.member);
-    field("peers_live", t.peers_live);
-    field("peers_lost", t.peers_lost);
-    field("blocks_out", t.blocks_out);
-    field("bytes_out", t.bytes_out);
-    field("blocks_in", t.blocks_in);
-    field("bytes_in", t.bytes_in);
-    field("errors", t.errors);
+    o["member"] = std::string(t.member);
+    o["peers_live"] = t.peers_live;
+    o["peers_lost"] = t.peers_lost;
+    o["blocks_out"] = t.blocks_out;
+    o["bytes_out"] = t.bytes_out;
+    o["blocks_in"] = t.blocks_in;
+    o["bytes_in"] = t.bytes_in;
+    o["errors"] = t.errors;
   }
-  return o + "}";
+  return o;
 }
 
 /// One lower tier as a line of `kvferry stats`, after the host's lines.
@@ -148,18 +137,28 @@ int run_stats(const std::string& socket, const Common& c) {
   const double occ = w.capacity_bytes ? 100.0 * static_cast<double>(w.used_bytes) / w.capacity_bytes : 0.0;
   if (c.json) {
     // The host's keys at the top level (as before tier stats), the lower tiers under "tiers".
-    std::string tiers;
-    for (const auto& t : s->tiers) tiers += (tiers.empty() ? "" : ",") + tier_json(t);
-    std::printf(
-        "{\"tier\":\"host\",\"entries\":%" PRIu64 ",\"writing\":%" PRIu64 ",\"pinned\":%" PRIu64
-        ",\"used_bytes\":%" PRIu64 ",\"capacity_bytes\":%" PRIu64
-        ",\"occupancy\":%.4f,\"pool_page_locked\":%s"
-        ",\"evictions\":%" PRIu64 ",\"evicted_bytes\":%" PRIu64 ",\"lookups\":%" PRIu64 ",\"hits\":%" PRIu64
-        ",\"misses\":%" PRIu64 ",\"blocks_saved\":%" PRIu64 ",\"bytes_saved\":%" PRIu64 ",\"blocks_loaded\":%" PRIu64
-        ",\"bytes_loaded\":%" PRIu64 ",\"checksum_failures\":%" PRIu64 ",\"clients\":%" PRIu64 ",\"tiers\":[%s]}\n",
-        w.entries, w.writing, w.pinned, w.used_bytes, w.capacity_bytes, occ / 100.0, w.pool_pinned ? "true" : "false",
-        w.evictions, w.evicted_bytes, w.lookups, w.hits, w.misses, w.blocks_saved, w.bytes_saved, w.blocks_loaded,
-        w.bytes_loaded, w.checksum_failures, w.clients, tiers.c_str());
+    nlohmann::ordered_json j = {{"tier", "host"},
+                                {"entries", w.entries},
+                                {"writing", w.writing},
+                                {"pinned", w.pinned},
+                                {"used_bytes", w.used_bytes},
+                                {"capacity_bytes", w.capacity_bytes},
+                                {"occupancy", occ / 100.0},
+                                {"pool_page_locked", w.pool_pinned != 0},
+                                {"evictions", w.evictions},
+                                {"evicted_bytes", w.evicted_bytes},
+                                {"lookups", w.lookups},
+                                {"hits", w.hits},
+                                {"misses", w.misses},
+                                {"blocks_saved", w.blocks_saved},
+                                {"bytes_saved", w.bytes_saved},
+                                {"blocks_loaded", w.blocks_loaded},
+                                {"bytes_loaded", w.bytes_loaded},
+                                {"checksum_failures", w.checksum_failures},
+                                {"clients", w.clients},
+                                {"tiers", nlohmann::ordered_json::array()}};
+    for (const auto& t : s->tiers) j["tiers"].push_back(tier_json(t));
+    print_json(j);
     return 0;
   }
   std::printf("host pool   %.1f of %.1f MiB used (%.1f%%), %s\n", w.used_bytes / 1048576.0,
@@ -184,14 +183,15 @@ int run_ls(const std::string& socket, const Common& c, uint32_t limit) {
   auto l = (*cl)->ls(*rid, limit);
   if (!l.ok()) return report("ls", l.status());
   if (c.json) {
-    std::printf("[");
-    for (size_t i = 0; i < l->size(); ++i) {
-      const auto& e = (*l)[i];
-      std::printf("%s{\"namespace\":%s,\"key\":\"%s\",\"tier\":%s,\"format\":%s,\"bytes\":%" PRIu64 ",\"pins\":%u}",
-                  i ? "," : "", json_str(e.ns).c_str(), key_hex(e.key).c_str(), json_str(e.tier).c_str(),
-                  json_str(e.format).c_str(), e.bytes, e.pins);
-    }
-    std::printf("]\n");
+    auto j = nlohmann::ordered_json::array();
+    for (const auto& e : *l)
+      j.push_back({{"namespace", std::string(e.ns)},
+                   {"key", key_hex(e.key)},
+                   {"tier", std::string(e.tier)},
+                   {"format", std::string(e.format)},
+                   {"bytes", e.bytes},
+                   {"pins", e.pins}});
+    print_json(j);
     return 0;
   }
   std::printf("%-40s %-32s %-5s %-11s %10s %4s\n", "NAMESPACE", "KEY", "TIER", "FORMAT", "BYTES", "PINS");
@@ -225,11 +225,10 @@ int run_evict(const std::string& socket, const Common& c, const std::vector<std:
   auto r = (*cl)->evict(*rid, keys, flags);
   if (!r.ok()) return report("evict", r.status());
   if (c.json) {
-    std::printf("{\"evicted\":%" PRIu64 ",\"keys\":[", r->result[0]);
+    nlohmann::ordered_json j = {{"evicted", r->result[0]}, {"keys", nlohmann::ordered_json::array()}};
     for (size_t i = 0; i < r->blocks.size() && i < keys.size(); ++i)
-      std::printf("%s{\"key\":\"%s\",\"status\":\"%s\"}", i ? "," : "", key_hex(keys[i]).c_str(),
-                  std::string(error_code_name(r->blocks[i])).c_str());
-    std::printf("]}\n");
+      j["keys"].push_back({{"key", key_hex(keys[i])}, {"status", std::string(error_code_name(r->blocks[i]))}});
+    print_json(j);
   } else {
     for (size_t i = 0; i < r->blocks.size() && i < keys.size(); ++i)
       std::printf("%s %s\n", key_hex(keys[i]).c_str(),
@@ -246,13 +245,13 @@ int run_peers(const std::string& socket, const Common& c) {
   if (!cl.ok()) return report("peers", cl.status());
   auto text = (*cl)->peers();
   if (!text.ok()) return report("peers", text.status());
-  if (c.json) {
-    std::printf("%s\n", text->c_str());
-    return 0;
-  }
-  const auto j = nlohmann::json::parse(*text, nullptr, false);
+  const auto j = nlohmann::ordered_json::parse(*text, nullptr, false);
   if (j.is_discarded() || !j.contains("members"))
     return report("peers", Status(ErrorCode::kProtocol, "the daemon's answer is not the expected JSON"));
+  if (c.json) {  // written again, so that every --json output comes from the one writer
+    print_json(j);
+    return 0;
+  }
   std::printf("this daemon: %s (%s)\n", j.value("self", "").c_str(),
               j.value("healthy", false) ? "in the cluster" : ("degraded: " + j.value("reason", "")).c_str());
   std::printf("%-24s %-22s %-20s %10s %12s %10s %12s %7s\n", "MEMBER", "ADDRESS", "STATE", "BLOCKS_OUT", "MIB_OUT",
