@@ -12,23 +12,28 @@
 #include <cstdio>
 #include <cstring>
 #include <nlohmann/json.hpp>
-#include <numeric>
-#include <random>
 #include <thread>
 
 #include "daemon_harness.h"
+#include "test_blocks.h"
 #include "kvferry/connector/client.h"
 #include "kvferry/kernels/convert.h"
-#include "kvferry/kernels/write.h"
-#include "kvferry/layouts/dtype.h"
 
 namespace kvferry {
 namespace {
 
+using testing::block_equal;
+using testing::create;
 using testing::DaemonProcess;
+using testing::fill_bytes;
+using testing::fill_mla;
 using testing::http_get;
+using testing::iota_ids;
 using testing::metric;
 using testing::metrics_port;
+using testing::Region;
+using testing::run_cli;
+using testing::snapshot;
 using namespace std::chrono_literals;
 
 /// A directory for the slot file, outside any daemon's own temporary directory (a restarted
@@ -59,85 +64,13 @@ std::string tier_yaml(const std::string& dir, const std::string& host, const std
 }
 
 std::unique_ptr<Client> connect(const DaemonProcess& d, const std::string& model = "m") {
-  Client::Options o;
-  o.socket = d.socket();
-  o.name = "disk-tier-test";
-  o.model = model;
-  auto c = Client::connect(o);
-  EXPECT_TRUE(c.ok()) << c.status().to_string() << "\n" << d.log();
-  return c.ok() ? std::move(*c) : nullptr;
+  return testing::connect_client(d, "disk-tier-test", model);
 }
-
-struct Region {
-  uint32_t id = 0;
-  KvCacheSpec spec;
-  uint8_t* base = nullptr;
-  uint8_t* block(int64_t b) const { return base + spec.page_offset(0, b); }
-};
 
 /// 64 blocks of 4 layers x 64 tokens (144 KiB of mla_fp8, 288 KiB of mla_bf16), block-major.
 KvCacheSpec spec_of(EntryFormat f, int64_t blocks = 64) { return {4, blocks, 64, f, Layout::kBlockMajor}; }
 
-Region create(Client& c, const std::string& name, const KvCacheSpec& spec) {
-  Region r;
-  auto id = c.create_region(name, spec);
-  EXPECT_TRUE(id.ok()) << id.status().to_string();
-  if (!id.ok()) return r;
-  r.id = *id;
-  r.spec = spec;
-  auto b = c.map_region(*id);
-  EXPECT_TRUE(b.ok());
-  r.base = b.ok() ? static_cast<uint8_t*>(*b) : nullptr;
-  return r;
-}
-
-void fill_bytes(Region& r, uint64_t seed) {
-  std::mt19937_64 rng(seed * 7919 + 1);
-  for (int64_t i = 0; i + 8 <= r.spec.region_bytes(); i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(r.base + i, &v, 8);
-  }
-}
-
-void fill_mla(Region& r, uint32_t seed) {
-  const int64_t tokens = r.spec.blocks * r.spec.block_size;
-  std::vector<int64_t> slots(static_cast<size_t>(tokens));
-  std::iota(slots.begin(), slots.end(), 0);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.f, 2.f);
-  for (int64_t l = 0; l < r.spec.layers; ++l) {
-    std::vector<uint16_t> kv(static_cast<size_t>(tokens * 512)), pe(static_cast<size_t>(tokens * 64));
-    for (auto& v : kv) v = float_to_bf16(u(rng));
-    for (auto& v : pe) v = float_to_bf16(u(rng));
-    kernels::WriteMlaParams p;
-    p.kv_c = kv.data();
-    p.k_pe = pe.data();
-    p.slots = slots.data();
-    p.tokens = tokens;
-    p.cache = {r.base, r.spec.region_bytes(), r.spec.layer_view(l)};
-    p.mode = r.spec.format.kind == FormatKind::kMlaFp8 ? kernels::MlaWriteMode::kFp8 : kernels::MlaWriteMode::kCopy;
-    ASSERT_TRUE(kernels::write_mla_cpu(p).ok());
-  }
-}
-
-std::vector<ops::Key> keys_for(int64_t n, uint64_t round) {
-  std::vector<ops::Key> k;
-  for (int64_t i = 0; i < n; ++i)
-    k.push_back({0xD15C000000000000ull ^ round, static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + 1});
-  return k;
-}
-
-std::vector<int64_t> iota_ids(int64_t n) {
-  std::vector<int64_t> v(static_cast<size_t>(n));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
-
-std::vector<uint8_t> snapshot(const Region& r) { return {r.base, r.base + r.spec.region_bytes()}; }
-
-bool block_equal(const Region& r, int64_t b, const std::vector<uint8_t>& ref) {
-  return std::memcmp(r.block(b), ref.data() + r.spec.page_offset(0, b), static_cast<size_t>(r.spec.block_bytes())) == 0;
-}
+constexpr testing::TestKeys kKeys{0xD15C000000000000ull};
 
 struct Tally {
   int exact = 0, miss = 0, other = 0, wrong = 0;
@@ -149,13 +82,13 @@ Tally load_and_check(Client& c, Region& r, uint64_t k, const std::vector<uint8_t
   Tally t;
   std::memset(r.base, 0xEE, static_cast<size_t>(r.spec.region_bytes()));
   const int64_t n = r.spec.blocks;
-  auto ld = c.load(r.id, keys_for(n, k), iota_ids(n));
+  auto ld = c.load(r.id, kKeys.keys(n, k), iota_ids(n));
   EXPECT_TRUE(ld.ok()) << ld.status().to_string();
   if (!ld.ok()) return t;
   for (int64_t i = 0; i < n; ++i) {
     const ErrorCode e = ld->blocks[static_cast<size_t>(i)];
     if (e == ErrorCode::kOk)
-      block_equal(r, i, ref) ? ++t.exact : ++t.wrong;
+      block_equal(r, i, ref, i) ? ++t.exact : ++t.wrong;
     else if (e == ErrorCode::kNotFound)
       ++t.miss;
     else
@@ -197,7 +130,7 @@ TEST_P(DiskTierIt, RoundTripThroughHostAndDisk) {
   for (int k = 0; k < kRounds; ++k) {
     fill_bytes(r, static_cast<uint64_t>(k));
     refs.push_back(snapshot(r));
-    auto sv = c->save(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+    auto sv = c->save(r.id, kKeys.keys(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
     ASSERT_TRUE(sv.ok());
     ASSERT_EQ(sv->done, r.spec.blocks) << static_cast<int>(sv->status) << "\n" << d.log();
   }
@@ -206,7 +139,7 @@ TEST_P(DiskTierIt, RoundTripThroughHostAndDisk) {
   }
   // Every key is found (lookup sees both tiers).
   for (int k = 0; k < kRounds; ++k) {
-    auto lk = c->lookup(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)));
+    auto lk = c->lookup(r.id, kKeys.keys(r.spec.blocks, static_cast<uint64_t>(k)));
     ASSERT_TRUE(lk.ok());
     EXPECT_EQ(lk->result[0], static_cast<uint64_t>(r.spec.blocks)) << "round " << k;
   }
@@ -253,12 +186,12 @@ TEST(DiskTierRestart, KillDuringSavesThenRecover) {
       fill_bytes(r, uint64_t{100} + static_cast<uint64_t>(k));
       refs.push_back(snapshot(r));
       if (k == kDone) break;
-      auto sv = c->save(r.id, keys_for(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+      auto sv = c->save(r.id, kKeys.keys(r.spec.blocks, static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
       ASSERT_TRUE(sv.ok());
       ASSERT_EQ(sv->done, r.spec.blocks) << d.log();
     }
     // The last round is in flight when the daemon dies.
-    auto id = c->submit_save(r.id, keys_for(r.spec.blocks, kDone), iota_ids(r.spec.blocks));
+    auto id = c->submit_save(r.id, kKeys.keys(r.spec.blocks, kDone), iota_ids(r.spec.blocks));
     ASSERT_TRUE(id.ok());
     std::this_thread::sleep_for(3ms);
     d.stop(SIGKILL);
@@ -294,7 +227,7 @@ TEST(DiskTierDamage, CorruptSlotIsCaughtAndDropped) {
     ASSERT_TRUE(c);
     Region r = create(*c, "dmg", spec_of(EntryFormat::mla_fp8(), 16));
     fill_bytes(r, 7);
-    auto sv = c->save(r.id, keys_for(16, 7), iota_ids(16));
+    auto sv = c->save(r.id, kKeys.keys(16, 7), iota_ids(16));
     ASSERT_TRUE(sv.ok());
     ASSERT_EQ(sv->done, 16u);
     d.stop();
@@ -314,11 +247,11 @@ TEST(DiskTierDamage, CorruptSlotIsCaughtAndDropped) {
   auto c = connect(d);
   ASSERT_TRUE(c);
   Region r = create(*c, "dmg2", spec_of(EntryFormat::mla_fp8(), 16));
-  auto ld = c->load(r.id, keys_for(16, 7), iota_ids(16));
+  auto ld = c->load(r.id, kKeys.keys(16, 7), iota_ids(16));
   ASSERT_TRUE(ld.ok());
   EXPECT_EQ(ld->done, 0u);
   for (ErrorCode e : ld->blocks) EXPECT_EQ(e, ErrorCode::kChecksumMismatch);
-  auto again = c->load(r.id, keys_for(16, 7), iota_ids(16));
+  auto again = c->load(r.id, kKeys.keys(16, 7), iota_ids(16));
   ASSERT_TRUE(again.ok());
   for (ErrorCode e : again->blocks) EXPECT_EQ(e, ErrorCode::kNotFound);
   const std::string m = http_get(metrics_port(d.log()), "/metrics");
@@ -336,7 +269,7 @@ Tally churn(DaemonProcess& d, int rounds, uint64_t salt) {
   for (int k = 0; k < rounds; ++k) {
     fill_bytes(r, salt + static_cast<uint64_t>(k));
     refs.push_back(snapshot(r));
-    auto sv = c->save(r.id, keys_for(r.spec.blocks, salt + static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+    auto sv = c->save(r.id, kKeys.keys(r.spec.blocks, salt + static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
     EXPECT_TRUE(sv.ok());
   }
   for (int k = 0; k < rounds; ++k) {
@@ -401,7 +334,7 @@ TEST(DiskTierFaults, EioDegradesAndHostServesOn) {
   Region r = create(*c, "after-eio", spec_of(EntryFormat::mla_fp8(), 8));
   fill_bytes(r, 99);
   const auto ref = snapshot(r);
-  ASSERT_EQ(c->save(r.id, keys_for(8, 99), iota_ids(8))->done, 8u);
+  ASSERT_EQ(c->save(r.id, kKeys.keys(8, 99), iota_ids(8))->done, 8u);
   const Tally t2 = load_and_check(*c, r, 99, ref);
   EXPECT_EQ(t2.exact, 8);
 }
@@ -428,7 +361,7 @@ TEST(DiskTierConvert, LoadFromDiskConvertsFormat) {
   Region a = create(*c, "fp8", spec_of(EntryFormat::mla_fp8(), 16));
   Region b = create(*c, "fp8ds", spec_of(EntryFormat::mla_fp8_ds(), 16));
   fill_mla(a, 42);
-  const auto keys = keys_for(16, 42);
+  const auto keys = kKeys.keys(16, 42);
   ASSERT_EQ(c->save(a.id, keys, iota_ids(16))->done, 16u);
   std::vector<uint8_t> want(static_cast<size_t>(b.spec.region_bytes()), 0);
   ASSERT_TRUE(kernels::convert_blocks_cpu(a.base, a.spec, iota_ids(16), want.data(), b.spec, iota_ids(16)).ok());
@@ -436,7 +369,7 @@ TEST(DiskTierConvert, LoadFromDiskConvertsFormat) {
   Region f = create(*c, "filler", spec_of(EntryFormat::mla_fp8()));
   for (int k = 0; k < 4; ++k) {
     fill_bytes(f, 500 + static_cast<uint64_t>(k));
-    ASSERT_EQ(c->save(f.id, keys_for(64, 500 + static_cast<uint64_t>(k)), iota_ids(64))->done, 64u);
+    ASSERT_EQ(c->save(f.id, kKeys.keys(64, 500 + static_cast<uint64_t>(k)), iota_ids(64))->done, 64u);
   }
   auto ls = c->ls(a.id);
   ASSERT_TRUE(ls.ok());
@@ -451,19 +384,6 @@ TEST(DiskTierConvert, LoadFromDiskConvertsFormat) {
     EXPECT_EQ(
         std::memcmp(b.block(i), want.data() + b.spec.page_offset(0, i), static_cast<size_t>(b.spec.block_bytes())), 0)
         << "block " << i;
-}
-
-/// Runs the kvferry CLI against `d` with `args`; returns its stdout (the exit status is checked).
-std::string run_cli(const DaemonProcess& d, const std::string& args) {
-  const std::string cmd = std::string("'") + KVFERRY_CLI_PATH + "' --socket '" + d.socket() + "' " + args;
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return out;
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  EXPECT_EQ(::pclose(p), 0) << cmd << "\n" << out;
-  return out;
 }
 
 /// The lines of `text` that start with `word` and a space.
@@ -490,7 +410,7 @@ TEST(DiskTierStats, StatsNameTheDiskTier) {
   Region r = create(*c, "stats", spec_of(EntryFormat::mla_fp8()));
   for (int k = 0; k < 3; ++k) {  // 27 MiB through an 8 MiB pool: write-back demotes most of it
     fill_bytes(r, 600 + static_cast<uint64_t>(k));
-    auto sv = c->save(r.id, keys_for(r.spec.blocks, 600 + static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
+    auto sv = c->save(r.id, kKeys.keys(r.spec.blocks, 600 + static_cast<uint64_t>(k)), iota_ids(r.spec.blocks));
     ASSERT_TRUE(sv.ok());
     ASSERT_EQ(sv->done, r.spec.blocks) << d.log();
   }
@@ -514,7 +434,7 @@ TEST(DiskTierStats, StatsNameTheDiskTier) {
   ASSERT_TRUE(host.ok());
   EXPECT_EQ(host->capacity_bytes, all->host.capacity_bytes);
 
-  const std::string text = run_cli(d, "stats --json");
+  const std::string text = run_cli(KVFERRY_CLI_PATH, d, "stats --json");
   const auto j = nlohmann::json::parse(text, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << text;
   EXPECT_EQ(j.value("tier", ""), "host") << text;
@@ -535,7 +455,7 @@ TEST(DiskTierStats, StatsNameTheDiskTier) {
   }
   EXPECT_EQ(disks, 1) << text;
 
-  const std::string human = run_cli(d, "stats");
+  const std::string human = run_cli(KVFERRY_CLI_PATH, d, "stats");
   const auto disk_lines = lines_starting(human, "disk");
   ASSERT_EQ(disk_lines.size(), 1u) << human;
   EXPECT_NE(disk_lines[0].find(" blocks"), std::string::npos) << human;
@@ -556,13 +476,13 @@ TEST(DiskTierStats, HostOnlyDaemonNamesNoDisk) {
   auto all = c->stats_all();
   ASSERT_TRUE(all.ok()) << all.status().to_string();
   EXPECT_TRUE(all->tiers.empty());
-  const std::string text = run_cli(d, "stats --json");
+  const std::string text = run_cli(KVFERRY_CLI_PATH, d, "stats --json");
   const auto j = nlohmann::json::parse(text, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << text;
   EXPECT_EQ(j.value("tier", ""), "host") << text;
   ASSERT_TRUE(j.contains("tiers") && j["tiers"].is_array()) << text;
   EXPECT_TRUE(j["tiers"].empty()) << text;
-  const std::string human = run_cli(d, "stats");
+  const std::string human = run_cli(KVFERRY_CLI_PATH, d, "stats");
   EXPECT_TRUE(lines_starting(human, "disk").empty()) << human;
   EXPECT_NE(human.find("host pool"), std::string::npos) << human;
 }

@@ -10,23 +10,28 @@
 
 #include <cstring>
 #include <numeric>
-#include <random>
 #include <regex>
 
 #include "daemon_harness.h"
+#include "test_blocks.h"
 #include "kvferry/connector/client.h"
 #include "kvferry/connector/kvferry.h"
 #include "kvferry/kernels/convert.h"
-#include "kvferry/kernels/write.h"
 #include "kvferry/layouts/dtype.h"
 
 namespace kvferry {
 namespace {
 
+using testing::block_equal;
+using testing::create;
 using testing::DaemonProcess;
+using testing::fill_bytes;
+using testing::fill_mla;
 using testing::http_get;
 using testing::metric;
+using testing::Region;
 using testing::run_in_child;
+using testing::snapshot;
 using testing::wait_until;
 using namespace std::chrono_literals;
 
@@ -34,89 +39,14 @@ constexpr const char* kSmallPool = "tiers:\n  host:\n    capacity: 64MiB\n";
 
 std::unique_ptr<Client> connect(const DaemonProcess& d, const std::string& model = "m",
                                 const std::string& tenant = "") {
-  Client::Options o;
-  o.socket = d.socket();
-  o.name = "offload-test";
-  o.model = model;
-  o.tenant = tenant;
-  auto c = Client::connect(o);
-  EXPECT_TRUE(c.ok()) << c.status().to_string() << "\n" << d.log();
-  return c.ok() ? std::move(*c) : nullptr;
+  return testing::connect_client(d, "offload-test", model, tenant);
 }
 
 KvCacheSpec spec_of(EntryFormat f, int64_t layers = 2, int64_t blocks = 16, int64_t bs = 16) {
   return {layers, blocks, bs, f, Layout::kBlockMajor};
 }
 
-struct Region {
-  uint32_t id = 0;
-  KvCacheSpec spec;
-  uint8_t* base = nullptr;
-  uint8_t* page(int64_t l, int64_t b) const { return base + spec.page_offset(l, b); }
-};
-
-Region create(Client& c, const std::string& name, const KvCacheSpec& spec) {
-  Region r;
-  auto id = c.create_region(name, spec);
-  EXPECT_TRUE(id.ok()) << id.status().to_string();
-  if (!id.ok()) return r;
-  r.id = *id;
-  r.spec = spec;
-  auto b = c.map_region(*id);
-  EXPECT_TRUE(b.ok());
-  r.base = b.ok() ? static_cast<uint8_t*>(*b) : nullptr;
-  return r;
-}
-
-/// Fills every block of `r` through write_mla with seeded bf16 inputs (values that every MLA
-/// format can hold meaningfully).
-void fill_mla(Region& r, uint32_t seed) {
-  const int64_t tokens = r.spec.blocks * r.spec.block_size;
-  std::vector<int64_t> slots(static_cast<size_t>(tokens));
-  std::iota(slots.begin(), slots.end(), 0);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.f, 2.f);
-  for (int64_t l = 0; l < r.spec.layers; ++l) {
-    std::vector<uint16_t> kv(static_cast<size_t>(tokens * 512)), pe(static_cast<size_t>(tokens * 64));
-    for (auto& v : kv) v = float_to_bf16(u(rng));
-    for (auto& v : pe) v = float_to_bf16(u(rng));
-    kernels::WriteMlaParams p;
-    p.kv_c = kv.data();
-    p.k_pe = pe.data();
-    p.slots = slots.data();
-    p.tokens = tokens;
-    p.cache = {r.base, r.spec.region_bytes(), r.spec.layer_view(l)};
-    p.mode = r.spec.format.kind == FormatKind::kMlaFp8     ? kernels::MlaWriteMode::kFp8
-             : r.spec.format.kind == FormatKind::kMlaFp8Ds ? kernels::MlaWriteMode::kFp8Ds
-                                                           : kernels::MlaWriteMode::kCopy;
-    ASSERT_TRUE(kernels::write_mla_cpu(p).ok());
-  }
-}
-
-void fill_bytes(Region& r, uint32_t seed) {
-  std::mt19937_64 rng(seed);
-  for (int64_t i = 0; i < r.spec.region_bytes(); i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(r.base + i, &v, std::min<int64_t>(8, r.spec.region_bytes() - i));
-  }
-}
-
-ops::Key key(uint64_t i, uint64_t salt = 0) { return {0x1234000000000000ull ^ salt, i * 0x9e3779b97f4a7c15ull + 1}; }
-
-std::vector<ops::Key> keys_for(int64_t n, uint64_t salt = 0) {
-  std::vector<ops::Key> k;
-  for (int64_t i = 0; i < n; ++i) k.push_back(key(static_cast<uint64_t>(i), salt));
-  return k;
-}
-
-bool block_equal(const Region& a, int64_t ba, const std::vector<uint8_t>& ref, int64_t bref) {
-  for (int64_t l = 0; l < a.spec.layers; ++l)
-    if (std::memcmp(a.page(l, ba), ref.data() + a.spec.page_offset(l, bref), static_cast<size_t>(a.spec.page_bytes())))
-      return false;
-  return true;
-}
-
-std::vector<uint8_t> snapshot(const Region& r) { return {r.base, r.base + r.spec.region_bytes()}; }
+constexpr testing::TestKeys kKeys{0x1234000000000000ull};
 
 class OffloadIt : public ::testing::Test {
  protected:
@@ -137,7 +67,7 @@ TEST_F(OffloadIt, RoundTripOneManyAllIntoOtherBlockIds) {
   const int64_t nb = r.spec.blocks;
   for (int64_t n : {int64_t{1}, int64_t{5}, nb}) {
     SCOPED_TRACE("blocks " + std::to_string(n));
-    const auto keys = keys_for(n, static_cast<uint64_t>(n));
+    const auto keys = kKeys.keys(n, static_cast<uint64_t>(n));
     std::vector<int64_t> src(static_cast<size_t>(n)), dst(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) {
       src[i] = i;
@@ -164,8 +94,8 @@ TEST_F(OffloadIt, RoundTripOneManyAllIntoOtherBlockIds) {
   }
   // A saved key that is saved again is fine (already stored), and a miss loads nothing.
   std::memset(r.base, 0x5a, ref.size());
-  const ops::Key unknown = key(999, 999);
-  const std::vector<ops::Key> mixed = {key(0, 1), unknown};
+  const ops::Key unknown = kKeys.key(999, 999);
+  const std::vector<ops::Key> mixed = {kKeys.key(0, 1), unknown};
   const std::vector<int64_t> ids = {3, 4};
   auto ld = c->load(r.id, mixed, ids);
   ASSERT_TRUE(ld.ok());
@@ -199,7 +129,7 @@ TEST_F(OffloadIt, LoadConvertsBetweenMlaFormats) {
     Region b = create(*c, "to-" + p.to.name() + std::to_string(salt), spec_of(p.to));
     fill_mla(a, static_cast<uint32_t>(salt));
     const int64_t n = 6;
-    const auto keys = keys_for(n, salt++);
+    const auto keys = kKeys.keys(n, salt++);
     std::vector<int64_t> src = {0, 1, 2, 3, 4, 5}, dst = {10, 11, 12, 13, 14, 15};
     auto sv = c->save(a.id, keys, src);
     ASSERT_TRUE(sv.ok());
@@ -216,7 +146,7 @@ TEST_F(OffloadIt, LoadConvertsBetweenMlaFormats) {
   Region b = create(*c, "u-to", spec_of(EntryFormat::mla_fp8()));
   fill_mla(a, 7);
   std::memset(b.base, 0x77, static_cast<size_t>(b.spec.region_bytes()));
-  const auto keys = keys_for(2, 777);
+  const auto keys = kKeys.keys(2, 777);
   const std::vector<int64_t> ids = {0, 1};
   ASSERT_EQ(c->save(a.id, keys, ids)->done, 2u);
   auto ld = c->load(b.id, keys, ids);
@@ -233,14 +163,14 @@ TEST_F(OffloadIt, EvictionUnderPressureMissesNeverWrongBytes) {
   // Blocks of 2 x 64 tokens x 1152 B = 144 KiB; 64 MiB of pool holds ~440 of them.
   Region r = create(*c, "ev", spec_of(EntryFormat::mla_bf16(), 2, 64, 64));
   const int64_t rounds = 12;  // 12 x 64 blocks = 108 MiB saved through a 64 MiB pool
-  const auto pinned = keys_for(2, 5000);
+  const auto pinned = kKeys.keys(2, 5000);
   std::vector<std::vector<uint8_t>> refs;
   for (int64_t k = 0; k < rounds; ++k) {
     fill_bytes(r, static_cast<uint32_t>(k + 10));
     refs.push_back(snapshot(r));
     std::vector<int64_t> ids(64);
     std::iota(ids.begin(), ids.end(), 0);
-    auto sv = c->save(r.id, keys_for(64, static_cast<uint64_t>(k)), ids);
+    auto sv = c->save(r.id, kKeys.keys(64, static_cast<uint64_t>(k)), ids);
     ASSERT_TRUE(sv.ok());
     EXPECT_EQ(sv->done, 64u) << "round " << k << ": the index evicts to make room";
     if (k == 0) {  // pin two blocks of the first round under their own keys
@@ -262,7 +192,7 @@ TEST_F(OffloadIt, EvictionUnderPressureMissesNeverWrongBytes) {
     std::memset(r.base, 0, static_cast<size_t>(r.spec.region_bytes()));
     std::vector<int64_t> ids(64);
     std::iota(ids.begin(), ids.end(), 0);
-    auto ld = c->load(r.id, keys_for(64, static_cast<uint64_t>(k)), ids);
+    auto ld = c->load(r.id, kKeys.keys(64, static_cast<uint64_t>(k)), ids);
     ASSERT_TRUE(ld.ok());
     for (int64_t i = 0; i < 64; ++i) {
       if (ld->blocks[i] == ErrorCode::kOk) {
@@ -297,7 +227,7 @@ TEST_F(OffloadIt, CorruptedHostSlotIsDetectedNotReturned) {
   ASSERT_TRUE(c);
   Region r = create(*c, "cs", spec_of(EntryFormat::mla_bf16()));
   fill_bytes(r, 3);
-  const auto keys = keys_for(3, 42);
+  const auto keys = kKeys.keys(3, 42);
   const std::vector<int64_t> ids = {0, 1, 2}, dst = {8, 9, 10};
   ASSERT_EQ(c->save(r.id, keys, ids)->done, 3u);
   auto k = c->corrupt_for_test(r.id, keys[1], 1000);
@@ -326,7 +256,7 @@ TEST(OffloadFaults, TheFaultKnobNeedsItsSwitch) {
   auto c = connect(d);
   ASSERT_TRUE(c);
   Region r = create(*c, "nf", spec_of(EntryFormat::mla_bf16()));
-  const auto keys = keys_for(1);
+  const auto keys = kKeys.keys(1);
   const std::vector<int64_t> ids = {0};
   ASSERT_EQ(c->save(r.id, keys, ids)->done, 1u);
   auto k = c->corrupt_for_test(r.id, keys[0], 0);
@@ -344,7 +274,7 @@ TEST_F(OffloadIt, NamespacesShareWithinAndNeverAcross) {
   Region ra = create(*a, "ns", spec_of(EntryFormat::mla_bf16()));
   fill_bytes(ra, 9);
   const auto ref = snapshot(ra);
-  const auto keys = keys_for(4, 77);
+  const auto keys = kKeys.keys(4, 77);
   const std::vector<int64_t> ids = {0, 1, 2, 3};
   ASSERT_EQ(a->save(ra.id, keys, ids)->done, 4u);
   // b maps the same region (same format family) and shares the hits.
@@ -388,7 +318,7 @@ TEST_F(OffloadIt, KilledClientMidSaveLeavesNoPinNorHalfBlock) {
     Region r = create(**c, "victim", spec);
     if (!r.base) return 3;
     fill_bytes(r, 31);
-    const auto first = keys_for(4, 1);
+    const auto first = kKeys.keys(4, 1);
     const std::vector<int64_t> ids = {0, 1, 2, 3};
     auto sv = (*c)->save(r.id, first, ids);
     if (!sv.ok() || sv->done != 4) return 4;
@@ -397,7 +327,7 @@ TEST_F(OffloadIt, KilledClientMidSaveLeavesNoPinNorHalfBlock) {
     std::vector<int64_t> all(static_cast<size_t>(nb));
     std::iota(all.begin(), all.end(), 0);
     for (uint64_t s = 2; s < 6; ++s)
-      if (!(*c)->submit_save(r.id, keys_for(nb, s), all).ok()) return 6;
+      if (!(*c)->submit_save(r.id, kKeys.keys(nb, s), all).ok()) return 6;
     ::raise(SIGKILL);
     return 7;
   });
@@ -422,7 +352,7 @@ TEST_F(OffloadIt, KilledClientMidSaveLeavesNoPinNorHalfBlock) {
   }
   size_t visible = 0;
   for (uint64_t s = 1; s < 6; ++s) {
-    const auto keys = keys_for(s == 1 ? 4 : nb, s);
+    const auto keys = kKeys.keys(s == 1 ? 4 : nb, s);
     std::vector<int64_t> ids(keys.size());
     std::iota(ids.begin(), ids.end(), 0);
     std::memset(r.base, 0, ref.size());
@@ -439,7 +369,7 @@ TEST_F(OffloadIt, KilledClientMidSaveLeavesNoPinNorHalfBlock) {
   EXPECT_GE(visible, 4u) << "the blocks saved before the kill stay";
   // The pins of the dead client are gone: none of its pinned blocks is kept as busy (they were
   // evicted under the pressure of the later saves, or go now).
-  auto ev = c->evict(r.id, keys_for(4, 1));
+  auto ev = c->evict(r.id, kKeys.keys(4, 1));
   ASSERT_TRUE(ev.ok());
   for (auto code : ev->blocks)
     EXPECT_TRUE(code == ErrorCode::kOk || code == ErrorCode::kNotFound) << error_code_name(code);
@@ -455,14 +385,14 @@ TEST_F(OffloadIt, LookupsDoNotWaitBehindTransfers) {
   Region r = create(*a, "busy", spec);
   fill_bytes(r, 4);
   ASSERT_TRUE(b->map_region(r.id).ok());
-  const auto small = keys_for(4, 900);
+  const auto small = kKeys.keys(4, 900);
   const std::vector<int64_t> four = {0, 1, 2, 3};
   ASSERT_EQ(a->save(r.id, small, four)->done, 4u);
   std::vector<int64_t> all(128);
   std::iota(all.begin(), all.end(), 0);
   std::vector<uint64_t> ids;
   for (uint64_t s = 901; s < 904; ++s) {  // queued behind one another on two workers
-    auto id = a->submit_save(r.id, keys_for(128, s), all);
+    auto id = a->submit_save(r.id, kKeys.keys(128, s), all);
     ASSERT_TRUE(id.ok());
     ids.push_back(*id);
   }
@@ -493,7 +423,7 @@ TEST(OffloadTimeout, SlowOpsFailWithATimeoutAndLeaveNothingHalfVisible) {
   Region r = create(*c, "to", spec_of(EntryFormat::mla_bf16()));
   fill_bytes(r, 77);
   const auto ref = snapshot(r);
-  const auto keys = keys_for(4, 77);
+  const auto keys = kKeys.keys(4, 77);
   const std::vector<int64_t> src = {0, 1, 2, 3}, dst = {8, 9, 10, 11};
   auto sv = c->save(r.id, keys, src);
   ASSERT_TRUE(sv.ok()) << sv.status().to_string();
@@ -543,8 +473,8 @@ TEST(OffloadReload, SighupReappliesTheWatermarks) {
   fill_bytes(r, 5);
   std::vector<int64_t> ids(64);
   std::iota(ids.begin(), ids.end(), 0);
-  for (uint64_t k = 0; k < 3; ++k) ASSERT_EQ(c->save(r.id, keys_for(64, k), ids)->done, 64u);  // 27 MiB
-  const auto pinned = keys_for(2, 0);                                                          // the oldest blocks
+  for (uint64_t k = 0; k < 3; ++k) ASSERT_EQ(c->save(r.id, kKeys.keys(64, k), ids)->done, 64u);  // 27 MiB
+  const auto pinned = kKeys.keys(2, 0);                                                          // the oldest blocks
   ASSERT_EQ(c->pin(r.id, pinned)->done, 2u);
   auto before = c->stats();
   ASSERT_TRUE(before.ok());
@@ -558,7 +488,7 @@ TEST(OffloadReload, SighupReappliesTheWatermarks) {
   EXPECT_LE(static_cast<double>(after->used_bytes), 0.2 * cap) << "evicted down to the new low mark at once";
   EXPECT_GT(after->evictions, before->evictions);
   EXPECT_EQ(c->lookup(r.id, pinned)->done, 2u) << "pinned blocks are never evicted";
-  for (uint64_t k = 3; k < 6; ++k) ASSERT_EQ(c->save(r.id, keys_for(64, k), ids)->done, 64u);
+  for (uint64_t k = 3; k < 6; ++k) ASSERT_EQ(c->save(r.id, kKeys.keys(64, k), ids)->done, 64u);
   auto later = c->stats();
   ASSERT_TRUE(later.ok());
   EXPECT_LE(static_cast<double>(later->used_bytes), 0.3 * cap + 64 * 147456.0) << "the new high mark holds";
@@ -584,12 +514,12 @@ TEST(OffloadMetrics, MetricsAndHealthzOverHttpMove) {
   ASSERT_TRUE(c);
   Region r = create(*c, "metrics", spec_of(EntryFormat::mla_bf16()));
   fill_bytes(r, 5);
-  const auto keys = keys_for(3);
+  const auto keys = kKeys.keys(3);
   const std::vector<int64_t> ids = {0, 1, 2};
   ASSERT_EQ(c->save(r.id, keys, ids)->done, 3u);
   ASSERT_EQ(c->load(r.id, keys, ids)->done, 3u);
   std::vector<ops::Key> probe = keys;
-  probe.push_back(key(12345, 6789));
+  probe.push_back(kKeys.key(12345, 6789));
   ASSERT_TRUE(c->lookup(r.id, probe).ok());
   const std::string after = http_get(port, "/metrics");
   EXPECT_EQ(metric(after, "kvferry_blocks_saved_total{tier=\"host\"}"), 3) << after;

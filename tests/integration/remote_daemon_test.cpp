@@ -14,102 +14,38 @@
 #include <cstring>
 #include <fstream>
 #include <future>
-#include <numeric>
 #include <random>
 #include <thread>
 
 #include "daemon_harness.h"
 #include "etcd_harness.h"
+#include "netns_link.h"
+#include "test_blocks.h"
 #include "kvferry/connector/client.h"
 #include "kvferry/kernels/convert.h"
-#include "kvferry/kernels/write.h"
-#include "kvferry/layouts/dtype.h"
 #include "kvferry/store/placement.h"
 
 namespace kvferry {
 namespace {
 
+using testing::create;
 using testing::DaemonProcess;
+using testing::equal_blocks;
+using testing::fill_mla;
+using testing::iota_ids;
+using testing::Region;
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 std::unique_ptr<Client> connect(const DaemonProcess& d, const std::string& model = "m",
                                 const std::string& tenant = "") {
-  Client::Options o;
-  o.socket = d.socket();
-  o.name = "remote-test";
-  o.model = model;
-  o.tenant = tenant;
-  auto c = Client::connect(o);
-  EXPECT_TRUE(c.ok()) << c.status().to_string() << "\n" << d.log();
-  return c.ok() ? std::move(*c) : nullptr;
+  return testing::connect_client(d, "remote-test", model, tenant);
 }
-
-struct Region {
-  uint32_t id = 0;
-  KvCacheSpec spec;
-  uint8_t* base = nullptr;
-  const uint8_t* block(int64_t b) const { return base + spec.page_offset(0, b); }
-};
 
 /// `blocks` blocks of 4 layers x 64 tokens, block-major.
 KvCacheSpec spec_of(EntryFormat f, int64_t blocks) { return {4, blocks, 64, f, Layout::kBlockMajor}; }
 
-Region create(Client& c, const std::string& name, const KvCacheSpec& spec) {
-  Region r;
-  auto id = c.create_region(name, spec);
-  EXPECT_TRUE(id.ok()) << id.status().to_string();
-  if (!id.ok()) return r;
-  r.id = *id;
-  r.spec = spec;
-  auto b = c.map_region(*id);
-  EXPECT_TRUE(b.ok());
-  r.base = b.ok() ? static_cast<uint8_t*>(*b) : nullptr;
-  return r;
-}
-
-/// Real MLA cache contents (so fp8 → fp8_ds conversion has meaningful scales).
-void fill_mla(Region& r, uint32_t seed) {
-  const int64_t tokens = r.spec.blocks * r.spec.block_size;
-  std::vector<int64_t> slots(static_cast<size_t>(tokens));
-  std::iota(slots.begin(), slots.end(), 0);
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.f, 2.f);
-  for (int64_t l = 0; l < r.spec.layers; ++l) {
-    std::vector<uint16_t> kv(static_cast<size_t>(tokens * 512)), pe(static_cast<size_t>(tokens * 64));
-    for (auto& v : kv) v = float_to_bf16(u(rng));
-    for (auto& v : pe) v = float_to_bf16(u(rng));
-    kernels::WriteMlaParams p;
-    p.kv_c = kv.data();
-    p.k_pe = pe.data();
-    p.slots = slots.data();
-    p.tokens = tokens;
-    p.cache = {r.base, r.spec.region_bytes(), r.spec.layer_view(l)};
-    p.mode = r.spec.format.kind == FormatKind::kMlaFp8 ? kernels::MlaWriteMode::kFp8 : kernels::MlaWriteMode::kCopy;
-    ASSERT_TRUE(kernels::write_mla_cpu(p).ok());
-  }
-}
-
-std::vector<ops::Key> keys_for(int64_t n, uint64_t round) {
-  std::vector<ops::Key> k;
-  for (int64_t i = 0; i < n; ++i)
-    k.push_back({0x4E3E000000000000ull ^ round, static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + 7});
-  return k;
-}
-
-std::vector<int64_t> iota_ids(int64_t n) {
-  std::vector<int64_t> v(static_cast<size_t>(n));
-  std::iota(v.begin(), v.end(), 0);
-  return v;
-}
-
-/// Blocks of `got` equal to those of `want`, block by block.
-int64_t equal_blocks(const Region& got, const Region& want, int64_t n) {
-  int64_t eq = 0;
-  for (int64_t b = 0; b < n; ++b)
-    eq += std::memcmp(got.block(b), want.block(b), static_cast<size_t>(got.spec.block_bytes())) == 0;
-  return eq;
-}
+constexpr testing::TestKeys kKeys{0x4E3E000000000000ull, 7};
 
 int64_t count(const std::vector<ErrorCode>& v, ErrorCode c) { return std::count(v.begin(), v.end(), c); }
 
@@ -146,7 +82,7 @@ TEST(RemoteDaemons, SaveOnOneLoadOnAnother) {
   constexpr int64_t n = 48;
   Region src = create(*a, "src", spec_of(EntryFormat::mla_fp8(), n));
   fill_mla(src, 7);
-  const auto keys = keys_for(n, 1);
+  const auto keys = kKeys.keys(n, 1);
   auto sv = a->save(src.id, keys, iota_ids(n));
   ASSERT_TRUE(sv.ok());
   ASSERT_EQ(sv->done, uint64_t(n)) << d[0]->log();
@@ -212,7 +148,7 @@ TEST(RemoteDaemons, SharedMemoryTransports) {
   constexpr int64_t n = 16;
   Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 17);
-  const auto keys = keys_for(n, 9);
+  const auto keys = kKeys.keys(n, 9);
   ASSERT_EQ(a->save(src.id, keys, iota_ids(n))->done, uint64_t(n));
   Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
   auto ld = b->load(dst.id, keys, iota_ids(n));
@@ -240,7 +176,7 @@ TEST(RemoteDaemons, TwoReplicasSurviveALostOwner) {
   constexpr int64_t n = 48;
   Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 21);
-  const auto keys = keys_for(n, 8);
+  const auto keys = kKeys.keys(n, 8);
   ASSERT_EQ(a->save(src.id, keys, iota_ids(n))->done, uint64_t(n)) << d[0]->log();
   d[2]->stop(SIGKILL);
   Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
@@ -272,7 +208,7 @@ TEST(RemoteDaemons, SendPrefillToDecode) {
   Region src = create(*a, "prefill", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 11);
   Region dst = create(*b, "decode", spec_of(EntryFormat::mla_bf16(), n));
-  const auto keys = keys_for(n, 2);
+  const auto keys = kKeys.keys(n, 2);
 
   // The decode side waits (up to 20 s) for keys that are not there yet.
   auto waiter = std::async(std::launch::async, [&] { return b->lookup_wait(dst.id, keys, 20000); });
@@ -296,7 +232,7 @@ TEST(RemoteDaemons, SendPrefillToDecode) {
   EXPECT_EQ(count(bad->blocks, ErrorCode::kNotFound), n);
   // A wait with nothing coming ends at its bound with misses.
   const auto t0 = Clock::now();
-  auto miss = b->lookup_wait(dst.id, keys_for(4, 99), 300);
+  auto miss = b->lookup_wait(dst.id, kKeys.keys(4, 99), 300);
   ASSERT_TRUE(miss.ok());
   EXPECT_EQ(miss->done, 0u);
   EXPECT_LT(Clock::now() - t0, 10s);
@@ -318,7 +254,7 @@ TEST(RemoteDaemons, SendLandsInThePeersRegion) {
   fill_mla(src, 13);
   Region dst = create(*b, "decode", spec_of(EntryFormat::mla_fp8(), n));
   std::memset(dst.base, 0, static_cast<size_t>(dst.spec.region_bytes()));
-  const auto keys = keys_for(n, 10);
+  const auto keys = kKeys.keys(n, 10);
   std::vector<int64_t> theirs(n);
   for (int64_t i = 0; i < n; ++i) theirs[size_t(i)] = n - 1 - i;
   const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
@@ -338,12 +274,12 @@ TEST(RemoteDaemons, SendLandsInThePeersRegion) {
   EXPECT_EQ(std::memcmp(ds.base, want.data(), want.size()), 0);
 
   // No such region on B, and block ids past its end: every block fails, by name.
-  auto none = a->send_into(src.id, keys_for(n, 11), iota_ids(n), peer_b, 999, iota_ids(n));
+  auto none = a->send_into(src.id, kKeys.keys(n, 11), iota_ids(n), peer_b, 999, iota_ids(n));
   ASSERT_TRUE(none.ok());
   EXPECT_EQ(none->done, 0u);
   EXPECT_EQ(count(none->blocks, ErrorCode::kNotFound), n);
   std::vector<int64_t> past(n, n + 5);
-  auto oob = a->send_into(src.id, keys_for(n, 12), iota_ids(n), peer_b, dst.id, past);
+  auto oob = a->send_into(src.id, kKeys.keys(n, 12), iota_ids(n), peer_b, dst.id, past);
   ASSERT_TRUE(oob.ok());
   EXPECT_EQ(oob->done, 0u);
   for (ErrorCode e : oob->blocks) EXPECT_NE(e, ErrorCode::kOk);
@@ -374,7 +310,7 @@ TEST(RemoteDaemons, WriteOnEvictPushesOnlyWhatTheHostEvicts) {
   constexpr int64_t n = 16;  // 288 KiB blocks: 4.5 MiB, fits A's pool
   Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 31);
-  const auto first = keys_for(n, 13);
+  const auto first = kKeys.keys(n, 13);
   ASSERT_EQ(a->save(src.id, first, iota_ids(n))->done, uint64_t(n));
   // Blocks A moved to B, from `kvferry peers`' JSON on A.
   auto out_to_b = [&]() -> long {
@@ -387,7 +323,7 @@ TEST(RemoteDaemons, WriteOnEvictPushesOnlyWhatTheHostEvicts) {
   EXPECT_EQ(out_to_b(), 0) << "nothing is pushed at save time";
 
   // 8 more rounds of 16 blocks (36 MiB in all) through A's 16 MiB pool: the first ones are evicted.
-  for (uint64_t r = 0; r < 8; ++r) ASSERT_EQ(a->save(src.id, keys_for(n, 100 + r), iota_ids(n))->done, uint64_t(n));
+  for (uint64_t r = 0; r < 8; ++r) ASSERT_EQ(a->save(src.id, kKeys.keys(n, 100 + r), iota_ids(n))->done, uint64_t(n));
   EXPECT_GT(out_to_b(), 0) << "evicted blocks went to B";
 
   Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
@@ -443,7 +379,7 @@ TEST(RemoteDaemons, WrongSecretIsRefusedAndGarbageIsHarmless) {
   constexpr int64_t n = 16;
   Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 5);
-  const auto keys = keys_for(n, 3);
+  const auto keys = kKeys.keys(n, 3);
   auto sv = a->save(src.id, keys, iota_ids(n));  // saved on A whatever B says
   ASSERT_TRUE(sv.ok());
   EXPECT_EQ(sv->done, uint64_t(n));
@@ -524,7 +460,7 @@ TEST(RemoteDaemons, EtcdMembershipPeerKilledAndRestarted) {
   constexpr int64_t n = 64;
   Region src = create(*a, "src", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 3);
-  const auto keys = keys_for(n, 4);
+  const auto keys = kKeys.keys(n, 4);
   ASSERT_EQ(a->save(src.id, keys, iota_ids(n))->done, uint64_t(n)) << d[0]->log();
   Region dst = create(*b, "dst", spec_of(EntryFormat::mla_bf16(), n));
   auto ld = b->load(dst.id, keys, iota_ids(n));
@@ -586,7 +522,7 @@ TEST(RemoteDaemons, EtcdMembershipPeerKilledAndRestarted) {
   ASSERT_TRUE(testing::wait_until([&] { return rejoined(*a) && rejoined(*b); }, 10s)) << peers_of(*a) << "\n"
                                                                                       << peers_of(*b);
   EXPECT_NE(peers_of(*b), before);
-  const auto keys2 = keys_for(n, 5);
+  const auto keys2 = kKeys.keys(n, 5);
   ASSERT_EQ(a->save(src.id, keys2, iota_ids(n))->done, uint64_t(n));
   auto c = connect(*d[2]);
   ASSERT_TRUE(c);
@@ -599,33 +535,16 @@ TEST(RemoteDaemons, EtcdMembershipPeerKilledAndRestarted) {
   EXPECT_NE(pc.find("\"blocks_in\""), std::string::npos);
 }
 
-int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
-
 // Two daemons on two sides of a veth link (the second in a network namespace the test makes): a
 // client of B loads A's blocks across the link; the link is cut in the middle of a load, and the
 // load completes within the remote deadline with typed errors for what did not arrive and never a
 // wrong byte, while A keeps serving its own client.
 TEST(RemoteDaemons, NetworkNamespaceLinkCutMidLoad) {
   if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
-  const std::string tag = std::to_string(::getpid() % 100000);
-  const std::string ns = "kvf-rd-" + tag, va = "kvra" + tag, vb = "kvrb" + tag;
-  if (sh("ip netns add " + ns) != 0) GTEST_SKIP() << "ip netns add does not work here";
-  struct Cleanup {
-    std::string ns, va;
-    ~Cleanup() {
-      sh("ip link del " + va);
-      sh("ip netns del " + ns);
-    }
-  } cleanup{ns, va};
-  const int oct = 100 + int(::getpid() % 100);
-  const std::string a_ip = "10.214." + std::to_string(oct) + ".1", b_ip = "10.214." + std::to_string(oct) + ".2";
-  ASSERT_EQ(sh("ip link add " + va + " type veth peer name " + vb), 0);
-  ASSERT_EQ(sh("ip link set " + vb + " netns " + ns), 0);
-  ASSERT_EQ(sh("ip addr add " + a_ip + "/30 dev " + va), 0);
-  ASSERT_EQ(sh("ip link set " + va + " up"), 0);
-  ASSERT_EQ(sh("ip netns exec " + ns + " ip addr add " + b_ip + "/30 dev " + vb), 0);
-  ASSERT_EQ(sh("ip netns exec " + ns + " ip link set " + vb + " up"), 0);
-  ASSERT_EQ(sh("ip netns exec " + ns + " ip link set lo up"), 0);
+  testing::NetnsLink net("kvf-rd", "kvr", 214);
+  if (!net.made()) GTEST_SKIP() << "ip netns add does not work here";
+  ASSERT_EQ(net.link(), "");
+  const std::string &ns = net.ns(), &a_ip = net.near_ip(), &b_ip = net.far_ip();
   const std::string dir = testing::make_temp_dir();
   { std::ofstream(dir + "/k") << "netns-cluster-key-0123456789\n"; }
   const int pa = testing::etcd::free_port(), pb = testing::etcd::free_port();
@@ -643,7 +562,7 @@ TEST(RemoteDaemons, NetworkNamespaceLinkCutMidLoad) {
   constexpr int64_t n = 64;  // 4 layers x 64 tokens x 1152 B: 288 KiB blocks, 18 MiB
   Region src = create(*ca, "src", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 9);
-  const auto keys = keys_for(n, 6);
+  const auto keys = kKeys.keys(n, 6);
   ASSERT_EQ(ca->save(src.id, keys, iota_ids(n))->done, uint64_t(n)) << a.log();
   Region dst = create(*cb, "dst", spec_of(EntryFormat::mla_bf16(), n));
   auto ld = cb->load(dst.id, keys, iota_ids(n));  // across the link (the veth may need a moment: once more)
@@ -657,7 +576,7 @@ TEST(RemoteDaemons, NetworkNamespaceLinkCutMidLoad) {
   auto fut = std::async(std::launch::async, [&] { return cb->load(dst.id, keys, iota_ids(n)); });
   std::this_thread::sleep_for(5ms);
   const auto t0 = Clock::now();
-  ASSERT_EQ(sh("ip link del " + va), 0);  // the cable is cut: no RST, no FIN
+  ASSERT_TRUE(net.cut());  // the cable is cut: no RST, no FIN
   ASSERT_EQ(fut.wait_for(20s), std::future_status::ready) << "no answer after the link was cut";
   auto cut = fut.get();
   EXPECT_LT(Clock::now() - t0, 10s);

@@ -12,23 +12,17 @@
 
 #include "daemon_harness.h"
 #include "etcd_harness.h"
+#include "test_blocks.h"
 #include "kvferry/connector/client.h"
 
 namespace kvferry {
 namespace {
 
 using testing::DaemonProcess;
+using testing::run_cli;
 using namespace std::chrono_literals;
 
-std::unique_ptr<Client> connect(const DaemonProcess& d) {
-  Client::Options o;
-  o.socket = d.socket();
-  o.name = "remote-stats-test";
-  o.model = "m";
-  auto c = Client::connect(o);
-  EXPECT_TRUE(c.ok()) << c.status().to_string() << "\n" << d.log();
-  return c.ok() ? std::move(*c) : nullptr;
-}
+std::unique_ptr<Client> connect(const DaemonProcess& d) { return testing::connect_client(d, "remote-stats-test"); }
 
 /// A daemon on the remote tier listening on `port`, with the others of `ports` as static peers.
 std::string remote_yaml(int port, const std::vector<int>& ports) {
@@ -48,18 +42,6 @@ ops::TierStatsWire remote_entry(Client& c) {
     if (std::string(t.tier) == "remote") return t;
   ADD_FAILURE() << "no remote entry";
   return {};
-}
-
-std::string run_cli(const DaemonProcess& d, const std::string& args) {
-  const std::string cmd = std::string("'") + KVFERRY_CLI_PATH + "' --socket '" + d.socket() + "' " + args;
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  if (!p) return out;
-  char buf[4096];
-  size_t n = 0;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  EXPECT_EQ(::pclose(p), 0) << cmd << "\n" << out;
-  return out;
 }
 
 TEST(RemoteStats, StatsNameTheRemoteTier) {
@@ -100,7 +82,7 @@ TEST(RemoteStats, StatsNameTheRemoteTier) {
   EXPECT_STREQ(tb.member, id_b.c_str());
   EXPECT_EQ(tb.peers_live, 1u);
 
-  const std::string text = run_cli(pa, "stats --json");
+  const std::string text = run_cli(KVFERRY_CLI_PATH, pa, "stats --json");
   const auto j = nlohmann::json::parse(text, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << text;
   EXPECT_EQ(j.value("tier", ""), "host") << text;
@@ -112,7 +94,7 @@ TEST(RemoteStats, StatsNameTheRemoteTier) {
   EXPECT_EQ(e.value("peers_live", uint64_t{0}), 1u) << text;
   EXPECT_GE(e.value("blocks_out", uint64_t{0}), uint64_t(n)) << text;
   EXPECT_FALSE(e.contains("used_bytes")) << text;
-  const std::string human = run_cli(pa, "stats");
+  const std::string human = run_cli(KVFERRY_CLI_PATH, pa, "stats");
   EXPECT_NE(human.find("\nremote      member " + id_a + ", 1 peers live, 0 lost, out "), std::string::npos) << human;
   EXPECT_EQ(human.find("\ndisk"), std::string::npos) << human;
 

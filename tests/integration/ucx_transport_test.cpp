@@ -26,6 +26,7 @@
 #include <sstream>
 #include <thread>
 
+#include "netns_link.h"
 #include "kvferry/store/remote_wire.h"
 #include "kvferry/store/ucx_transport.h"
 
@@ -640,29 +641,12 @@ TEST(UcxTransport, HmacKnownAnswer) {
 
 // ---- a peer in a network namespace, its link cut mid-transfer ----
 
-int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
-
 TEST(UcxTransportNetns, LinkCutMidTransfer) {
   if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
-  const std::string tag = std::to_string(::getpid() % 100000);
-  const std::string ns = "kvf-ucx-" + tag, va = "kvfa" + tag, vb = "kvfb" + tag;
-  if (sh("ip netns add " + ns) != 0) GTEST_SKIP() << "ip netns add does not work here";
-  struct Cleanup {
-    std::string ns, va;
-    ~Cleanup() {
-      sh("ip link del " + va);
-      sh("ip netns del " + ns);
-    }
-  } cleanup{ns, va};
-  const int oct = 100 + int(::getpid() % 100);
-  const std::string a_ip = "10.213." + std::to_string(oct) + ".1", b_ip = "10.213." + std::to_string(oct) + ".2";
-  ASSERT_EQ(sh("ip link add " + va + " type veth peer name " + vb), 0);
-  ASSERT_EQ(sh("ip link set " + vb + " netns " + ns), 0);
-  ASSERT_EQ(sh("ip addr add " + a_ip + "/30 dev " + va), 0);
-  ASSERT_EQ(sh("ip link set " + va + " up"), 0);
-  ASSERT_EQ(sh("ip netns exec " + ns + " ip addr add " + b_ip + "/30 dev " + vb), 0);
-  ASSERT_EQ(sh("ip netns exec " + ns + " ip link set " + vb + " up"), 0);
-  ASSERT_EQ(sh("ip netns exec " + ns + " ip link set lo up"), 0);
+  testing::NetnsLink net("kvf-ucx", "kvf", 213);
+  if (!net.made()) GTEST_SKIP() << "ip netns add does not work here";
+  ASSERT_EQ(net.link(), "");
+  const std::string &ns = net.ns(), &b_ip = net.far_ip();
 
   PeerProcess::Spec s;
   s.tls = "tcp";
@@ -696,7 +680,7 @@ TEST(UcxTransportNetns, LinkCutMidTransfer) {
   ASSERT_TRUE(peer->stop());  // hold the batch in flight
   auto fut = std::async(std::launch::async, [&] { return (*t)->get(*id, copies, 2000ms); });
   std::this_thread::sleep_for(200ms);
-  ASSERT_EQ(sh("ip link del " + va), 0);  // the cable is cut: no RST, no FIN
+  ASSERT_TRUE(net.cut());  // the cable is cut: no RST, no FIN
   ::kill(peer->pid, SIGCONT);
   ASSERT_EQ(fut.wait_for(8s), std::future_status::ready) << "no answer after the link was cut";
   auto cut = fut.get();
