@@ -6,11 +6,12 @@
 #include <CLI/CLI.hpp>
 
 #include "commands.h"
+#include "kvferry/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"kvferry: inspect KV cache layouts and talk to a running kvferryd"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "kvferry 0.1.0");
+  app.set_version_flag("--version", "kvferry " KVFERRY_VERSION);
   std::function<int()> run;
   std::string socket_path = kvferry::cli::default_socket();
   app.add_option("--socket", socket_path,
