@@ -2,6 +2,7 @@
 // to_yaml(), schema() and the reload diff. Defaults come from the structs in config.h, so the
 // table never repeats them.
 #include "kvferry/config/config.h"
+#include "kvferry/config/host_port.h"
 
 #include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
@@ -291,15 +292,13 @@ struct StrListC {
 
 std::string check_host_port(const std::string& s, bool empty_ok, bool port0_ok = false) {
   if (s.empty()) return empty_ok ? "" : "is empty (expected host:port)";
-  const size_t colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0) return "is not host:port (e.g. 127.0.0.1:9464)";
-  int64_t port = 0;
-  if (!parse_int(s.substr(colon + 1), &port) || s[colon + 1] == '-' || s[colon + 1] == '+' ||
-      port < (port0_ok ? 0 : 1) || port > 65535)
+  HostPort hp;
+  const HostPortFault fault = parse_host_port(s, &hp);
+  if (fault == HostPortFault::kNotHostPort) return "is not host:port (e.g. 127.0.0.1:9464)";
+  if (fault == HostPortFault::kBadPort || (hp.port == 0 && !port0_ok))
     return port0_ok ? "has no port in [0, 65535] (expected host:port; 0 picks a free one)"
                     : "has no port in [1, 65535] (expected host:port)";
-  for (size_t i = 0; i < colon; ++i) {
-    const char c = s[i];
+  for (const char c : hp.host) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '_' || c == ':' || c == '[' ||
           c == ']'))
       return "has a character not allowed in a host name";
