@@ -713,6 +713,51 @@ Result<Client::OpResult> Client::send_into(uint32_t r, std::span<const ops::Key>
   return submit_and_wait(*this, t, [&] { return submit_send(r, k, b, peer, peer_region, peer_block_ids); });
 }
 
+Result<uint64_t> Client::submit_load_mapped(uint32_t region_id, std::span<const ops::Key> keys,
+                                            std::span<const int64_t> block_ids, std::span<const int32_t> parts) {
+  if (parts.size() != keys.size())
+    return Status(ErrorCode::kInvalidArgument,
+                  std::to_string(keys.size()) + " keys but " + std::to_string(parts.size()) + " parts");
+  std::vector<uint8_t> tail(ops::parts_bytes(parts.size()));
+  if (!parts.empty()) std::memcpy(tail.data(), parts.data(), parts.size() * sizeof(int32_t));
+  return submit_keys(static_cast<uint16_t>(proto::Op::kLoadMapped), region_id, keys, block_ids, 0, 0, 0, tail);
+}
+
+Result<Client::OpResult> Client::load_mapped(uint32_t r, std::span<const ops::Key> k, std::span<const int64_t> b,
+                                             std::span<const int32_t> p, int64_t t) {
+  return submit_and_wait(*this, t, [&] { return submit_load_mapped(r, k, b, p); });
+}
+
+Status Client::page_map(std::span<const ops::Key> keys, int64_t stored_tokens, std::span<const int64_t> block_ids,
+                        int64_t region_tokens, std::vector<ops::Key>* out_keys, std::vector<int64_t>* out_blocks,
+                        std::vector<int32_t>* out_parts) {
+  const int64_t s = stored_tokens, r = region_tokens;
+  if (s < 1 || r < 1 || (s >= r ? s % r : r % s) != 0)
+    return {ErrorCode::kInvalidArgument, "pages of " + std::to_string(s) + " and " + std::to_string(r) +
+                                             " tokens: one page size must divide the other"};
+  if (static_cast<int64_t>(keys.size()) * s != static_cast<int64_t>(block_ids.size()) * r)
+    return {ErrorCode::kInvalidArgument, std::to_string(keys.size()) + " stored blocks of " + std::to_string(s) +
+                                             " tokens do not fill " + std::to_string(block_ids.size()) +
+                                             " region blocks of " + std::to_string(r)};
+  out_keys->clear();
+  out_blocks->clear();
+  out_parts->clear();
+  if (s >= r) {  // each stored block feeds s / r region blocks
+    for (size_t j = 0; j < block_ids.size(); ++j) {
+      out_keys->push_back(keys[j / static_cast<size_t>(s / r)]);
+      out_blocks->push_back(block_ids[j]);
+      out_parts->push_back(static_cast<int32_t>(j % static_cast<size_t>(s / r)));
+    }
+  } else {  // each region block takes r / s stored blocks
+    for (size_t i = 0; i < keys.size(); ++i) {
+      out_keys->push_back(keys[i]);
+      out_blocks->push_back(block_ids[i / static_cast<size_t>(r / s)]);
+      out_parts->push_back(static_cast<int32_t>(i % static_cast<size_t>(r / s)));
+    }
+  }
+  return Status::Ok();
+}
+
 Result<Client::OpResult> Client::lookup_wait(uint32_t r, std::span<const ops::Key> k, uint32_t wait_ms, int64_t t) {
   return submit_and_wait(*this, t, [&] {
     return submit_keys(static_cast<uint16_t>(proto::Op::kLookup), r, k, {}, ops::kLookupWait, 0,

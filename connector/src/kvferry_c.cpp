@@ -480,6 +480,24 @@ int kvferry_load(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
   });
 }
 
+int kvferry_submit_load_mapped(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
+                               const int64_t* block_ids, const int32_t* parts, uint32_t n, uint64_t* req) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && req && ((keys && block_ids && parts) || n == 0),
+                    "client, keys, block_ids, parts or req is NULL");
+    return req_out(c->c->submit_load_mapped(region_id, key_span(keys, n), {block_ids, n}, {parts, n}), req);
+  });
+}
+
+int kvferry_load_mapped(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
+                        const int32_t* parts, uint32_t n, int16_t* statuses, uint32_t* done) {
+  return guard([&] {
+    KVFERRY_C_CHECK(c && ((keys && block_ids && parts) || n == 0), "client, keys, block_ids or parts is NULL");
+    return op_out(c->c->load_mapped(region_id, key_span(keys, n), {block_ids, n}, {parts, n}), statuses, n, done,
+                  nullptr);
+  });
+}
+
 int kvferry_pin(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, uint32_t n, int16_t* statuses,
                 uint32_t* done) {
   return guard([&] {

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kvferry/connector/ops.h"
@@ -146,6 +147,8 @@ struct Transfer {
   std::string peer;
   uint32_t peer_region = 0;       // send: land the blocks in this region of the peer (0 = its pool only)
   std::vector<int64_t> peer_ids;  // ... at these blocks, one per key
+  bool mapped = false;            // load_mapped: `parts` say which part of each stored block goes where
+  std::vector<int32_t> parts;
   uint64_t bytes = 0;             // counted against the tenant's in-flight quota until the completion
   Clock::time_point t0, deadline;
   size_t next = 0;  // blocks done
@@ -409,6 +412,12 @@ struct DataOps::Impl {
         t->peer_ids = std::move(*ids);
       }
     }
+    if (req.op == static_cast<uint16_t>(proto::Op::kLoadMapped)) {
+      auto parts = map_parts(c, req);
+      if (!parts) return set_status(out, ErrorCode::kOutOfRange), true;
+      t->mapped = true;
+      t->parts = std::move(*parts);
+    }
     if (!namespace_of(c, *region, out, &t->ns)) return true;
     t->bytes = uint64_t{req.count} * static_cast<uint64_t>(region->desc().spec.block_bytes());
     uint64_t used = 0;
@@ -431,7 +440,7 @@ struct DataOps::Impl {
     t->keys = block_keys(*in);
     t->ids = std::move(in->block_ids);
     t->status_offset = in->status_offset;
-    t->load = req.op == static_cast<uint16_t>(proto::Op::kLoad);
+    t->load = req.op == static_cast<uint16_t>(proto::Op::kLoad) || t->mapped;
     t->t0 = Clock::now();
     t->deadline = t->t0 + std::chrono::milliseconds(request_timeout_ms.load());
     t->codes.reserve(req.count);
@@ -446,6 +455,17 @@ struct DataOps::Impl {
   void step(const std::shared_ptr<Transfer>& t) {
     const store::RegionAccess acc{t->region->base(), t->region->desc().spec, t->region->on_device()};
     const size_t n = t->keys.size();
+    if (t->mapped) {  // runs whole: a region block's entries must be loaded together
+      std::vector<Status> res = tiers->load_mapped(acc, t->ns, t->keys, t->ids, t->parts, t->deadline);
+      if (remote && !res.empty()) fetch_missing_mapped(*t, acc, res);
+      for (const Status& r : res) {
+        t->codes.push_back(r.code());
+        if (t->why.empty() && !r.ok()) t->why = r.to_string();
+      }
+      t->next = n;
+      finish(*t);
+      return;
+    }
     store::TieredStore::Turn turn;
     // The service refuses a destination named twice only within one call: such a request runs whole.
     if (!(t->next == 0 && has_duplicate_destinations(*t))) {
@@ -492,6 +512,56 @@ struct DataOps::Impl {
     std::string name(len, '\0');
     std::memcpy(name.data(), c.ch.arena + off, len);
     return name;
+  }
+
+  /// load_mapped's parts: int32[count] after the request's keys, ids and statuses, copied out of
+  /// the arena once. nullopt when they lie past the arena.
+  static std::optional<std::vector<int32_t>> map_parts(const ClientChannel& c, const ring::SubmitEntry& req) {
+    const uint64_t off = uint64_t{req.arena_offset} + ops::request_bytes(req.op, req.count);
+    const uint64_t bytes = uint64_t{req.count} * sizeof(int32_t);
+    if (off + bytes > c.ch.arena_bytes) return std::nullopt;
+    std::vector<int32_t> parts(req.count);
+    if (bytes) std::memcpy(parts.data(), c.ch.arena + off, bytes);
+    return parts;
+  }
+
+  /// A mapped load's stored blocks that no local tier holds are asked of their owners; the region
+  /// blocks that missed one are loaded again once they are fetched.
+  void fetch_missing_mapped(const Transfer& t, const store::RegionAccess& acc, std::vector<Status>& res) {
+    std::vector<store::BlockKey> want;
+    {
+      std::unordered_set<store::BlockKey, store::BlockKeyHash> seen;
+      std::vector<store::BlockKey> cand;
+      for (size_t i = 0; i < res.size(); ++i)
+        if (res[i].code() == ErrorCode::kNotFound && seen.insert(t.keys[i]).second) cand.push_back(t.keys[i]);
+      if (cand.empty()) return;
+      const auto have = tiers->lookup(t.ns, cand);
+      for (size_t j = 0; j < cand.size(); ++j)
+        if (!have.present[j]) want.push_back(cand[j]);
+    }
+    const auto name = index->namespace_name(t.ns);
+    if (want.empty() || !name) return;
+    const auto got = remote->fetch(t.ns, *name, want, std::min(t.deadline, Clock::now() + remote_timeout));
+    bool any = false;
+    for (const Status& g : got) any = any || g.ok();
+    if (!any) return;
+    // Again, for every region block that had a miss: all of its entries.
+    std::unordered_set<int64_t> blocks;
+    for (size_t i = 0; i < res.size(); ++i)
+      if (res[i].code() == ErrorCode::kNotFound) blocks.insert(t.ids[i]);
+    std::vector<size_t> at;
+    std::vector<store::BlockKey> k;
+    std::vector<int64_t> b;
+    std::vector<int32_t> p;
+    for (size_t i = 0; i < res.size(); ++i)
+      if (blocks.count(t.ids[i])) {
+        at.push_back(i);
+        k.push_back(t.keys[i]);
+        b.push_back(t.ids[i]);
+        p.push_back(t.parts[i]);
+      }
+    const auto again = tiers->load_mapped(acc, t.ns, k, b, p, t.deadline);
+    for (size_t j = 0; j < again.size() && j < at.size(); ++j) res[at[j]] = again[j];
   }
 
   /// Send into a peer's region: its block ids, int64[count] after the peer's name (8-aligned).
@@ -1046,7 +1116,7 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
       {proto::Op::kLookup, "lookup"}, {proto::Op::kSave, "save"},   {proto::Op::kLoad, "load"},
       {proto::Op::kPin, "pin"},       {proto::Op::kUnpin, "unpin"}, {proto::Op::kEvict, "evict"},
       {proto::Op::kStats, "stats"},   {proto::Op::kLs, "ls"},       {proto::Op::kSend, "send"},
-      {proto::Op::kPeers, "peers"}};
+      {proto::Op::kPeers, "peers"},   {proto::Op::kLoadMapped, "load_mapped"}};
   for (auto& [op, name] : names)
     d.op_seconds[static_cast<uint16_t>(op)] =
         &m.histogram("kvferry_ring_op_seconds", "Data op latency from the ring to the completion",
@@ -1117,6 +1187,7 @@ void DataOps::install(RingService& rings) {
   rings.set_handler(static_cast<uint16_t>(proto::Op::kLoad), bind(&Impl::transfer));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kSend), bind(&Impl::transfer));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kPeers), bind(&Impl::peers));
+  rings.set_handler(static_cast<uint16_t>(proto::Op::kLoadMapped), bind(&Impl::transfer));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kPin), bind(&Impl::pin));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kUnpin), bind(&Impl::pin));
   rings.set_handler(static_cast<uint16_t>(proto::Op::kEvict), bind(&Impl::evict));

@@ -13,7 +13,7 @@ import pathlib
 import threading
 
 #: The C ABI version this package was written against (KVFERRY_ABI_VERSION of kvferry.h).
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 c_int = ctypes.c_int
 c_int16 = ctypes.c_int16
@@ -231,6 +231,10 @@ _PROTOS = {
     "kvferry_lookup_wait": (c_int, [c_void_p, c_uint32, c_void_p, c_uint32, c_uint32, c_void_p, P(c_uint32)]),
     "kvferry_peers_json": (c_int, [c_void_p, c_char_p, c_uint32, P(c_uint32)]),
     "kvferry_get_tier_stats": (c_int, [c_void_p, P(TierStats), c_uint32, P(c_uint32)]),
+    "kvferry_submit_load_mapped": (
+        c_int,
+        [c_void_p, c_uint32, c_void_p, c_void_p, c_void_p, c_uint32, P(c_uint64)],
+    ),
 }
 
 _lock = threading.Lock()

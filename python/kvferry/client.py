@@ -591,6 +591,53 @@ class Client:
         _check(rc, op)
         return Ticket(self, conn, req.value, op, n, check)
 
+    def load_mapped_async(self, region, keys, block_ids, parts, check: bool = True) -> Ticket:
+        """Queues a load across geometries: entry i puts part ``parts[i]`` of the stored block
+        ``keys[i]`` into region block ``block_ids[i]`` (see ``load_mapped``)."""
+        conn = self._conn_or_raise()
+        k = keys_array(keys)
+        n = len(k)
+        b = block_ids_array(block_ids)
+        p = np.ascontiguousarray(block_ids_array(parts), dtype=np.int32)
+        if len(b) != n or len(p) != n:
+            raise InvalidArgumentError(f"load_mapped: {n} keys, {len(b)} block ids and {len(p)} parts")
+        req = L.c_uint64()
+        rc = L.lib().kvferry_submit_load_mapped(conn.handle, self._rid(region), _ptr(k), _ptr(b), _ptr(p), n,
+                                                ctypes.byref(req))
+        _check(rc, "load_mapped")
+        return Ticket(self, conn, req.value, "load_mapped", n, check)
+
+    def load_mapped(self, region, keys, block_ids, parts, timeout: Optional[float] = None,
+                    check: bool = True) -> OpResult:
+        """Loads blocks saved with another geometry: another page size (part p of a 64-token stored
+        block fills a 16-token region block; a 64-token region block takes four 16-token stored
+        blocks as parts 0..3), another tensor-parallel head slice (one entry per slice that holds
+        the region's heads), NHD/HND and the MLA format conversions. A region block's entries
+        succeed or fail together; a failed one is left untouched. ``page_map`` builds the entries
+        for a token sequence."""
+        return self.load_mapped_async(region, keys, block_ids, parts, check).wait(timeout)
+
+    @staticmethod
+    def page_map(keys, stored_tokens: int, block_ids, region_tokens: int):
+        """The (keys, block_ids, parts) of a mapped load of the tokens that ``keys`` (stored
+        blocks of ``stored_tokens`` each, in order) hold into ``block_ids`` (region blocks of
+        ``region_tokens`` each, in order)."""
+        k = keys_array(keys)
+        b = block_ids_array(block_ids)
+        s, r = int(stored_tokens), int(region_tokens)
+        if s < 1 or r < 1 or (s % r if s >= r else r % s) != 0:
+            raise InvalidArgumentError(f"pages of {s} and {r} tokens: one page size must divide the other")
+        if len(k) * s != len(b) * r:
+            raise InvalidArgumentError(
+                f"{len(k)} stored blocks of {s} tokens do not fill {len(b)} region blocks of {r}")
+        if s >= r:
+            m = s // r
+            idx = np.arange(len(b))
+            return k[idx // m], b, (idx % m).astype(np.int32)
+        m = r // s
+        idx = np.arange(len(k))
+        return k, b[idx // m], (idx % m).astype(np.int32)
+
     def lookup_async(self, region, keys) -> Ticket:
         return self._submit("lookup", region, keys, None, True)
 

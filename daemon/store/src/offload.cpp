@@ -167,10 +167,6 @@ void refuse_duplicates(std::span<const T> dests, std::vector<Status>* res, const
   }
 }
 
-struct BlockKeyHash {
-  size_t operator()(const BlockKey& k) const { return std::hash<uint64_t>()(k.hi * 0x9E3779B97F4A7C15ull ^ k.lo); }
-};
-
 }  // namespace
 
 std::string format_family(const EntryFormat& f) {

@@ -15,10 +15,6 @@ uint64_t slot_bytes_of(uint64_t bytes) {
   return (bytes + HostPool::kSlotAlign - 1) / HostPool::kSlotAlign * HostPool::kSlotAlign;
 }
 
-struct BlockKeyHash {
-  size_t operator()(const BlockKey& k) const { return std::hash<uint64_t>()(k.hi * 0x9E3779B97F4A7C15ull ^ k.lo); }
-};
-
 /// Runs `fn(begin, count)` over [0, n) in turns of about `turn.bytes`, stopping after a turn once
 /// `turn.yield()` says so. Returns the statuses of the blocks done (a prefix).
 template <class Fn>
@@ -601,6 +597,124 @@ std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns
     release(p);
   }
   res.resize(b);
+  return res;
+}
+
+std::vector<Status> TieredStore::load_mapped(const RegionAccess& region, NamespaceId ns,
+                                             std::span<const BlockKey> keys, std::span<const int64_t> block_ids,
+                                             std::span<const int32_t> parts, Clock::time_point deadline) {
+  Impl& d = *impl_;
+  const auto name = lower_ ? d.index.namespace_name(ns) : std::nullopt;
+  if (!lower_ || !name || keys.size() != block_ids.size() || keys.size() != parts.size())
+    return d.svc.load_mapped(region, ns, keys, block_ids, parts, deadline);
+  // Entries by region block (in order of first mention), so a step never splits a region block.
+  std::vector<std::vector<size_t>> groups;
+  {
+    std::unordered_map<int64_t, size_t> at;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto [it, fresh] = at.emplace(block_ids[i], groups.size());
+      if (fresh) groups.emplace_back();
+      groups[it->second].push_back(i);
+    }
+  }
+  std::vector<Status> res(keys.size());
+  size_t g = 0;
+  while (g < groups.size()) {
+    // One step: region blocks while their distinct stored blocks fit step_bytes (at least one).
+    std::vector<size_t> entries;
+    std::unordered_set<BlockKey, BlockKeyHash> distinct;
+    uint64_t step = 0;
+    for (; g < groups.size(); ++g) {
+      uint64_t more = 0;
+      for (size_t i : groups[g])
+        if (!distinct.count(keys[i])) more += static_cast<uint64_t>(region.spec.block_bytes());
+      if (!entries.empty() && step + more > d.opts.step_bytes) break;
+      step += more;
+      for (size_t i : groups[g]) {
+        distinct.insert(keys[i]);
+        entries.push_back(i);
+      }
+    }
+    // Promote the step's stored blocks that only the lower tier holds, and hold every one.
+    std::vector<Hold> holds;
+    std::vector<BlockKey> reads_of;
+    std::vector<SaveReservation> resv;
+    std::vector<TierRequest> reqs;
+    std::unordered_map<BlockKey, Status, BlockKeyHash> promo;
+    std::unordered_set<BlockKey, BlockKeyHash> trusted;
+    d.make_room(step, *d.load_phase.demote);
+    for (const BlockKey& key : distinct) {
+      if (auto h = d.index.acquire(NsKey{ns, key}); h.ok()) {
+        holds.push_back(*h);
+        continue;
+      }
+      auto rec = lower_->lookup(*name, key);
+      if (!rec) continue;  // a miss; the service reports it
+      auto shape = shape_of(rec->format);
+      if (!shape || static_cast<uint64_t>(shape->bytes()) != rec->bytes) {
+        promo[key] = Status(ErrorCode::kDataLoss, "the " + std::string(lower_->name()) + " tier's record of block " +
+                                                      key.hex() + " names an unknown format '" + rec->format + "'");
+        continue;
+      }
+      auto r = d.index.reserve(NsKey{ns, key}, *shape);
+      if (!r.ok() && r.status().code() == ErrorCode::kResourceExhausted &&
+          d.demote(slot_bytes_of(rec->bytes), *d.load_phase.demote) > 0)
+        r = d.index.reserve(NsKey{ns, key}, *shape);
+      if (!r.ok()) {
+        if (r.status().code() != ErrorCode::kAlreadyExists) promo[key] = r.status();
+        continue;
+      }
+      TierRequest q;
+      q.op = TierOp::kRead;
+      q.record.ns = *name;
+      q.record.key = key;
+      q.buf = r->data;
+      q.buf_bytes = r->slot.bytes;
+      reqs.push_back(std::move(q));
+      resv.push_back(*r);
+      reads_of.push_back(key);
+    }
+    auto out = d.collect(d.start(std::move(reqs)), *d.load_phase.lower_wait);
+    for (size_t j = 0; j < out.size(); ++j) {
+      if (out[j].status.ok() && out[j].record.bytes == resv[j].bytes) {
+        d.index.commit(resv[j], out[j].record.checksum, true);
+        if (auto h = d.index.acquire(resv[j].key); h.ok()) {
+          holds.push_back(*h);
+          if (d.opts.trust_lower_reads) trusted.insert(reads_of[j]);
+        }
+        d.loaded_blocks.add();
+        d.loaded_bytes.add(out[j].record.bytes);
+        continue;
+      }
+      d.index.abort(resv[j]);
+      if (out[j].status.code() == ErrorCode::kNotFound) continue;
+      d.read_failures.add();
+      promo[reads_of[j]] = out[j].status.ok() ? Status(ErrorCode::kDataLoss, "size changed on the lower tier")
+                                              : out[j].status.with_context("block " + reads_of[j].hex() +
+                                                                           " from the " + std::string(lower_->name()) + " tier");
+    }
+    std::vector<BlockKey> k;
+    std::vector<int64_t> b;
+    std::vector<int32_t> p;
+    std::vector<uint8_t> v;
+    for (size_t i : entries) {
+      k.push_back(keys[i]);
+      b.push_back(block_ids[i]);
+      p.push_back(parts[i]);
+      v.push_back(trusted.count(keys[i]) ? 1 : 0);
+    }
+    std::vector<Status> r;
+    {
+      Impl::Timed t{*d.load_phase.host};
+      r = d.svc.load_mapped(region, ns, k, b, p, deadline, v);
+    }
+    for (const Hold& h : holds) d.index.release(h);
+    for (size_t j = 0; j < entries.size(); ++j) {
+      auto it = promo.find(keys[entries[j]]);
+      // A stored block that could not be promoted is that entry's reason (the service saw a miss).
+      res[entries[j]] = it != promo.end() && !r[j].ok() ? it->second : std::move(r[j]);
+    }
+  }
   return res;
 }
 

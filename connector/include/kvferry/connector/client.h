@@ -184,6 +184,21 @@ class Client {
                                int64_t timeout_us = kOpTimeoutUs);
   /// The remote tier's members as JSON text (kvferry peers); kUnavailable without a remote tier.
   Result<std::string> peers(int64_t timeout_us = kOpTimeoutUs);
+  /// Load across geometries: entry i puts part `parts[i]` of the stored block `keys[i]` into
+  /// region block `block_ids[i]` (ops.h load_mapped; page_map() builds the entries for page sizes).
+  /// One status per entry; a region block's entries succeed or fail together.
+  Result<uint64_t> submit_load_mapped(uint32_t region_id, std::span<const ops::Key> keys,
+                                      std::span<const int64_t> block_ids, std::span<const int32_t> parts);
+  Result<OpResult> load_mapped(uint32_t region_id, std::span<const ops::Key> keys, std::span<const int64_t> block_ids,
+                               std::span<const int32_t> parts, int64_t timeout_us = kOpTimeoutUs);
+  /// The entries of a mapped load of the token sequence that `keys` (stored blocks of
+  /// `stored_tokens` each, in order) hold into the region blocks `block_ids` (of `region_tokens`
+  /// each, in order): out_keys/out_blocks/out_parts get one entry per (stored block, region block)
+  /// pair. kInvalidArgument when the counts do not cover the same tokens or neither page size
+  /// divides the other.
+  static Status page_map(std::span<const ops::Key> keys, int64_t stored_tokens, std::span<const int64_t> block_ids,
+                         int64_t region_tokens, std::vector<ops::Key>* out_keys, std::vector<int64_t>* out_blocks,
+                         std::vector<int32_t>* out_parts);
   /// The fault knob (kvferryd --enable-test-faults only): flips byte `byte` of the stored block `key`.
   Result<OpResult> corrupt_for_test(uint32_t region_id, const ops::Key& key, uint64_t byte,
                                     int64_t timeout_us = kOpTimeoutUs);

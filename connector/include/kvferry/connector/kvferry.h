@@ -52,8 +52,8 @@ extern "C" {
 
 /* The ABI version of this header (1: the first release; 2: versions, params structs, the full
  * status list, kvferry_connection_status; 3: the remote tier's send, lookup_wait and peers, and
- * kvferry_get_tier_stats). */
-#define KVFERRY_ABI_VERSION 3
+ * kvferry_get_tier_stats; 4: mapped loads across geometries, kvferry_load_mapped). */
+#define KVFERRY_ABI_VERSION 4
 
 /* Every status code (the daemon's ErrorCode values; wire-stable, only appended to). */
 typedef enum kvferry_error {
@@ -407,6 +407,23 @@ typedef struct kvferry_tier_stats {
  * left as they were). A NULL client or n, or a NULL out with max > 0, is
  * KVFERRY_ERROR_INVALID_ARGUMENT. */
 KVFERRY_API int kvferry_get_tier_stats(kvferry_client* c, kvferry_tier_stats* out, uint32_t max, uint32_t* n);
+
+/* ---- loads across geometries (ABI 4) ----
+ * Entry i puts part parts[i] of the stored block keys[i] into block block_ids[i] of the region.
+ * With stored pages larger than the region's (64 -> 16 tokens), part p is the stored tokens
+ * [p*R, (p+1)*R), a whole region block; with smaller ones (16 -> 64), the stored block fills
+ * region tokens [p*S, (p+1)*S). MHA regions registered with a head slice
+ * ("mha:bf16:4x128:hnd:slice=4/8": heads 4..7 of 8, one tensor-parallel rank's) get the heads
+ * they hold out of blocks saved with all heads or with other slices (one entry per slice), and
+ * NHD <-> HND and the MLA format conversions apply on the way. A region block's entries must
+ * cover each of its tokens and heads once; they succeed or fail together, and a failed region
+ * block is left untouched (statuses[i] of each of its entries names the cause). A plain
+ * kvferry_load maps head slices and orders block for block on its own. */
+KVFERRY_API int kvferry_submit_load_mapped(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
+                                           const int64_t* block_ids, const int32_t* parts, uint32_t n, uint64_t* req);
+KVFERRY_API int kvferry_load_mapped(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
+                                    const int64_t* block_ids, const int32_t* parts, uint32_t n, int16_t* statuses,
+                                    uint32_t* done);
 
 #ifdef __cplusplus
 }

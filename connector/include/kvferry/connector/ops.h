@@ -33,6 +33,13 @@
 //   peers    | 0             | args[0] = arena bytes to fill      | JSON text at arena_offset,
 //            |               |                                    | result[0] = bytes written,
 //            |               |                                    | result[1] = bytes of the whole text
+//   load_    | the region    | Key[count], int64 block_id[count], | int16[count], one per entry: a
+//   mapped   |               | then (at request_bytes) int32      | region block's entries share its
+//            |               | part[count]                        | status (all or nothing)
+//
+// load_mapped: entry i puts part part[i] of the stored block Key[i] into region block block_id[i]
+// (page sizes, tensor-parallel head slices, NHD/HND, MLA conversions; layouts/geometry.h says
+// which tokens a part is). See OffloadService::load_mapped.
 //
 // stats: the StatsWire holds the host pool's figures (unchanged since the first release); with
 // kStatsTiers one TierStatsWire per lower tier the daemon runs follows it (disk, then remote), none
@@ -64,8 +71,10 @@ inline constexpr uint64_t kMaxPeerName = 255;         ///< send: the longest pee
 inline constexpr uint64_t kStatsTiers = 1;            ///< stats args[0]: TierStatsWire entries follow the StatsWire
 inline constexpr uint32_t kMaxTierStats = 4;          ///< the most TierStatsWire entries a client asks for
 
-/// Whether `op` carries block ids after its keys (save, load, send).
-inline constexpr bool has_block_ids(uint16_t op) { return op == 17 || op == 18 || op == 25; }
+/// Whether `op` carries block ids after its keys (save, load, send, load_mapped).
+inline constexpr bool has_block_ids(uint16_t op) { return op == 17 || op == 18 || op == 25 || op == 27; }
+/// load_mapped: bytes of the int32 parts that follow its request_bytes.
+inline constexpr uint64_t parts_bytes(uint64_t count) { return (count * sizeof(int32_t) + 7) / 8 * 8; }
 /// Bytes of the input of `count` keys of `op`.
 inline constexpr uint64_t input_bytes(uint16_t op, uint64_t count) {
   return count * (sizeof(Key) + (has_block_ids(op) ? sizeof(int64_t) : 0));

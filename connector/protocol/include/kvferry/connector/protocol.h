@@ -62,6 +62,7 @@ enum class Op : uint16_t {
   kCorruptForTest = 24,  ///< fault knob: flips a stored byte; kUnsupported unless kvferryd --enable-test-faults
   kSend = 25,            ///< save, then write the blocks to a named peer daemon (prefill → decode); remote tier
   kPeers = 26,           ///< the remote tier's members as JSON text; kUnavailable without a remote tier
+  kLoadMapped = 27,      ///< load across geometries: (key, region block, part) entries (ops.h)
 };
 inline constexpr uint16_t kOpTableSize = 64;  ///< ops dispatch through a table of this size
 

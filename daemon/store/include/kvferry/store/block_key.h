@@ -16,6 +16,12 @@ struct BlockKey {
   std::string hex() const;
 };
 
+struct BlockKeyHash {
+  size_t operator()(const BlockKey& k) const noexcept {
+    return std::hash<uint64_t>()(k.hi * 0x9E3779B97F4A7C15ull ^ k.lo);
+  }
+};
+
 /// Interned namespace id (see BlockIndex::intern_namespace).
 using NamespaceId = uint32_t;
 

@@ -87,6 +87,13 @@ class TieredStore {
   std::vector<Status> load(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
                            std::span<const int64_t> block_ids, Clock::time_point deadline, const Turn& turn = {});
 
+  /// OffloadService::load_mapped through the tiers: stored blocks found only on the lower tier
+  /// are promoted first (in steps of region blocks whose stored blocks fit a step), then mapped.
+  /// One status per entry.
+  std::vector<Status> load_mapped(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                                  std::span<const int64_t> block_ids, std::span<const int32_t> parts,
+                                  Clock::time_point deadline);
+
   /// Presence on either tier and the longest prefix of hits.
   LookupResult lookup(NamespaceId ns, std::span<const BlockKey> keys);
   /// Drops a block from every tier. kOk when some tier dropped it, kBusy when it is in use
