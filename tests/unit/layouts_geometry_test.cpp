@@ -27,11 +27,14 @@ int64_t ref_offset(const KvCacheSpec& s, int64_t layer, int64_t block, int plane
   }
   if (s.format.kind == FormatKind::kIndexerFp8)
     return page + (plane == 0 ? token * 128 : s.block_size * 128 + token * 4);
+  if (s.format.kind == FormatKind::kMlaFp4)  // 288 B of values per token, then 36 scale bytes per token
+    return page + (plane == 0 ? token * 288 : s.block_size * 288 + token * 36);
   return page + token * s.format.bytes_per_token();
 }
 int64_t ref_width(const KvCacheSpec& s, int plane) {
   if (s.format.kind == FormatKind::kMha) return int64_t{s.format.head_dim} * dtype_size(s.format.dtype);
   if (s.format.kind == FormatKind::kIndexerFp8) return plane == 0 ? 128 : 4;
+  if (s.format.kind == FormatKind::kMlaFp4) return plane == 0 ? 288 : 36;
   return s.format.bytes_per_token();
 }
 
@@ -57,7 +60,10 @@ void check_case(const Case& c) {
   // Part p goes to destination block 1 + p (stored blocks larger) or into block 2 (smaller).
   std::vector<uint8_t> expect_written(d.size(), 0);
   std::vector<uint8_t> expect = d0;
-  const int planes = c.src_fmt.kind == FormatKind::kMha || c.src_fmt.kind == FormatKind::kIndexerFp8 ? 2 : 1;
+  const int planes = c.src_fmt.kind == FormatKind::kMha || c.src_fmt.kind == FormatKind::kIndexerFp8 ||
+                             c.src_fmt.kind == FormatKind::kMlaFp4
+                         ? 2
+                         : 1;
   const bool mha = c.src_fmt.kind == FormatKind::kMha;
   const int32_t h0 = mha ? std::max(c.src_fmt.head_first, c.dst_fmt.head_first) : 0;
   const int32_t h1 = mha ? std::min(c.src_fmt.head_first + c.src_fmt.heads, c.dst_fmt.head_first + c.dst_fmt.heads) : 1;
@@ -96,7 +102,7 @@ void check_case(const Case& c) {
 
 TEST(Geometry, PageSizesBothWaysMla) {
   for (auto fmt : {EntryFormat::mla_fp8(), EntryFormat::mla_fp8_ds(), EntryFormat::mla_bf16(),
-                   EntryFormat::indexer_fp8()})
+                   EntryFormat::indexer_fp8(), EntryFormat::mla_fp4()})
     for (int64_t a : {16, 32, 64, 128})
       for (int64_t b : {16, 32, 64, 128})
         for (auto la : {Layout::kBlockMajor, Layout::kLayerMajor})

@@ -181,21 +181,36 @@ TEST_F(MappedLoadTest, TensorParallelSlicesBothWaysWithHeadLayouts) {
 }
 
 TEST_F(MappedLoadTest, PageMapWithFormatConversion) {
-  // 64-token mla_fp8 blocks into 16-token mla_fp8_ds pages: the same bytes as converting the
-  // 64-token block whole and taking its rows.
+  // 64-token mla_fp8 blocks into 16-token mla_fp8_ds (or mla_fp4) pages: the same bytes as
+  // converting the 64-token block whole and taking its rows (fp4: the value and scale planes).
   HostRegion big({2, 1, 64, EntryFormat::mla_fp8(), Layout::kBlockMajor}, 11);
   const auto k = keys(1, 70);
   save(big, k);
-  HostRegion ds({2, 4, 16, EntryFormat::mla_fp8_ds(), Layout::kLayerMajor}, 12);
-  all_ok(svc_->load_mapped(ds.access(), ns_, std::vector<BlockKey>(4, k[0]), std::vector<int64_t>{3, 2, 1, 0},
-                           std::vector<int32_t>{0, 1, 2, 3}));
-  HostRegion whole({2, 1, 64, EntryFormat::mla_fp8_ds(), Layout::kBlockMajor});
-  const int64_t zero = 0;
-  ASSERT_TRUE(kernels::convert_blocks_cpu(big.bytes.data(), big.spec, {&zero, 1}, whole.bytes.data(), whole.spec,
-                                          {&zero, 1})
-                  .ok());
-  for (int64_t l = 0; l < 2; ++l)
-    for (int64_t t = 0; t < 64; ++t) ASSERT_EQ(ds.row(l, 3 - t / 16, 0, t % 16, 0), whole.row(l, 0, 0, t, 0));
+  for (auto to : {EntryFormat::mla_fp8_ds(), EntryFormat::mla_fp4()}) {
+    SCOPED_TRACE(to.name());
+    HostRegion ds({2, 4, 16, to, Layout::kLayerMajor}, 12);
+    all_ok(svc_->load_mapped(ds.access(), ns_, std::vector<BlockKey>(4, k[0]), std::vector<int64_t>{3, 2, 1, 0},
+                             std::vector<int32_t>{0, 1, 2, 3}));
+    HostRegion whole({2, 1, 64, to, Layout::kBlockMajor});
+    const int64_t zero = 0;
+    ASSERT_TRUE(kernels::convert_blocks_cpu(big.bytes.data(), big.spec, {&zero, 1}, whole.bytes.data(), whole.spec,
+                                            {&zero, 1})
+                    .ok());
+    const bool fp4 = to.kind == FormatKind::kMlaFp4;
+    for (int64_t l = 0; l < 2; ++l)
+      for (int64_t t = 0; t < 64; ++t) {
+        if (!fp4) {
+          ASSERT_EQ(ds.row(l, 3 - t / 16, 0, t % 16, 0), whole.row(l, 0, 0, t, 0));
+          continue;
+        }
+        for (int plane = 0; plane < 2; ++plane) {  // values [BS x 288], then scales [BS x 36]
+          const int64_t w = plane == 0 ? 288 : 36;
+          const uint8_t* got = ds.bytes.data() + ds.spec.page_offset(l, 3 - t / 16) + plane * 16 * 288 + (t % 16) * w;
+          const uint8_t* want = whole.bytes.data() + whole.spec.page_offset(l, 0) + plane * 64 * 288 + t * w;
+          ASSERT_EQ(0, std::memcmp(got, want, static_cast<size_t>(w))) << "layer " << l << " token " << t;
+        }
+      }
+  }
 }
 
 TEST_F(MappedLoadTest, BadMapsAreRefusedWithBothGeometriesNamed) {

@@ -115,7 +115,10 @@ std::vector<std::pair<size_t, size_t>> split(size_t n, uint64_t item_bytes, int6
 bool convertible(FormatKind from, FormatKind to) {
   using K = FormatKind;
   return (from == K::kMlaFp8 && to == K::kMlaFp8Ds) || (from == K::kMlaBf16 && to == K::kMlaFp8Ds) ||
-         (from == K::kMlaFp8Ds && to == K::kMlaBf16) || (from == K::kMlaFp8Ds && to == K::kMlaFp8);
+         (from == K::kMlaFp8Ds && to == K::kMlaBf16) || (from == K::kMlaFp8Ds && to == K::kMlaFp8) ||
+         // mla_fp4 (SGLang's FP4 layout) from and to every other MLA format, on the host.
+         (from == K::kMlaFp4 && to != K::kMlaFp4 && (to == K::kMlaBf16 || to == K::kMlaFp8 || to == K::kMlaFp8Ds)) ||
+         (to == K::kMlaFp4 && (from == K::kMlaBf16 || from == K::kMlaFp8 || from == K::kMlaFp8Ds));
 }
 
 // Appends the runs that move one block of `spec` (all layers) to/from a contiguous slot at
@@ -190,7 +193,8 @@ Status check_loadable(const BlockShape& from, const BlockShape& to) {
   return {ErrorCode::kUnsupported, "no conversion from the stored format " + from.format.name() + " to the region's " +
                                        to.format.name() +
                                        " (supported: mla_fp8->mla_fp8_ds, mla_bf16->mla_fp8_ds, "
-                                       "mla_fp8_ds->mla_bf16, mla_fp8_ds->mla_fp8 when lossless)"};
+                                       "mla_fp8_ds->mla_bf16, mla_fp8_ds->mla_fp8 when lossless, mla_fp4<->mla_bf16, "
+                                       "mla_fp4<->mla_fp8_ds, mla_fp8->mla_fp4, mla_fp4->mla_fp8 when lossless)"};
 }
 
 Status check_mappable(const BlockShape& from, const BlockShape& to) {

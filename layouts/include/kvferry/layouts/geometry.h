@@ -28,6 +28,7 @@ inline PagePlanes page_planes(const EntryFormat& f) {
       return {2, {w, w}};
     }
     case FormatKind::kIndexerFp8: return {2, {kIndexerHeadDim, kIndexerHeadDim / kIndexerQuantBlock * 4}};
+    case FormatKind::kMlaFp4: return {2, {kMlaFp4ValueBytes, kMlaFp4ScaleBytes}};
     default: return {1, {f.bytes_per_token(), 0}};
   }
 }
