@@ -62,7 +62,17 @@ void round_q_e4m3(const uint16_t* q, double* out) {
 
 Status validate_decode_mla(const DecodeMlaParams& p) {
   const EntryFormat& f = p.format;
-  if (!f.is_mla()) return bad("format " + f.name() + " is not one of mla_bf16, mla_fp8, mla_fp8_ds");
+  switch (f.kind) {
+    case FormatKind::kMlaBf16:
+    case FormatKind::kMlaFp8:
+    case FormatKind::kMlaFp8Ds: break;
+    case FormatKind::kMlaFp4:
+      // An MLA format, but no decode kernel reads e2m1 values with their separate scale plane.
+      return {ErrorCode::kUnsupported, "decode_mla: format " + f.name() +
+                                           " is not supported (the decode reads mla_bf16, mla_fp8 and mla_fp8_ds "
+                                           "caches; convert mla_fp4 pages to one of those first)"};
+    default: return bad("format " + f.name() + " is not one of mla_bf16, mla_fp8, mla_fp8_ds");
+  }
   const TensorView& c = p.cache;
   if (c.rank != 3) return bad("cache view " + c.to_string() + " must have rank 3 (blocks, page, entry)");
   if (c.dtype != f.dtype)

@@ -336,6 +336,23 @@ TEST(DecodeMlaCpuValidate, NamesTheCulprit) {
   }
 }
 
+// mla_fp4 is an MLA format the decode does not read: refused as unsupported, by name, before any
+// byte of the cache is touched.
+TEST(DecodeMlaCpuValidate, RefusesMlaFp4AsUnsupported) {
+  MlaCase c;
+  c.format = EntryFormat::mla_fp4();
+  c.lens = {20};
+  c.build();
+  std::vector<uint16_t> o(c.heads * kMlaRank);
+  std::vector<float> lse(c.heads);
+  const DecodeMlaParams p = c.params(o.data(), lse.data());
+  for (const Status& st : {validate_decode_mla(p), decode_mla_cpu(p)}) {
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.code(), ErrorCode::kUnsupported) << st.to_string();
+    EXPECT_NE(st.message().find("mla_fp4"), std::string::npos) << st.to_string();
+  }
+}
+
 // Auto: wgmma, except for the fp8 caches at 16 heads (decode_mla_resolved_mma's measurements).
 TEST(DecodeMlaPath, AutoPicksMmaSyncForSixteenHeadFp8CachesOnly) {
   DecodeMlaParams p;
