@@ -52,7 +52,13 @@ inline std::vector<uint16_t> random_bf16(size_t n, uint32_t seed, float sigma = 
 }
 
 /// Writes a random *valid* entry of `kind` at p (bf16: finite values; fp8: finite e4m3;
-/// ds: finite e4m3, positive scales, finite bf16 rope; indexer: random bytes). Not for MHA.
+/// ds: finite e4m3, positive scales, finite bf16 rope; indexer: random bytes; fp4: bytes in
+/// [0, 0xFC]). Not for MHA.
+/// mla_fp4 pages are planes ([BS x 288 values][BS x 36 scales]), so the 324 bytes at token t's
+/// entry offset (t * 324) are not that token's: filling every token of a page fills both planes.
+/// Every byte is therefore drawn alike: any byte is an e2m1 pair, and a scale byte <= 0xFC
+/// (2^125) keeps every decode finite in bf16 (0xFF is the non-finite marker; 0xFD and 0xFE
+/// overflow bf16 with the larger codes, e.g. 6 * 2^126).
 inline void random_entry(FormatKind kind, uint8_t* p, std::mt19937& g) {
   std::normal_distribution<float> d(0.0f, 1.0f);
   auto e4m3 = [&] {
@@ -70,6 +76,9 @@ inline void random_entry(FormatKind kind, uint8_t* p, std::mt19937& g) {
     for (int i = 0; i < kMlaFp8Bytes; ++i) p[i] = e4m3();
   } else if (kind == FormatKind::kIndexerFp8) {
     for (int i = 0; i < kIndexerBytes; ++i) p[i] = static_cast<uint8_t>(g() & 0xff);
+  } else if (kind == FormatKind::kMlaFp4) {
+    std::uniform_int_distribution<int> byte(0, 0xFC);
+    for (int i = 0; i < kMlaFp4Bytes; ++i) p[i] = static_cast<uint8_t>(byte(g));
   } else {
     for (int i = 0; i < kMlaRank; ++i) p[i] = e4m3();
     for (int t = 0; t < kMlaTiles; ++t) {
