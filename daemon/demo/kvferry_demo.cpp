@@ -232,6 +232,11 @@ int run(const Args& a) {
   auto fmt = EntryFormat::parse(a.format);
   if (!fmt.ok()) return fail_with("--format", fmt.status());
   if (!fmt->is_mla()) return fail_with("--format", {ErrorCode::kInvalidArgument, "the demo writes MLA formats only"});
+  // write_mla has no fp4 mode, and the checks below read entries token-interleaved, which
+  // mla_fp4's per-page value and scale planes are not.
+  if (fmt->kind == FormatKind::kMlaFp4)
+    return fail_with("--format", {ErrorCode::kUnsupported,
+                                  "the demo writes mla_bf16, mla_fp8 and mla_fp8_ds (write_mla has no mla_fp4 mode)"});
   KvCacheSpec spec{a.layers, a.blocks, a.block_size, *fmt, Layout::kBlockMajor};
   if (Status st = spec.validate(); !st.ok()) return fail_with("region shape", st);
   if (a.blocks < 2) return fail_with("--blocks", {ErrorCode::kInvalidArgument, "need at least 2 blocks"});
