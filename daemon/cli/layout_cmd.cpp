@@ -50,6 +50,10 @@ int run_layout(const LayoutArgs& a) {
     if (fmt->kind == FormatKind::kMha) {
       std::printf("  layer %-3lld K %s\n            V %s\n", static_cast<long long>(l),
                   spec.kv_view(l, false).to_string().c_str(), spec.kv_view(l, true).to_string().c_str());
+    } else if (fmt->kind == FormatKind::kMlaFp4) {
+      // A page holds two planes, not 324-byte entries: the entry view would mislead.
+      std::printf("  layer %-3lld values %s\n            scales %s\n", static_cast<long long>(l),
+                  spec.mla_fp4_values_view(l).to_string().c_str(), spec.mla_fp4_scales_view(l).to_string().c_str());
     } else {
       std::printf("  layer %-3lld view %s\n", static_cast<long long>(l), spec.layer_view(l).to_string().c_str());
     }
@@ -84,7 +88,7 @@ void add_layout_command(CLI::App& app, std::function<int()>* run) {
   sub->add_option("--layers", args->layers, "attention layers sharing the allocation")->capture_default_str();
   sub->add_option("--blocks", args->blocks, "blocks (pages) in the region")->capture_default_str();
   sub->add_option("--block-size", args->block_size, "tokens per block")->capture_default_str();
-  sub->add_option("--format", args->format, "mla_bf16 | mla_fp8 | mla_fp8_ds | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd]")
+  sub->add_option("--format", args->format, "mla_bf16 | mla_fp8 | mla_fp8_ds | mla_fp4 | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL]")
       ->capture_default_str();
   sub->add_option("--layout", args->layout, "block_major | layer_major")->capture_default_str();
   sub->add_option("--sample", args->sample, "block ids to coalesce")->expected(1, -1);
