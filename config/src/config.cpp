@@ -331,7 +331,9 @@ const std::vector<KeyDoc>& region_keys() {
       {"regions[].blocks", "(required)", "blocks (pages) of the region (>= 1)", false},
       {"regions[].block_size", "64", "tokens per block", false},
       {"regions[].format", "mla_bf16",
-       "entry format: mla_bf16 | mla_fp8 | mla_fp8_ds | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd]", false},
+       "entry format: mla_bf16 | mla_fp8 | mla_fp8_ds | mla_fp4 | indexer_fp8 | "
+       "mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL]",
+       false},
       {"regions[].layout", "block_major", "block_major (NB, L, BS, E) or layer_major (L, NB, BS, E)", false},
       {"regions[].tenant", "\"\"", "the tenant (a name under tenants) it belongs to; \"\" = shared by every tenant",
        false},
