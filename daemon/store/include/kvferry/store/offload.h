@@ -33,8 +33,10 @@ struct RegionAccess {
 };
 
 /// The namespace family of a format: blocks of formats of one family hold the same values and can
-/// be converted into each other ("mla" for mla_bf16 / mla_fp8 / mla_fp8_ds); other formats are
-/// their own family ("mha:bf16:8x128:nhd", "indexer_fp8").
+/// be converted or mapped into each other: "mla" for mla_bf16 / mla_fp8 / mla_fp8_ds / mla_fp4;
+/// for MHA "mha:DTYPE:TOTALxD" (order and head slice dropped, so tensor-parallel ranks and NHD /
+/// HND caches of one model share blocks, e.g. "mha:bf16:8x128"); other formats are their own
+/// family ("indexer_fp8").
 std::string format_family(const EntryFormat& f);
 
 /// Whether a block stored as `from` can be loaded into a region of `to` (same layers and block
