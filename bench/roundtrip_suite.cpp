@@ -296,47 +296,67 @@ struct SizeResult {
   double save_wall = 0, load_wall = 0;
 };
 
+/// A daemon run in this process (CUDA backend when a device is there) for the suite's rows, on
+/// its own socket; stopped when destroyed.
+struct InProcDaemon {
+  config::Config cfg;
+  std::unique_ptr<daemon::Daemon> d;
+  std::thread runner;
+  bool start(const Options& opts, uint64_t pool_bytes, const daemon::Daemon::Options& dopts, const char* tag) {
+    cfg.daemon.socket = std::string("/tmp/kvferry-bench-") + tag + "-" + std::to_string(::getpid()) + ".sock";
+    cfg.daemon.metrics_listen = "";
+    cfg.device.backend = cuda_device_count() > 0 ? config::Backend::kCuda : config::Backend::kCpu;
+    cfg.device.gpu = opts.device;
+    cfg.host.capacity = pool_bytes;
+    cfg.host.high_watermark = 0.99;
+    cfg.host.low_watermark = 0.9;
+    auto r = daemon::Daemon::create(cfg, dopts);
+    if (!r.ok()) {
+      std::fprintf(stderr, "roundtrip: %s\n", r.status().to_string().c_str());
+      return false;
+    }
+    d = std::move(*r);
+    runner = std::thread([this] { (void)d->run(); });
+    return true;
+  }
+  /// A client of model "bench"; null (said on stderr) when it cannot connect.
+  std::unique_ptr<Client> connect(const std::string& name) const {
+    Client::Options o;
+    o.socket = cfg.daemon.socket;
+    o.name = name;
+    o.model = "bench";
+    for (int i = 0; i < 200; ++i) {  // the daemon starts on the other thread
+      auto r = Client::connect(o);
+      if (r.ok()) return std::move(*r);
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::fprintf(stderr, "roundtrip: cannot connect to the in-process daemon\n");
+    return nullptr;
+  }
+  ~InProcDaemon() {
+    if (!d) return;
+    d->stop();
+    runner.join();
+  }
+};
+
 /// Runs a daemon of `v` in this process and measures save/load of every size in `sizes` (median
 /// of `reps` rounds, the bare copy likewise). With `lookups`, also the lookup latency rows.
 int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& sizes, int64_t max_total,
             int64_t max_blocks, int reps, bool lookups, Report& rep, std::vector<SizeResult>* out) {
-  const bool cuda = cuda_device_count() > 0;
   config::Config cfg;
-  cfg.daemon.socket = "/tmp/kvferry-bench-rt-" + std::to_string(::getpid()) + ".sock";
-  cfg.daemon.metrics_listen = "";
-  cfg.device.backend = cuda ? config::Backend::kCuda : config::Backend::kCpu;
-  cfg.device.gpu = opts.device;
-  cfg.host.capacity = static_cast<uint64_t>(max_total) + (uint64_t{256} << 20);
-  cfg.host.high_watermark = 0.99;
-  cfg.host.low_watermark = 0.9;
   daemon::Daemon::Options dopts;
   dopts.data_workers = v.workers;
   dopts.hash_threads = v.hash_threads;
   dopts.pipeline_bytes = v.pipeline_bytes;
-  auto d = daemon::Daemon::create(cfg, dopts);
-  if (!d.ok()) {
-    std::fprintf(stderr, "roundtrip: %s\n", d.status().to_string().c_str());
-    return 1;
-  }
-  std::thread runner([&] { (void)(*d)->run(); });
+  InProcDaemon ipd;
+  if (!ipd.start(opts, static_cast<uint64_t>(max_total) + (uint64_t{256} << 20), dopts, "rt")) return 1;
+  cfg = ipd.cfg;
+  auto& d = ipd.d;
   int rc = 0;
   {
-    Client::Options o;
-    o.socket = cfg.daemon.socket;
-    o.name = "bench-roundtrip";
-    o.model = "bench";
-    std::unique_ptr<Client> c;
-    for (int i = 0; i < 200 && !c; ++i) {  // the daemon starts on the other thread
-      auto r = Client::connect(o);
-      if (r.ok())
-        c = std::move(*r);
-      else
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    if (!c) {
-      std::fprintf(stderr, "roundtrip: cannot connect to the in-process daemon\n");
-      rc = 1;
-    }
+    std::unique_ptr<Client> c = ipd.connect("bench-roundtrip");
+    if (!c) rc = 1;
     uint32_t last_region = 0;
     std::vector<ops::Key> last_keys;
     for (int64_t bb : sizes) {
@@ -390,11 +410,11 @@ int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& s
       sr.block = bb;
       sr.n = n;
       for (int r = 0; r < reps && rc == 0; ++r) {
-        const std::string m0 = (*d)->metrics_text();
+        const std::string m0 = d->metrics_text();
         auto s = transfer(*c, false, *rid, keys, src, batch);
-        const std::string m1 = (*d)->metrics_text();
+        const std::string m1 = d->metrics_text();
         auto l = s.ok() ? transfer(*c, true, *rid, keys, dst, batch) : Result<double>(s.status());
-        const std::string m2 = (*d)->metrics_text();
+        const std::string m2 = d->metrics_text();
         if (!s.ok() || !l.ok()) {
           std::fprintf(stderr, "roundtrip %s: %s\n", human_bytes(bb).c_str(),
                        (!s.ok() ? s.status() : l.status()).to_string().c_str());
@@ -482,9 +502,115 @@ int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& s
                std::to_string(pins) + " pins, a save of its own queued each round)");
     }
   }
-  (*d)->stop();
-  runner.join();
   return rc;
+}
+
+/// Mapped loads in batches of about `batch` entries that end on a region block, up to 8 in flight.
+Result<double> transfer_mapped(Client& c, uint32_t region, const std::vector<ops::Key>& keys,
+                               const std::vector<int64_t>& ids, const std::vector<int32_t>& parts, size_t batch) {
+  const auto t0 = Clock::now();
+  std::vector<uint64_t> inflight;
+  size_t next = 0;
+  while (next < keys.size() || !inflight.empty()) {
+    while (next < keys.size() && inflight.size() < 8) {
+      size_t n = std::min(batch, keys.size() - next);
+      while (next + n < keys.size() && ids[next + n] == ids[next + n - 1]) ++n;  // a region block stays whole
+      auto id = c.submit_load_mapped(region, std::span(keys).subspan(next, n), std::span(ids).subspan(next, n),
+                                     std::span(parts).subspan(next, n));
+      if (!id.ok()) return id.status();
+      inflight.push_back(*id);
+      next += n;
+    }
+    auto r = c.wait_op(inflight.front(), 60'000'000);
+    if (!r.ok()) return r.status();
+    if (r->status != ErrorCode::kOk)
+      return Status(r->status, "load_mapped: " + std::to_string(r->blocks.size() - r->done) + " entries failed");
+    inflight.erase(inflight.begin());
+  }
+  return secs(t0);
+}
+
+/// Loads across geometries (1 MiB stored blocks): 64-token pages into 16-token ones (mla_bf16,
+/// 14 layers) and a TP 1 -> 2 rank's heads out of full-head blocks (mha:bf16:8x128, 16 layers of
+/// 16 tokens; NHD and HND), each next to a load of the same stored blocks into their own geometry
+/// in the same daemon and run. GB/s count the stored bytes a load consumes (a TP 2 rank writes
+/// half of them).
+int geometry_rows(const Options& opts, Report& rep) {
+  const int64_t n = opts.quick ? 128 : 4096;
+  const int reps = opts.quick ? 1 : 3;
+  InProcDaemon ipd;
+  if (!ipd.start(opts, static_cast<uint64_t>(n) * (1 << 20) + (uint64_t{512} << 20), {}, "geo")) return 1;
+  auto c = ipd.connect("bench-geometry");
+  if (!c) return 1;
+  struct Case {
+    std::string name;
+    KvCacheSpec saved, loaded;
+  };
+  const auto mha = [](int32_t heads, MhaOrder o, int32_t first) {
+    return EntryFormat::mha_slice(heads, 128, DType::kBF16, o, first, 8);
+  };
+  const std::vector<Case> cases = {
+      {"load 64->16 token pages (mla_bf16)", {14, 2 * n, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor},
+       {14, 4 * n, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor}},
+      {"load TP 1->2 heads (mha:bf16:8x128 nhd)", {16, 2 * n, 16, mha(8, MhaOrder::kNHD, 0), Layout::kBlockMajor},
+       {16, n, 16, mha(4, MhaOrder::kNHD, 4), Layout::kBlockMajor}},
+      {"load TP 1->2 heads (mha:bf16:8x128 hnd)", {16, 2 * n, 16, mha(8, MhaOrder::kHND, 0), Layout::kBlockMajor},
+       {16, n, 16, mha(4, MhaOrder::kHND, 4), Layout::kBlockMajor}},
+  };
+  const bool device = cuda_device_count() > 0;
+  int k = 0;
+  for (const Case& cs : cases) {
+    ++k;
+    auto a = c->create_region("geo-saved-" + std::to_string(k), cs.saved);
+    auto b = a.ok() ? c->create_region("geo-loaded-" + std::to_string(k), cs.loaded) : a;
+    if (!a.ok() || !b.ok()) {
+      std::fprintf(stderr, "roundtrip geometry: %s\n", (a.ok() ? b : a).status().to_string().c_str());
+      return 1;
+    }
+    const int64_t bb = cs.saved.block_bytes();
+    std::vector<ops::Key> keys(static_cast<size_t>(n));
+    std::vector<int64_t> src(static_cast<size_t>(n)), same(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      keys[static_cast<size_t>(i)] = {0x6E0ull << 48 | static_cast<uint64_t>(k), static_cast<uint64_t>(i)};
+      src[static_cast<size_t>(i)] = i;
+      same[static_cast<size_t>(i)] = n + i;
+    }
+    const size_t batch = static_cast<size_t>(std::max<int64_t>(1, (256 << 20) / bb));
+    if (auto sv = transfer(*c, false, *a, keys, src, batch); !sv.ok()) {
+      std::fprintf(stderr, "roundtrip geometry save: %s\n", sv.status().to_string().c_str());
+      return 1;
+    }
+    std::vector<ops::Key> mk;
+    std::vector<int64_t> mb;
+    std::vector<int32_t> mp;
+    if (cs.saved.block_size != cs.loaded.block_size) {
+      std::vector<int64_t> ids(static_cast<size_t>(n * cs.saved.block_size / cs.loaded.block_size));
+      std::iota(ids.begin(), ids.end(), int64_t{0});
+      if (!Client::page_map(keys, cs.saved.block_size, ids, cs.loaded.block_size, &mk, &mb, &mp).ok()) return 1;
+    } else {  // one stored block per rank block: part 0
+      mk = keys;
+      mb = src;
+      mp.assign(keys.size(), 0);
+    }
+    std::vector<double> t_same, t_map;
+    for (int r = 0; r < reps; ++r) {
+      auto ts = transfer(*c, true, *a, keys, same, batch);
+      auto tm = transfer_mapped(*c, *b, mk, mb, mp, batch * static_cast<size_t>(std::max<int64_t>(
+                                                                1, cs.saved.block_size / cs.loaded.block_size)));
+      if (!ts.ok() || !tm.ok()) {
+        std::fprintf(stderr, "roundtrip geometry: %s\n", (ts.ok() ? tm : ts).status().to_string().c_str());
+        return 1;
+      }
+      t_same.push_back(*ts);
+      t_map.push_back(*tm);
+    }
+    const double bytes = static_cast<double>(n * bb);
+    rep.add({cs.name + " " + human_bytes(bb) + " x " + std::to_string(n), bytes / median(t_map) / 1e9, "GB/s",
+             bytes / median(t_same) / 1e9, "load of the same blocks, same geometry, this run", true, 0.9,
+             device ? "CUDA region" : "cpu region"});
+    (void)c->evict(*a, {}, ops::kEvictAll);
+  }
+  return 0;
 }
 
 /// The Python package's save/load of 1 MiB blocks next to the C ABI called directly (ctypes, keys
@@ -606,6 +732,7 @@ int run_roundtrip(const Options& opts) {
     rc = measure(opts, parse_variant(s), {1 << 20, 4 << 20}, opts.quick ? max_total : (int64_t{2} << 30), 4096, reps,
                  false, rep, nullptr);
   }
+  if (rc == 0) rc = geometry_rows(opts, rep);
   if (rc == 0) python_rows(opts, rep);
   const int f = rep.finish(opts);
   return rc ? rc : f;

@@ -837,6 +837,37 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         fail_group(groups[direct[q]], groups[direct[q]].entries.front(), Impl::timed_out("load"));
       break;
     }
+    // A host mover whose region blocks each come from one stored block (pages split, a head
+    // slice taken): each stored block is verified and then copied into its region blocks on one
+    // thread, while it is in cache.
+    bool fused = op->by_block();
+    for (size_t q = subs[k].first; fused && q < subs[k].second; ++q)
+      for (size_t i : groups[direct[q]].entries) fused = fused && src_of[i] == src_of[groups[direct[q]].entries[0]];
+    if (fused) {
+      std::unordered_map<size_t, std::vector<size_t>> by_src;  // source -> its region blocks (q)
+      std::vector<size_t> order;
+      for (size_t q = subs[k].first; q < subs[k].second; ++q) {
+        if (!groups[direct[q]].st.ok()) continue;
+        auto [it, fresh] = by_src.try_emplace(src_of[groups[direct[q]].entries[0]]);
+        if (fresh) order.push_back(it->first);
+        it->second.push_back(q);
+      }
+      d.hashers->parallel_for(order.size(), bb, [&](size_t x) {
+        Source& src = srcs[order[x]];
+        if (!src.checked) {
+          src.checked = true;
+          if (verify && !src.trusted && block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum)
+            src.bad = true;
+        }
+        for (size_t q : by_src[order[x]]) {
+          Group& g = groups[direct[q]];
+          if (group_bad(g)) continue;
+          Status st = op->move_block(std::span<const CopyRun>(runs).subspan(run_at[q], run_at[q + 1] - run_at[q]));
+          if (!st.ok()) fail_group(g, g.entries.front(), st);
+        }
+      });
+      continue;
+    }
     auto which = sources_of(subs[k].first, subs[k].second, direct);
     check_sources(which);
     kept.clear();
