@@ -250,16 +250,18 @@ struct DiskTier::Impl {
     };
     std::vector<Range> fixed;  ///< registered buffers, sorted by begin
 
-    std::mutex mu;  ///< guards inbox, tasks, stop
+    std::mutex mu;  ///< guards inbox, tasks, stop, verified
     std::deque<std::unique_ptr<Batch>> inbox;
     std::deque<std::function<void()>> tasks;
     bool stop = false;
+    std::vector<Job*> verified;  ///< reads whose completion a verifier handed out, to retire here
 
     // Owned by the thread.
     std::list<std::unique_ptr<Batch>> active;
     std::deque<Job*> pending;
     std::deque<SubOp*> retry;
-    std::deque<Job*> verify;  ///< reads whose bytes are in, waiting for their XXH3 check
+    std::vector<Job*> to_verify;  ///< reads whose bytes are in, for the verifiers
+    unsigned verifying = 0;       ///< reads with the verifiers, not yet retired
     unsigned inflight = 0;
     std::thread thread;
 
@@ -306,6 +308,14 @@ struct DiskTier::Impl {
 
   std::vector<std::unique_ptr<Worker>> workers;
   std::atomic<size_t> next_worker{0};
+
+  /// Reads waiting for their XXH3 check, and the threads that check them (started after the I/O
+  /// threads, stopped after them: a worker leaves only once its reads are all back).
+  std::mutex verify_mu;
+  std::condition_variable verify_cv;
+  std::deque<std::pair<Worker*, Job*>> verify_queue;
+  bool verify_stop = false;
+  std::vector<std::thread> verifiers;
 
   void log(const std::string& line) const {
     if (opts.log)
@@ -457,8 +467,9 @@ struct DiskTier::Impl {
     done_cv.notify_all();
   }
 
-  // ---- completion of jobs (worker threads) ----
-  void complete(Worker& w, Job* j) {
+  // ---- completion of jobs ----
+  /// Settles the index for a finished job and hands its completion out. Any of the tier's threads.
+  void publish(Job* j) {
     TierCompletion c{j->cookie, j->op, j->status, {}};
     {
       std::lock_guard lk(mu);
@@ -481,10 +492,19 @@ struct DiskTier::Impl {
     if (j->status.ok()) (j->op == TierOp::kWrite ? bytes_written : bytes_read).fetch_add(j->record.bytes);
     c.record = std::move(j->record);
     post(std::move(c));
+  }
+
+  /// Drops a published job from its batch (freeing the batch with its last job). The worker's thread.
+  void retire(Worker& w, Job* j) {
     Batch* b = j->batch;
     if (--b->open == 0) {
       w.active.remove_if([b](const std::unique_ptr<Batch>& p) { return p.get() == b; });
     }
+  }
+
+  void complete(Worker& w, Job* j) {
+    publish(j);
+    retire(w, j);
   }
 
   void settle_write(Worker& w, Batch* b) {
@@ -501,7 +521,7 @@ struct DiskTier::Impl {
     }
     if (j->op == TierOp::kRead) {
       if (j->status.ok())
-        w.verify.push_back(j);  // hashed once the ring is refilled, so the device never idles on it
+        w.to_verify.push_back(j);  // hashed off this thread, which goes back to reaping and refilling
       else
         complete(w, j);
       return;
@@ -613,10 +633,32 @@ struct DiskTier::Impl {
     issue(w, &j->ops[1]);
   }
 
-  void verify_reads(Worker& w) {
-    while (!w.verify.empty()) {
-      Job* j = w.verify.front();
-      w.verify.pop_front();
+  /// Hands the reads that came in on this turn to the verifiers (one lock, one wake-up per turn).
+  void send_to_verifiers(Worker& w) {
+    if (w.to_verify.empty()) return;
+    const size_t n = w.to_verify.size();
+    {
+      std::lock_guard lk(verify_mu);
+      for (Job* j : w.to_verify) verify_queue.emplace_back(&w, j);
+    }
+    w.verifying += static_cast<unsigned>(n);
+    w.to_verify.clear();
+    if (n == 1)
+      verify_cv.notify_one();
+    else
+      verify_cv.notify_all();
+  }
+
+  /// A verifier: checks a read block's bytes against its XXH3 and hands out its completion (a
+  /// mismatch is dropped from the index and logged, never served); the worker retires the job.
+  void run_verifier() {
+    std::unique_lock lk(verify_mu);
+    for (;;) {
+      verify_cv.wait(lk, [&] { return verify_stop || !verify_queue.empty(); });
+      if (verify_queue.empty()) return;
+      auto [w, j] = verify_queue.front();
+      verify_queue.pop_front();
+      lk.unlock();
       if (block_checksum(j->buf, j->record.bytes) != j->record.checksum) {
         checksum_failures.fetch_add(1, std::memory_order_relaxed);
         j->status = {ErrorCode::kChecksumMismatch, "block " + j->record.key.hex() + " of '" + j->record.ns + "' in " +
@@ -624,7 +666,12 @@ struct DiskTier::Impl {
                                                        " no longer matches its XXH3: dropped"};
         log(j->status.message());
       }
-      complete(w, j);
+      publish(j);
+      {
+        std::lock_guard wl(w->mu);
+        w->verified.push_back(j);
+      }
+      lk.lock();
     }
   }
 
@@ -638,14 +685,17 @@ struct DiskTier::Impl {
 
   void run_worker(Worker& w) {
     std::vector<IoDone> done_io;
+    std::vector<Job*> verified;
     const unsigned depth = std::max(1u, opts.queue_depth);
     for (;;) {
       bool stop;
       std::deque<std::function<void()>> tasks;
+      verified.clear();
       {
         std::lock_guard lk(w.mu);
         stop = w.stop;
         tasks.swap(w.tasks);
+        verified.swap(w.verified);
         while (!w.inbox.empty()) {
           auto b = std::move(w.inbox.front());
           w.inbox.pop_front();
@@ -654,6 +704,8 @@ struct DiskTier::Impl {
         }
       }
       for (auto& t : tasks) t();
+      w.verifying -= static_cast<unsigned>(verified.size());
+      for (Job* j : verified) retire(w, j);
       if (stop) {
         while (!w.pending.empty()) {
           Job* j = w.pending.front();
@@ -672,18 +724,18 @@ struct DiskTier::Impl {
         w.pending.pop_front();
         start_job(w, j);
       }
-      if (stop && w.inflight == 0 && w.retry.empty() && w.pending.empty() && w.verify.empty()) break;
+      if (stop && w.inflight == 0 && w.retry.empty() && w.pending.empty() && w.verifying == 0) break;
       done_io.clear();
-      // Submit the refill first (no wait while reads wait for their hash), then hash.
-      if (Status s = w.engine->run(done_io, w.verify.empty() ? 100 : 0); !s.ok()) {
+      // Stopping, the last reads' retirement is polled for: verifiers do not wake this thread.
+      if (Status s = w.engine->run(done_io, stop && w.verifying > 0 ? 1 : 100); !s.ok()) {
         set_degraded(s.message());
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      verify_reads(w);
       for (const IoDone& d : done_io) {
         --w.inflight;
         subop_done(w, reinterpret_cast<SubOp*>(d.tag), d.res);
       }
+      send_to_verifiers(w);
     }
   }
 
@@ -851,6 +903,9 @@ Result<std::unique_ptr<DiskTier>> DiskTier::open(Options opts) {
   }
   t.engine_name = std::string(t.workers.front()->engine->name());
   if (t.opts.force_fallback) t.log("using the pread/pwrite pool for " + t.path + " (force_fallback)");
+  unsigned verify_threads = t.opts.verify_threads;
+  if (verify_threads == 0) verify_threads = std::clamp(std::thread::hardware_concurrency() / 4, 1u, 4u);
+  for (unsigned i = 0; i < verify_threads; ++i) t.verifiers.emplace_back([&t] { t.run_verifier(); });
   for (auto& w : t.workers) w->thread = std::thread([&t, wp = w.get()] { t.run_worker(*wp); });
   return std::unique_ptr<DiskTier>(new DiskTier(std::move(impl)));
 }
@@ -868,6 +923,12 @@ DiskTier::~DiskTier() {
     w->engine->wake();
   }
   for (auto& w : impl_->workers) w->thread.join();
+  {
+    std::lock_guard lk(impl_->verify_mu);
+    impl_->verify_stop = true;
+  }
+  impl_->verify_cv.notify_all();
+  for (auto& v : impl_->verifiers) v.join();
 }
 
 std::string_view DiskTier::engine() const { return impl_->engine_name; }

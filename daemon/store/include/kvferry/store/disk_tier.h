@@ -40,6 +40,10 @@ class DiskTier final : public Tier {
     bool direct_io = true;          ///< O_DIRECT; false for file systems without it (tmpfs-like)
     bool force_fallback = false;    ///< use the pread/pwrite pool even where io_uring works
     unsigned fallback_threads = 4;  ///< threads of the pread/pwrite pool, per I/O thread
+    /// Threads (shared by the I/O threads) that check each read block's XXH3 and hand out its
+    /// completion, so an I/O thread only reaps and refills its ring. 0: a quarter of the cores,
+    /// 1 to 4.
+    unsigned verify_threads = 0;
     /// Log sink for the few lines the tier writes (fallback chosen, damaged slot dropped, device
     /// error). Default: stderr. Called from the tier's threads; never per block on the hot path
     /// except for damaged blocks.
