@@ -6,6 +6,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "kvferry/store/http_server.h"
 
@@ -64,10 +65,36 @@ TEST(HttpServer, ServesMetricsHealthAndErrors) {
 
 TEST(HttpServer, BadListenAddressesAreClearErrors) {
   asio::io_context io;
-  for (const char* bad : {"", "9464", "127.0.0.1:", "127.0.0.1:99999", "nohost:80", "127.0.0.1:12ab"}) {
+  // The message names what is wrong: the whole address, its port, or its host. Signs and spaces
+  // in the port are refused, as the config key refuses them (one host:port parser).
+  const std::pair<const char*, const char*> cases[] = {
+      {"", "is not host:port"},
+      {"9464", "is not host:port"},
+      {":9464", "is not host:port"},
+      {"127.0.0.1:", "metrics port ''"},
+      {"127.0.0.1:99999", "metrics port '99999'"},
+      {"127.0.0.1:12ab", "metrics port '12ab'"},
+      {"127.0.0.1:+80", "metrics port '+80'"},
+      {"127.0.0.1: 80", "metrics port ' 80'"},
+      {"127.0.0.1:-1", "metrics port '-1'"},
+      {"nohost:80", "metrics host 'nohost' is not an IP address"},
+  };
+  for (const auto& [bad, what] : cases) {
     auto s = HttpServer::start(io, bad, {});
-    EXPECT_FALSE(s.ok()) << bad;
+    ASSERT_FALSE(s.ok()) << bad;
     EXPECT_EQ(s.status().code(), ErrorCode::kConfig) << bad << ": " << s.status().to_string();
+    EXPECT_NE(s.status().message().find(what), std::string::npos) << bad << ": " << s.status().to_string();
+  }
+}
+
+// Port 0 picks a free port; "localhost" is the IPv4 loopback.
+TEST(HttpServer, PortZeroAndLocalhostListen) {
+  asio::io_context io;
+  for (const char* ok : {"localhost:0", "127.0.0.1:0"}) {
+    auto s = HttpServer::start(io, ok, {});
+    ASSERT_TRUE(s.ok()) << ok << ": " << s.status().to_string();
+    EXPECT_NE((*s)->port(), 0) << ok;
+    (*s)->stop();
   }
 }
 

@@ -7,6 +7,8 @@
 #include <boost/beast/http.hpp>
 #include <chrono>
 
+#include "kvferry/config/host_port.h"
+
 namespace kvferry::store {
 
 namespace asio = boost::asio;
@@ -92,27 +94,24 @@ uint16_t HttpServer::port() const { return impl_->acceptor.local_endpoint().port
 
 Result<std::unique_ptr<HttpServer>> HttpServer::start(asio::io_context& io, const std::string& listen,
                                                       Handlers handlers) {
-  const auto colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size())
-    return Result<std::unique_ptr<HttpServer>>(ErrorCode::kConfig, "metrics address '" + listen + "' is not host:port");
-  std::string host = listen.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  const std::string port_s = listen.substr(colon + 1);
-  unsigned long port = 0;
-  try {
-    size_t used = 0;
-    port = std::stoul(port_s, &used);
-    if (used != port_s.size() || port > 65535) throw std::out_of_range("port");
-  } catch (const std::exception&) {
-    return Result<std::unique_ptr<HttpServer>>(ErrorCode::kConfig,
-                                               "metrics port '" + port_s + "' is not a port number");
+  config::HostPort hp;
+  switch (config::parse_host_port(listen, &hp)) {
+    case config::HostPortFault::kOk: break;
+    case config::HostPortFault::kNotHostPort:
+      return Result<std::unique_ptr<HttpServer>>(ErrorCode::kConfig,
+                                                 "metrics address '" + listen + "' is not host:port");
+    case config::HostPortFault::kBadPort:
+      return Result<std::unique_ptr<HttpServer>>(
+          ErrorCode::kConfig, "metrics port '" + listen.substr(listen.rfind(':') + 1) + "' in '" + listen +
+                                  "' is not a port number (decimal, 0 to 65535; 0 = any free port)");
   }
+  const std::string& host = hp.host;
   beast::error_code ec;
   const auto addr = asio::ip::make_address(host == "localhost" ? "127.0.0.1" : host, ec);
   if (ec)
     return Result<std::unique_ptr<HttpServer>>(ErrorCode::kConfig, "metrics host '" + host + "' is not an IP address");
   auto impl = std::make_shared<Impl>(io, std::move(handlers));
-  const tcp::endpoint ep(addr, static_cast<uint16_t>(port));
+  const tcp::endpoint ep(addr, hp.port);
   impl->acceptor.open(ep.protocol(), ec);
   if (!ec) impl->acceptor.set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) impl->acceptor.bind(ep, ec);
