@@ -32,6 +32,7 @@
 #include "kvferry/daemon/ring_service.h"
 #include "kvferry/kernels/device.h"
 #include "kvferry/store/http_server.h"
+#include "kvferry/version.h"
 
 namespace kvferry::daemon {
 
@@ -39,7 +40,7 @@ namespace asio = boost::asio;
 using local_stream = asio::local::stream_protocol;
 using Clock = std::chrono::steady_clock;
 
-const char* version() { return "0.1.0"; }
+const char* version() { return KVFERRY_VERSION; }
 
 void apply_log_level(config::LogLevel level) {
   static const spdlog::level::level_enum map[] = {spdlog::level::trace, spdlog::level::debug, spdlog::level::info,

@@ -22,7 +22,7 @@
 
 namespace kvferry::daemon {
 
-/// The version string the daemon reports ("0.1.0").
+/// The version string the daemon reports (KVFERRY_VERSION: project(VERSION), e.g. "0.1.0").
 const char* version();
 
 /// Sets the spdlog level from the config; the KVFERRY_LOG environment variable (trace, debug,
