@@ -253,12 +253,22 @@ Result<uint32_t> Client::create_region(const std::string& name, const KvCacheSpe
 Result<uint32_t> Client::register_region(const std::string& name, const KvCacheSpec& spec, const OwnBuffer& buf) {
   KVFERRY_TRY(spec.validate());
   if (!buf.base) return Status(ErrorCode::kInvalidArgument, "register_region: base is null");
+  const auto rb = static_cast<uint64_t>(spec.region_bytes());
+  if (buf.alloc_bytes < rb || buf.offset > buf.alloc_bytes - rb)
+    return Status(ErrorCode::kInvalidArgument, "register_region: a buffer of " + std::to_string(buf.alloc_bytes) +
+                                                   " bytes cannot hold the region's " + std::to_string(rb) +
+                                                   " bytes at offset " + std::to_string(buf.offset));
+  if (buf.offset % static_cast<uint64_t>(spec.format.alignment()) != 0)
+    return Status(ErrorCode::kInvalidArgument, "register_region: offset " + std::to_string(buf.offset) +
+                                                   " is not a multiple of " + spec.format.name() + "'s alignment (" +
+                                                   std::to_string(spec.format.alignment()) + " bytes)");
   proto::RegisterRegion m;
   m.name = name;
   m.spec = spec;
   m.backend = buf.backend;
   m.device = buf.device;
   m.alloc_bytes = buf.alloc_bytes;
+  m.offset = buf.offset;
   std::vector<int> fds;
   if (buf.backend == proto::Backend::kCudaIpc) {
     if (!buf.ipc_handle) return Status(ErrorCode::kInvalidArgument, "register_region: cuda_ipc needs an IPC handle");
@@ -279,7 +289,7 @@ Result<uint32_t> Client::register_region(const std::string& name, const KvCacheS
   if (!h.ok()) return h.status();
   Mapped mp;
   mp.desc = h->region;
-  mp.base = buf.base;
+  mp.base = static_cast<uint8_t*>(buf.base) + buf.offset;
   mp.device = buf.backend != proto::Backend::kMemfd;
   mp.owned = false;
   known_[mp.desc.id] = mp.desc;

@@ -129,7 +129,7 @@ int req_out(const kvferry::Result<uint64_t>& r, uint64_t* req) {
 }
 
 int region_spec(const kvferry_region_params* p, kvferry::KvCacheSpec* s) {
-  if (p->field_mask & ~uint64_t{KVFERRY_REGION_F_ALL_V2})
+  if (p->field_mask & ~uint64_t{KVFERRY_REGION_F_ALL_V4})
     return fail(Status(ErrorCode::kVersionMismatch, "region params carry fields this library (abi " +
                                                         std::to_string(KVFERRY_ABI_VERSION) + ") does not know"));
   KVFERRY_C_CHECK(p->field_mask & KVFERRY_REGION_F_SPEC, "region params without KVFERRY_REGION_F_SPEC");
@@ -616,6 +616,7 @@ int kvferry_register_region_with(kvferry_client* c, const kvferry_region_params*
     b.base = p->base;
     b.alloc_bytes = p->alloc_bytes;
     b.device = p->device;
+    if (p->field_mask & KVFERRY_REGION_F_OFFSET) b.offset = p->offset;
     auto r = c->c->register_region(p->name, s, b);
     if (!r.ok()) return fail(r.status());
     *region_id = *r;

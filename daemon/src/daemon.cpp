@@ -668,6 +668,10 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
       if (!visible(ident, it->second)) return denied_region(rid, it->second.region->desc().name);
       r = it->second.region;
     }
+    if (r->offset() != 0)
+      return {ErrorCode::kUnsupported, "region '" + r->desc().name + "' was registered at offset " +
+                                           std::to_string(r->offset()) +
+                                           " inside its buffer; only the client that registered it maps it"};
     return hold_and_send(rid, r);
   }
 

@@ -16,18 +16,21 @@ namespace {
 
 class MemfdRegion final : public Region {
  public:
-  MemfdRegion(proto::RegionDesc d, UniqueFd fd, void* base) : fd_(std::move(fd)), base_(base) { desc_ = std::move(d); }
+  MemfdRegion(proto::RegionDesc d, UniqueFd fd, void* base, uint64_t offset = 0) : fd_(std::move(fd)), base_(base) {
+    desc_ = std::move(d);
+    offset_ = offset;
+  }
   ~MemfdRegion() override {
     if (base_) ::munmap(base_, desc_.alloc_bytes);
   }
   int export_fd() const override { return fd_.get(); }
-  uint8_t* base() const override { return static_cast<uint8_t*>(base_); }
+  uint8_t* base() const override { return static_cast<uint8_t*>(base_) + offset_; }
   Status read(uint64_t offset, std::span<uint8_t> out) const override {
     if (offset > desc_.bytes || out.size() > desc_.bytes - offset)
       return {ErrorCode::kOutOfRange, "read of " + std::to_string(out.size()) + " bytes at " + std::to_string(offset) +
                                           " is past region '" + desc_.name + "' of " + std::to_string(desc_.bytes) +
                                           " bytes"};
-    std::memcpy(out.data(), static_cast<const uint8_t*>(base_) + offset, out.size());
+    std::memcpy(out.data(), base() + offset, out.size());
     return Status::Ok();
   }
 
@@ -87,7 +90,7 @@ Result<std::shared_ptr<Region>> import_region(uint32_t id, const proto::Register
   d.alloc_bytes = m.alloc_bytes;
   d.backend = proto::Backend::kMemfd;
   d.device = -1;
-  return std::shared_ptr<Region>(std::make_shared<MemfdRegion>(std::move(d), std::move(fd), base));
+  return std::shared_ptr<Region>(std::make_shared<MemfdRegion>(std::move(d), std::move(fd), base, m.offset));
 }
 
 Result<std::shared_ptr<Region>> create_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,

@@ -24,17 +24,20 @@ Status check_read(const proto::RegionDesc& d, uint64_t offset, size_t n) {
 
 class VmmRegion final : public Region {
  public:
-  VmmRegion(proto::RegionDesc d, cuda_vmm::Mapping m) : m_(m) { desc_ = std::move(d); }
+  VmmRegion(proto::RegionDesc d, cuda_vmm::Mapping m, uint64_t offset = 0) : m_(m) {
+    desc_ = std::move(d);
+    offset_ = offset;
+  }
   ~VmmRegion() override {
     if (m_.fd >= 0) ::close(m_.fd);
     cuda_vmm::release(m_);
   }
   int export_fd() const override { return m_.fd; }
-  uint8_t* base() const override { return static_cast<uint8_t*>(m_.ptr); }
+  uint8_t* base() const override { return static_cast<uint8_t*>(m_.ptr) + offset_; }
   bool on_device() const override { return true; }
   Status read(uint64_t offset, std::span<uint8_t> out) const override {
     KVFERRY_TRY(check_read(desc_, offset, out.size()));
-    return cuda_vmm::copy_to_host(out.data(), static_cast<const uint8_t*>(m_.ptr) + offset, out.size(), m_.device);
+    return cuda_vmm::copy_to_host(out.data(), base() + offset, out.size(), m_.device);
   }
 
  private:
@@ -44,8 +47,10 @@ class VmmRegion final : public Region {
 class IpcRegion final : public Region {
  public:
   /// `opened`: the memory belongs to another process (cudaIpcOpenMemHandle), not to us.
-  IpcRegion(proto::RegionDesc d, void* p, const uint8_t h[64], bool opened = false) : p_(p), opened_(opened) {
+  IpcRegion(proto::RegionDesc d, void* p, const uint8_t h[64], bool opened = false, uint64_t offset = 0)
+      : p_(p), opened_(opened) {
     desc_ = std::move(d);
+    offset_ = offset;
     std::memcpy(h_, h, 64);
   }
   ~IpcRegion() override {
@@ -55,7 +60,7 @@ class IpcRegion final : public Region {
       cuda_vmm::free_ipc(p_, desc_.device);
   }
   int export_fd() const override { return -1; }
-  uint8_t* base() const override { return static_cast<uint8_t*>(p_); }
+  uint8_t* base() const override { return static_cast<uint8_t*>(p_) + offset_; }
   bool on_device() const override { return true; }
   bool ipc_handle(uint8_t out[64]) const override {
     std::memcpy(out, h_, 64);
@@ -63,7 +68,7 @@ class IpcRegion final : public Region {
   }
   Status read(uint64_t offset, std::span<uint8_t> out) const override {
     KVFERRY_TRY(check_read(desc_, offset, out.size()));
-    return cuda_vmm::copy_to_host(out.data(), static_cast<const uint8_t*>(p_) + offset, out.size(), desc_.device);
+    return cuda_vmm::copy_to_host(out.data(), base() + offset, out.size(), desc_.device);
   }
 
  private:
@@ -88,11 +93,11 @@ Result<std::shared_ptr<Region>> import_cuda_region(uint32_t id, const proto::Reg
     auto vm = cuda_vmm::import_fd(m.device, fd.get(), m.alloc_bytes);
     if (!vm.ok()) return vm.status().with_context("importing registered region '" + m.name + "'");
     vm->fd = fd.release();  // kept to export the region to other clients
-    return std::shared_ptr<Region>(std::make_shared<VmmRegion>(std::move(d), *vm));
+    return std::shared_ptr<Region>(std::make_shared<VmmRegion>(std::move(d), *vm, m.offset));
   }
   auto p = cuda_vmm::ipc_open(m.device, m.ipc_handle);
   if (!p.ok()) return p.status().with_context("importing registered region '" + m.name + "'");
-  return std::shared_ptr<Region>(std::make_shared<IpcRegion>(std::move(d), *p, m.ipc_handle, true));
+  return std::shared_ptr<Region>(std::make_shared<IpcRegion>(std::move(d), *p, m.ipc_handle, true, m.offset));
 }
 
 Result<std::shared_ptr<Region>> create_cuda_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,

@@ -122,9 +122,11 @@ class RegionParams(ctypes.Structure):
         ("ipc_handle", c_void_p),
         ("base", c_void_p),
         ("alloc_bytes", c_uint64),
+        ("offset", c_uint64),
     ]
 
 
+REGION_F_OFFSET = 1 << 2
 REGION_DESC_F_BASIC = 1 << 0
 REGION_DESC_F_MAPPING = 1 << 1
 

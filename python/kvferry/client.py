@@ -538,9 +538,13 @@ class Client:
         device: int = -1,
         ipc_handle: Optional[bytes] = None,
         layout: str = "block_major",
+        offset: int = 0,
     ) -> Region:
         """Registers a buffer this process allocated (memfd sealed with F_SEAL_SHRINK, a cuMem
-        POSIX fd, or a 64-byte legacy CUDA IPC handle); this process keeps owning it."""
+        POSIX fd, or a 64-byte legacy CUDA IPC handle); this process keeps owning it. ``base`` is
+        where the buffer is mapped and ``alloc_bytes`` its size; with ``offset`` the region starts
+        that many bytes into it (a KV tensor inside a larger allocation, registered without a
+        copy; only this client maps it)."""
         backends = {"memfd": 0, "cuda_vmm": 1, "cuda_ipc": 2}
         if backend not in backends:
             raise InvalidArgumentError(f"backend must be one of {sorted(backends)}, not {backend!r}")
@@ -561,6 +565,9 @@ class Client:
             p.ipc_handle = ctypes.addressof(keep)
         p.base = int(base)
         p.alloc_bytes = int(alloc_bytes)
+        if offset:
+            p.field_mask |= L.REGION_F_OFFSET
+            p.offset = int(offset)
         rid = L.c_uint32()
         _check(
             L.lib().kvferry_register_region_with(self._handle(), ctypes.byref(p), ctypes.byref(rid)), f"register {name}"

@@ -89,3 +89,46 @@ def test_tensor_parallel_slices(client):
             np.testing.assert_array_equal(got[0], want[1][:, 2:4, :])
     with pytest.raises(kvferry.errors.OutOfRangeError):  # pages of the same size have one part, 0
         client.load_mapped(rank, k[:1], [0], [1])
+
+
+def test_register_a_buffer_at_an_offset(client):
+    """A KV tensor inside a larger allocation registers at its offset (no copy): the views point
+    into the buffer there, saves and loads touch only the region's bytes."""
+    import ctypes
+    import fcntl
+    import mmap
+    import os
+
+    layers, blocks, bs = 2, 4, 16
+    region_bytes = layers * blocks * bs * 1152
+    offset = 2 * 4096 + 32
+    alloc = (offset + region_bytes + 4095) // 4096 * 4096
+    fd = os.memfd_create("kv-at-offset", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, alloc)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        mm = mmap.mmap(fd, alloc)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        buf[:] = 0xAB
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        with pytest.raises(kvferry.InvalidArgumentError):  # not a multiple of the 16-byte alignment
+            client.register_region("off", layers, blocks, bs, "mla_bf16", base=base, alloc_bytes=alloc, fd=fd,
+                                   offset=offset + 8)
+        r = client.register_region("off", layers, blocks, bs, "mla_bf16", base=base, alloc_bytes=alloc, fd=fd,
+                                   offset=offset)
+        assert r.base == base + offset
+        region = buf[offset:offset + region_bytes]
+        region[:] = np.arange(region_bytes, dtype=np.uint64).astype(np.uint8)
+        saved = region.copy()
+        k = keys(2, 9)
+        client.save(r, k, [0, 1])
+        region[:] = 0
+        client.load(r, k, [2, 3])
+        half = region_bytes // 2
+        np.testing.assert_array_equal(region[half:], saved[:half])
+        assert (buf[:offset] == 0xAB).all() and (buf[offset + region_bytes:] == 0xAB).all()
+        del buf, region
+        client.close()
+        mm.close()
+    finally:
+        os.close(fd)

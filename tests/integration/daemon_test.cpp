@@ -371,6 +371,68 @@ TEST_F(DaemonIt, KilledClientReleasesItsResources) {
 
 // An engine registers a buffer it allocated (a sealed memfd): the daemon reads what the engine
 // wrote, another process maps it by name, and it goes away with its last holder.
+// A KV tensor inside a larger allocation registers at its offset, with no copy: saves and loads
+// touch only the region's bytes (the bytes before it in the buffer stay), debug reads see the
+// region, bad offsets are refused, and no other client maps it (its descriptor names the buffer).
+TEST_F(DaemonIt, RegisteredBufferAtAnOffset) {
+  const KvCacheSpec spec{2, 4, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor};
+  const uint64_t bytes = static_cast<uint64_t>(spec.region_bytes());
+  const uint64_t offset = 3 * 4096 + 16;  // a multiple of the format's 16-byte alignment
+  const uint64_t alloc = (offset + bytes + 4095) / 4096 * 4096;
+  int fd = ::memfd_create("engine-kv-big", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  UniqueFd mfd(fd);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(alloc)), 0);
+  ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  void* base = ::mmap(nullptr, alloc, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(base, MAP_FAILED);
+  auto* all = static_cast<uint8_t*>(base);
+  std::memset(all, 0xAB, alloc);
+  auto c = connect_to(*d_, "offset-owner");
+  ASSERT_TRUE(c);
+  Client::OwnBuffer buf;
+  buf.fd = fd;
+  buf.base = base;
+  buf.alloc_bytes = alloc;
+  buf.offset = offset + 8;  // not aligned
+  EXPECT_EQ(c->register_region("at-offset", spec, buf).status().code(), ErrorCode::kInvalidArgument);
+  buf.offset = alloc - bytes + 16;  // past the end
+  EXPECT_EQ(c->register_region("at-offset", spec, buf).status().code(), ErrorCode::kInvalidArgument);
+  buf.offset = offset;
+  auto id = c->register_region("at-offset", spec, buf);
+  ASSERT_TRUE(id.ok()) << id.status().to_string();
+  auto v = c->layer_view(*id, 0);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->data, all + offset);
+  uint8_t* region = all + offset;
+  for (uint64_t i = 0; i < bytes; ++i) region[i] = static_cast<uint8_t>(i * 7 + 1);
+  auto back = c->debug_read(*id, 100, 64);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(0, std::memcmp(back->data(), region + 100, 64));
+  const std::vector<ops::Key> keys{{0x0FF5, 1}, {0x0FF5, 2}};
+  auto sv = c->save(*id, keys, std::vector<int64_t>{0, 1});
+  ASSERT_TRUE(sv.ok());
+  ASSERT_EQ(sv->done, 2u);
+  const std::vector<uint8_t> saved(region, region + bytes);
+  std::memset(region, 0, bytes);
+  auto ld = c->load(*id, keys, std::vector<int64_t>{3, 2});
+  ASSERT_TRUE(ld.ok());
+  ASSERT_EQ(ld->done, 2u);
+  const int64_t bb = spec.block_bytes();
+  EXPECT_EQ(0, std::memcmp(region + 3 * bb, saved.data(), static_cast<size_t>(bb)));
+  EXPECT_EQ(0, std::memcmp(region + 2 * bb, saved.data() + bb, static_cast<size_t>(bb)));
+  for (uint64_t i = 0; i < offset; ++i) ASSERT_EQ(all[i], 0xAB) << "byte " << i << " before the region";
+  for (uint64_t i = offset + bytes; i < alloc; ++i) ASSERT_EQ(all[i], 0xAB) << "byte " << i << " after the region";
+  // Another client cannot map it: what it would map is the whole buffer.
+  auto o = connect_to(*d_, "offset-peer");
+  ASSERT_TRUE(o);
+  auto m = o->map_region(*id);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("offset"), std::string::npos) << m.status().to_string();
+  c.reset();
+  ::munmap(base, alloc);
+}
+
 TEST_F(DaemonIt, EngineRegisteredBufferIsSharedAndReleased) {
   const KvCacheSpec spec{3, 5, 16, EntryFormat::mla_fp8(), Layout::kBlockMajor};
   const uint64_t bytes = static_cast<uint64_t>(spec.region_bytes());

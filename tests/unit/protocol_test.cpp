@@ -253,6 +253,25 @@ TEST(Protocol, RegisterRegionRoundTripAndChecks) {
   Frame noh = encode(m);
   EXPECT_EQ(decode_register_region(std::span<const uint8_t>(noh).subspan(kHeaderBytes), 0).status().code(),
             ErrorCode::kProtocol);
+  // At an offset inside the buffer: carried under kFieldOffset, checked against alloc_bytes and
+  // the format's alignment.
+  m.backend = Backend::kMemfd;
+  m.alloc_bytes = static_cast<uint64_t>(m.spec.region_bytes()) + 4096;
+  m.offset = 4096;
+  Frame at = encode(m);
+  auto h = decode_header(std::span<const uint8_t>(at).first(kHeaderBytes));
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ(h->field_mask & kFieldOffset, kFieldOffset);
+  auto o = decode_register_region(std::span<const uint8_t>(at).subspan(kHeaderBytes), h->field_mask);
+  ASSERT_TRUE(o.ok()) << o.status().to_string();
+  EXPECT_EQ(o->offset, 4096u);
+  for (uint64_t bad : {uint64_t{4104}, uint64_t{8192}}) {  // misaligned; past the end
+    m.offset = bad;
+    Frame f2 = encode(m);
+    EXPECT_EQ(decode_register_region(std::span<const uint8_t>(f2).subspan(kHeaderBytes), kFieldOffset).status().code(),
+              ErrorCode::kProtocol)
+        << bad;
+  }
 }
 
 }  // namespace

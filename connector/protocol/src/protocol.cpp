@@ -427,7 +427,8 @@ Frame encode(const RegisterRegion& m) {
   w.i32(m.device);
   w.u64(m.alloc_bytes);
   if (m.has_ipc_handle) w.bytes(std::span<const uint8_t>(m.ipc_handle, 64));
-  return finish(MsgType::kRegisterRegion, w, m.has_ipc_handle ? kFieldIpcHandle : 0);
+  if (m.offset) w.u64(m.offset);
+  return finish(MsgType::kRegisterRegion, w, (m.has_ipc_handle ? kFieldIpcHandle : 0) | (m.offset ? kFieldOffset : 0));
 }
 Result<RegisterRegion> decode_register_region(std::span<const uint8_t> p, uint32_t field_mask) {
   Reader r(p);
@@ -444,14 +445,21 @@ Result<RegisterRegion> decode_register_region(std::span<const uint8_t> p, uint32
       m.has_ipc_handle = true;
     }
   }
+  if (field_mask & kFieldOffset) m.offset = r.u64("offset");
   if (!r.ok()) return r.status();
   if (m.name.empty()) return Result<RegisterRegion>(ErrorCode::kProtocol, "region name is empty");
   if (b > 2) return Result<RegisterRegion>(ErrorCode::kProtocol, "backend " + std::to_string(b) + " is unknown");
   m.backend = static_cast<Backend>(b);
-  if (m.alloc_bytes < static_cast<uint64_t>(m.spec.region_bytes()))
-    return Result<RegisterRegion>(ErrorCode::kProtocol, "alloc_bytes " + std::to_string(m.alloc_bytes) +
-                                                            " is smaller than the spec's " +
-                                                            std::to_string(m.spec.region_bytes()) + " bytes");
+  if (m.alloc_bytes < static_cast<uint64_t>(m.spec.region_bytes()) ||
+      m.offset > m.alloc_bytes - static_cast<uint64_t>(m.spec.region_bytes()))
+    return Result<RegisterRegion>(ErrorCode::kProtocol,
+                                  "alloc_bytes " + std::to_string(m.alloc_bytes) + " cannot hold the spec's " +
+                                      std::to_string(m.spec.region_bytes()) + " bytes at offset " +
+                                      std::to_string(m.offset));
+  if (m.offset % static_cast<uint64_t>(m.spec.format.alignment()) != 0)
+    return Result<RegisterRegion>(ErrorCode::kProtocol, "offset " + std::to_string(m.offset) +
+                                                            " is not a multiple of the format's alignment (" +
+                                                            std::to_string(m.spec.format.alignment()) + " bytes)");
   if ((m.backend == Backend::kCudaIpc) != m.has_ipc_handle)
     return Result<RegisterRegion>(ErrorCode::kProtocol, "an IPC handle comes with, and only with, backend cuda_ipc");
   return m;

@@ -18,7 +18,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, List, Optional, Sequence
+from typing import Tuple, Any, List, Optional, Sequence
 
 TESTED_VLLM = "0.33.0"
 
@@ -185,16 +185,20 @@ def model_fingerprint(config) -> str:
     return text[:31] + "~" + hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
-def cuda_ipc_handle(tensor) -> Optional[bytes]:
-    """The 64-byte legacy CUDA IPC handle of a torch CUDA tensor's allocation, or None when the
-    tensor does not start its allocation (the daemon maps whole allocations) or torch cannot say.
-    Uses torch's private UntypedStorage._share_cuda_() (version-sensitive: kept here)."""
+def cuda_ipc_handle(tensor) -> Optional[Tuple[bytes, int, int]]:
+    """(the 64-byte legacy CUDA IPC handle of a torch CUDA tensor's allocation, the byte offset of
+    the tensor's first element in that allocation, the allocation's bytes), or None when torch
+    cannot say. A tensor that is a view inside a larger allocation (vLLM's per-layer views of a
+    cross-layer buffer, a caching-allocator block) registers at that offset without a copy.
+    Uses torch's private UntypedStorage._share_cuda_() (version-sensitive: kept here): it returns
+    (device, handle, storage bytes, storage offset in the allocation, ...)."""
     try:
         storage = tensor.untyped_storage()
         info = storage._share_cuda_()
-        handle, offset = info[1], info[3]
+        handle, size, offset = info[1], int(info[2]), int(info[3])
     except Exception:
         return None
-    if offset != 0 or tensor.storage_offset() != 0 or not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
         return None
-    return bytes(handle)
+    first = offset + tensor.storage_offset() * tensor.element_size()
+    return bytes(handle), first, offset + size

@@ -13,10 +13,11 @@ miss, never an error inside vLLM (it reconnects at most once a second). Blocks t
 until complete_load.
 
 Worker side (KvferryWorker): vLLM's canonical KV tensors (int8 (num_blocks, page) views, one per
-distinct KV tensor) are registered with the daemon once (a contiguous CUDA tensor that starts its
-allocation by its legacy IPC handle), then blocks move by id through the daemon's save/load. A
-tensor that cannot be registered (host memory that is not a memfd, or a CUDA view inside a larger
-allocation) goes through a daemon-owned region of the same geometry and a copy per transfer.
+distinct KV tensor) are registered with the daemon once (a contiguous CUDA tensor by its
+allocation's legacy IPC handle and its offset in that allocation, so views inside a larger buffer
+need no copy either), then blocks move by id through the daemon's save/load. A tensor that cannot
+be registered (host memory that is not a memfd) goes through a daemon-owned region of the same
+geometry and a copy per transfer.
 
 Keys: blake2b-128 of vLLM's OffloadKey (block hash + group index), personalized by the worker rank and the tensor index; the
 namespace's model part carries model, KV dtype, block size and parallel layout
@@ -225,11 +226,13 @@ class _Tensor:
         name = f"vllm-{worker.instance}-r{worker.rank}-t{idx}"
         self.staged = True
         if getattr(tensor, "is_cuda", False) and tensor.is_contiguous():  # blocks back to back
-            handle = compat.cuda_ipc_handle(tensor)
-            if handle is not None:
+            ipc = compat.cuda_ipc_handle(tensor)
+            if ipc is not None:
+                handle, first, alloc = ipc  # a view inside a larger allocation registers at its offset
                 self.region = c.register_region(
-                    name, layers, num_blocks, worker.block_size, fmt, base=tensor.data_ptr(), alloc_bytes=nbytes,
-                    backend="cuda_ipc", device=tensor.device.index, ipc_handle=handle,
+                    name, layers, num_blocks, worker.block_size, fmt, base=tensor.data_ptr() - first,
+                    alloc_bytes=max(alloc, first + nbytes), backend="cuda_ipc", device=tensor.device.index,
+                    ipc_handle=handle, offset=first,
                 )
                 self.staged = False
         if self.staged:

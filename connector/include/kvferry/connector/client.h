@@ -101,9 +101,13 @@ class Client {
     proto::Backend backend = proto::Backend::kMemfd;
     int fd = -1;                          ///< memfd (sealed F_SEAL_SHRINK) or cuMem POSIX fd; stays ours
     const uint8_t* ipc_handle = nullptr;  ///< 64-byte cudaIpcMemHandle for cuda_ipc
-    void* base = nullptr;                 ///< where this process maps it (views point here)
-    uint64_t alloc_bytes = 0;             ///< >= spec.region_bytes()
+    void* base = nullptr;                 ///< where this process maps the buffer
+    uint64_t alloc_bytes = 0;             ///< bytes of the buffer, >= offset + spec.region_bytes()
     int device = -1;                      ///< CUDA device, -1 for host memory
+    /// The region starts this far into the buffer (views point at base + offset): a KV tensor
+    /// inside a larger allocation, registered without a copy. A multiple of the format's
+    /// alignment. Only the registering client maps such a region.
+    uint64_t offset = 0;
   };
   /// Registers `buf` as region `name` of `spec`: the daemon imports it and offers it to other
   /// clients; it lives while a client holds it. This process keeps ownership of its buffer.

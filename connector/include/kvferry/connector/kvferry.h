@@ -301,6 +301,8 @@ KVFERRY_API int kvferry_connect_with(const kvferry_connect_params* p, kvferry_cl
 #define KVFERRY_REGION_F_SPEC (1u << 0)   /* name, layers, blocks, block_size, format, layout */
 #define KVFERRY_REGION_F_BUFFER (1u << 1) /* backend, fd, ipc_handle, base, alloc_bytes, device */
 #define KVFERRY_REGION_F_ALL_V2 0x3u
+#define KVFERRY_REGION_F_OFFSET (1u << 2) /* offset (ABI 4) */
+#define KVFERRY_REGION_F_ALL_V4 0x7u
 typedef struct kvferry_region_params {
   uint64_t field_mask;
   const char* name;
@@ -312,7 +314,12 @@ typedef struct kvferry_region_params {
   int32_t device;            /* register only: CUDA device, -1 for host memory */
   const uint8_t* ipc_handle; /* register only: 64-byte cudaIpcMemHandle for cuda_ipc */
   void* base;                /* register only: where this process maps the buffer */
-  uint64_t alloc_bytes;      /* register only: bytes of the buffer (>= the region's bytes) */
+  uint64_t alloc_bytes;      /* register only: bytes of the buffer (>= offset + the region's bytes) */
+  /* register only (KVFERRY_REGION_F_OFFSET): the region starts this many bytes into the buffer
+   * (a KV tensor inside a larger allocation: an IPC handle or cuMem fd names the whole
+   * allocation; base is where the buffer, not the region, is mapped). A multiple of the format's
+   * alignment; only the registering client maps such a region. */
+  uint64_t offset;
 } kvferry_region_params;
 /* Creates (or reuses) and maps a daemon-owned region: needs KVFERRY_REGION_F_SPEC. */
 KVFERRY_API int kvferry_create_region_with(kvferry_client* c, const kvferry_region_params* p, uint32_t* region_id);

@@ -36,9 +36,14 @@ class Region {
   /// on_device()): what the data ops copy blocks from and to.
   virtual uint8_t* base() const = 0;
   virtual bool on_device() const { return false; }
+  /// Where the region starts in its buffer (a registered KV tensor inside a larger allocation);
+  /// 0 for every region the daemon made. Such a region is not exported to other clients: the
+  /// descriptor they map by names the whole allocation.
+  uint64_t offset() const { return offset_; }
 
  protected:
   proto::RegionDesc desc_;
+  uint64_t offset_ = 0;
 };
 
 /// Creates a region of `spec` named `name` with id `id` on `backend` (`gpu`: CUDA device).

@@ -177,10 +177,14 @@ struct MapRegion {
 
 /// RegionHandle field_mask bits.
 inline constexpr uint32_t kFieldIpcHandle = 1u << 0;  ///< 64-byte cudaIpcMemHandle follows
+inline constexpr uint32_t kFieldOffset = 1u << 1;     ///< u64: the region starts this far into the buffer
 struct RegionHandle {
   RegionDesc region;
   bool has_ipc_handle = false;
   uint8_t ipc_handle[64] = {};
+  /// The region starts this many bytes into the buffer (a KV tensor inside a larger allocation:
+  /// CUDA IPC handles and cuMem fds name whole allocations). offset + region bytes <= alloc_bytes.
+  uint64_t offset = 0;
 };
 
 struct CreateRegion {
@@ -199,6 +203,9 @@ struct RegisterRegion {
   uint64_t alloc_bytes = 0;  ///< bytes of the buffer (>= spec.region_bytes())
   bool has_ipc_handle = false;
   uint8_t ipc_handle[64] = {};
+  /// The region starts this many bytes into the buffer (a KV tensor inside a larger allocation:
+  /// CUDA IPC handles and cuMem fds name whole allocations). offset + region bytes <= alloc_bytes.
+  uint64_t offset = 0;
 };
 
 struct StatusReply {
