@@ -576,6 +576,9 @@ std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns
     while (next < keys.size() && steps.size() < 1 + in_flight) steps.push_back(start_step(true));
     Step& p = steps.front();
     finish_reads(p);
+    // The front step's reads have landed: while it is copied into the region, a further step's
+    // reads keep the lower tier's queue as deep as before (deque references stay valid).
+    while (next < keys.size() && steps.size() < 2 + in_flight) steps.push_back(start_step(true));
     uint64_t trusted = 0;
     for (uint8_t v : p.verified) trusted += v;
     d.trusted_reads.add(trusted);
