@@ -98,7 +98,9 @@ TEST_P(DaemonGpu, LayerViewWriteReadsBackThroughTheDaemon) {
 // the daemon imports it and reads what the engine wrote.
 TEST_P(DaemonGpu, EngineRegisteredGpuBufferIsReadByTheDaemon) {
   if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
-  const bool ipc = std::string(GetParam()) == "cuda_ipc";
+  const bool ipc = std::string(GetParam()).rfind("cuda_ipc", 0) == 0;
+  // cuda_ipc_offset: the region sits inside a larger allocation (a framework's view of its buffer).
+  const uint64_t offset = std::string(GetParam()) == "cuda_ipc_offset" ? 3 * 4096 + 256 : 0;
   testing::DaemonProcess d("", {}, "cuda");
   ASSERT_TRUE(d.ready()) << d.log();
   const KvCacheSpec spec{4, 6, 64, EntryFormat::mla_fp8(), Layout::kLayerMajor};
@@ -124,12 +126,13 @@ TEST_P(DaemonGpu, EngineRegisteredGpuBufferIsReadByTheDaemon) {
     uint8_t handle[64];
     cuda_vmm::Mapping vm;
     if (ipc) {
-      auto p = cuda_vmm::malloc_ipc(0, bytes, handle);
+      auto p = cuda_vmm::malloc_ipc(0, bytes + offset, handle);
       if (!p.ok()) done('a');
       buf.backend = proto::Backend::kCudaIpc;
       buf.ipc_handle = handle;
       buf.base = *p;
-      buf.alloc_bytes = bytes;
+      buf.alloc_bytes = bytes + offset;
+      buf.offset = offset;
     } else {
       auto m = cuda_vmm::create_exportable(0, bytes);
       if (!m.ok()) done('a');
@@ -141,7 +144,7 @@ TEST_P(DaemonGpu, EngineRegisteredGpuBufferIsReadByTheDaemon) {
     }
     std::vector<uint8_t> host(bytes);
     for (uint64_t i = 0; i < bytes; ++i) host[i] = pattern(static_cast<int64_t>(i), 9);
-    if (!cuda_vmm::copy_to_device(buf.base, host.data(), bytes, 0).ok()) done('w');
+    if (!cuda_vmm::copy_to_device(static_cast<uint8_t*>(buf.base) + buf.offset, host.data(), bytes, 0).ok()) done('w');
     auto id = (*c)->register_region("engine-gpu", spec, buf);
     if (!id.ok()) {
       std::fprintf(stderr, "register_region: %s\n", id.status().to_string().c_str());
@@ -183,7 +186,7 @@ TEST_P(DaemonGpu, EngineRegisteredGpuBufferIsReadByTheDaemon) {
   EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << d.log();
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, DaemonGpu, ::testing::Values("cuda_vmm", "cuda_ipc"));
+INSTANTIATE_TEST_SUITE_P(Backends, DaemonGpu, ::testing::Values("cuda_vmm", "cuda_ipc", "cuda_ipc_offset"));
 
 }  // namespace
 }  // namespace kvferry
