@@ -56,6 +56,21 @@ class MoveOp {
   /// Loads only: moves a block laid out in host memory [buf, buf + bytes) (a mapped load's block,
   /// assembled there) into the region by `runs` (source offsets into buf). Synchronous.
   virtual Status place_block(const uint8_t* buf, int64_t bytes, std::span<const CopyRun> runs) = 0;
+  /// Loads whose blocks arrive as many small runs (a mapped load: another page size, a head
+  /// slice) move better assembled on the host first: pinned host memory for sub-batch `k`, at
+  /// least `bytes`, which the caller fills and then hands to enqueue_staged(k, runs) (sources are
+  /// offsets into it). The buffer of k is used again for k + 2, after k's copy is waited for here.
+  /// Movers that copy block by block do not stage (kUnsupported).
+  virtual Result<uint8_t*> staging(size_t k, int64_t bytes) {
+    (void)k;
+    (void)bytes;
+    return Status(ErrorCode::kUnsupported, "this mover does not stage");
+  }
+  virtual Status enqueue_staged(size_t k, std::span<const CopyRun> runs) {
+    (void)k;
+    (void)runs;
+    return Status(ErrorCode::kUnsupported, "this mover does not stage");
+  }
   /// Waits for everything enqueued; the first copy failure, if any.
   virtual Status finish() = 0;
 };

@@ -28,6 +28,8 @@ struct Lane {
   cudaEvent_t events[kDepth] = {};
   uint8_t* staging = nullptr;
   int64_t staging_bytes = 0;
+  uint8_t* stage[2] = {nullptr, nullptr};  // assembled sub-batches of mapped loads (MoveOp::staging)
+  int64_t stage_bytes[2] = {0, 0};
   std::vector<CopyRun> merged;  // a sub-batch's runs, neighbours merged (kept for its capacity)
 
   Lane() = default;
@@ -39,6 +41,8 @@ struct Lane {
       if (e) cudaEventDestroy(e);
     for (auto& c : copiers) c.reset();
     if (staging) cudaFreeHost(staging);
+    for (uint8_t* p : stage)
+      if (p) cudaFreeHost(p);
     if (stream) cudaStreamDestroy(stream);
   }
 };
@@ -128,6 +132,39 @@ class CudaOp final : public MoveOp {
   }
 
   Status move_block(std::span<const CopyRun>) override { return Status::Ok(); }  // moves with its sub-batch
+
+  Result<uint8_t*> staging(size_t k, int64_t bytes) override {
+    Lane& lane = *lane_;
+    const size_t s = k % 2;
+    if (k >= 2) KVFERRY_TRY(wait(k - 2));  // its copy out of this buffer is done
+    if (lane.stage_bytes[s] < bytes) {
+      if (lane.stage[s]) {
+        KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
+        cudaFreeHost(lane.stage[s]);
+      }
+      lane.stage[s] = nullptr;
+      lane.stage_bytes[s] = 0;
+      void* p = nullptr;
+      KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(bytes)));
+      lane.stage[s] = static_cast<uint8_t*>(p);
+      lane.stage_bytes[s] = bytes;
+    }
+    return lane.stage[s];
+  }
+
+  Status enqueue_staged(size_t k, std::span<const CopyRun> runs) override {
+    if (to_pool_) return {ErrorCode::kInternal, "enqueue_staged on a save"};
+    Lane& lane = *lane_;
+    const size_t s = k % 2;
+    KVFERRY_TRY(kernels::validate_copy_runs(runs, lane.stage_bytes[s], region_.spec.region_bytes()));
+    kernels::BlockCopier& cp = *lane.copiers[k % Lane::kDepth];
+    for (size_t i = 0; i < runs.size(); i += static_cast<size_t>(kMaxRuns)) {
+      const size_t n = std::min(runs.size() - i, static_cast<size_t>(kMaxRuns));
+      KVFERRY_TRY(cp.copy(lane.stage[s], region_.base, runs.subspan(i, n), kernels::CopyEngine::kDma, lane.stream));
+    }
+    KVFERRY_CUDA_TRY(cudaEventRecord(lane.events[k % Lane::kDepth], lane.stream));
+    return Status::Ok();
+  }
 
   /// Through the lane's pinned staging: converted on the host, then one DMA into the region.
   Status convert_block(const uint8_t* stored, const BlockShape& shape, std::span<const CopyRun> runs,

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <functional>
 #include <mutex>
@@ -171,6 +172,12 @@ void refuse_duplicates(std::span<const T> dests, std::vector<Status>* res, const
 }
 
 }  // namespace
+
+/// Mapped loads into device regions: runs averaging less than this go through host staging in
+/// sub-batches of kStageSubBatch (CopyEngine's own crossover is 256 KiB; a 16-token page of a
+/// layer is 9-18 KiB, a token's head slice 1 KiB).
+constexpr int64_t kStageBelowRun = int64_t{64} << 10;
+constexpr int64_t kStageSubBatch = int64_t{32} << 20;
 
 std::string format_family(const EntryFormat& f) {
   if (f.is_mla()) return "mla";
@@ -830,7 +837,63 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
     }
   }
   run_at[direct.size()] = runs.size();
-  for (size_t k = 0; op && k < subs.size(); ++k) {
+  // Copy engines lose most of their rate on runs of a few KiB (a 16-token page of a layer, one
+  // token's heads): the CUDA mover then gets each sub-batch assembled on the host, region block
+  // by region block in the slot layout, by the hashing threads right after they verify the
+  // stored block, and moves it with one run per block.
+  int64_t run_bytes = 0;
+  for (const CopyRun& r : runs) run_bytes += r.bytes;
+  const bool staged_dma =
+      op && !op->by_block() && !runs.empty() && run_bytes / static_cast<int64_t>(runs.size()) < kStageBelowRun;
+  if (staged_dma) {
+    const size_t per = static_cast<size_t>(std::max<int64_t>(1, kStageSubBatch / std::max<int64_t>(1, target.bytes())));
+    uint8_t* const pool = d.index.pool().base();
+    for (size_t k = 0, a = 0; a < direct.size(); ++k, a += per) {
+      const size_t b = std::min(direct.size(), a + per);
+      d.test_delay();
+      if (Clock::now() >= deadline) {
+        for (size_t q = a; q < direct.size(); ++q)
+          fail_group(groups[direct[q]], groups[direct[q]].entries.front(), Impl::timed_out("load"));
+        break;
+      }
+      auto buf = op->staging(k, static_cast<int64_t>(b - a) * target.bytes());
+      if (!buf.ok()) {
+        for (size_t q = a; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), buf.status());
+        break;
+      }
+      auto which = sources_of(a, b, direct);
+      check_sources(which);
+      std::vector<uint8_t> go(b - a, 0);
+      d.hashers->parallel_for(b - a, bb, [&](size_t x) {
+        Group& g = groups[direct[a + x]];
+        if (!g.st.ok() || group_bad(g)) return;
+        std::vector<CopyRun> cr;
+        const int64_t at = static_cast<int64_t>(x) * target.bytes();
+        for (size_t i : g.entries) {
+          const Source& src = srcs[src_of[i]];
+          Status st = push_token_runs(&cr, src.hold.meta.shape.slot_spec(), 0, span[i].src_token, one, 0,
+                                      span[i].dst_token, span[i].tokens, static_cast<int64_t>(src.hold.slot.offset), at);
+          if (!st.ok()) {
+            fail_group(g, i, st);
+            return;
+          }
+        }
+        for (const CopyRun& r : cr)
+          std::memcpy(*buf + r.dst, pool + r.src, static_cast<size_t>(r.bytes));
+        go[x] = 1;
+      });
+      std::vector<CopyRun> dma;
+      for (size_t x = 0; x < b - a; ++x)
+        if (go[x] && groups[direct[a + x]].st.ok())
+          push_block_runs(&dma, region.spec, groups[direct[a + x]].block, static_cast<int64_t>(x) * target.bytes(), false);
+      if (dma.empty()) continue;
+      if (Status st = op->enqueue_staged(k, dma); !st.ok()) {
+        for (size_t q = a; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
+        break;
+      }
+    }
+  }
+  for (size_t k = 0; op && !staged_dma && k < subs.size(); ++k) {
     d.test_delay();
     if (Clock::now() >= deadline) {
       for (size_t q = subs[k].first; q < direct.size(); ++q)
