@@ -861,10 +861,26 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         for (size_t q = a; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), buf.status());
         break;
       }
-      auto which = sources_of(a, b, direct);
-      check_sources(which);
       std::vector<uint8_t> go(b - a, 0);
-      d.hashers->parallel_for(b - a, bb, [&](size_t x) {
+      // Region blocks that each come from one stored block (pages split, a head slice taken):
+      // a thread verifies a stored block and assembles its region blocks at once, from cache.
+      bool fused = true;
+      for (size_t q = a; fused && q < b; ++q)
+        for (size_t i : groups[direct[q]].entries) fused = fused && src_of[i] == src_of[groups[direct[q]].entries[0]];
+      std::unordered_map<size_t, std::vector<size_t>> by_src;  // source -> its groups' x
+      std::vector<size_t> order;
+      if (fused) {
+        for (size_t x = 0; x < b - a; ++x) {
+          if (!groups[direct[a + x]].st.ok()) continue;
+          auto [it, fresh] = by_src.try_emplace(src_of[groups[direct[a + x]].entries[0]]);
+          if (fresh) order.push_back(it->first);
+          it->second.push_back(x);
+        }
+      } else {
+        auto which = sources_of(a, b, direct);
+        check_sources(which);
+      }
+      auto assemble = [&](size_t x) {
         Group& g = groups[direct[a + x]];
         if (!g.st.ok() || group_bad(g)) return;
         std::vector<CopyRun> cr;
@@ -881,7 +897,20 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         for (const CopyRun& r : cr)
           std::memcpy(*buf + r.dst, pool + r.src, static_cast<size_t>(r.bytes));
         go[x] = 1;
-      });
+      };
+      if (fused) {
+        d.hashers->parallel_for(order.size(), bb, [&](size_t y) {
+          Source& src = srcs[order[y]];
+          if (!src.checked) {
+            src.checked = true;
+            if (verify && !src.trusted && block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum)
+              src.bad = true;
+          }
+          for (size_t x : by_src[order[y]]) assemble(x);
+        });
+      } else {
+        d.hashers->parallel_for(b - a, bb, assemble);
+      }
       std::vector<CopyRun> dma;
       for (size_t x = 0; x < b - a; ++x)
         if (go[x] && groups[direct[a + x]].st.ok())
