@@ -3,6 +3,7 @@
 
 #include "ring_request.h"
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -749,36 +750,24 @@ struct DataOps::Impl {
     return true;
   }
 
-  static std::string json_str(const std::string& v) {
-    std::string o = "\"";
-    for (char ch : v) {
-      if (ch == '"' || ch == '\\') {
-        o += '\\';
-        o += ch;
-      } else if (static_cast<unsigned char>(ch) < 0x20) {
-        o += ' ';
-      } else {
-        o += ch;
-      }
-    }
-    return o + "\"";
-  }
-
   std::string peers_json() const {
-    std::ostringstream o;
     const Status h = remote->health();
-    o << "{\"self\":" << json_str(remote->id()) << ",\"healthy\":" << (h.ok() ? "true" : "false")
-      << ",\"reason\":" << json_str(h.ok() ? "" : h.message()) << ",\"members\":[";
-    bool first = true;
-    for (const auto& p : remote->peers()) {
-      o << (first ? "" : ",") << "{\"id\":" << json_str(p.id) << ",\"address\":" << json_str(p.address)
-        << ",\"incarnation\":" << p.incarnation << ",\"state\":" << json_str(p.state)
-        << ",\"blocks_out\":" << p.blocks_out << ",\"bytes_out\":" << p.bytes_out << ",\"blocks_in\":" << p.blocks_in
-        << ",\"bytes_in\":" << p.bytes_in << ",\"errors\":" << p.errors << "}";
-      first = false;
-    }
-    o << "]}";
-    return o.str();
+    nlohmann::ordered_json members = nlohmann::ordered_json::array();
+    for (const auto& p : remote->peers())
+      members.push_back({{"id", p.id},
+                         {"address", p.address},
+                         {"incarnation", p.incarnation},
+                         {"state", p.state},
+                         {"blocks_out", p.blocks_out},
+                         {"bytes_out", p.bytes_out},
+                         {"blocks_in", p.blocks_in},
+                         {"bytes_in", p.bytes_in},
+                         {"errors", p.errors}});
+    const nlohmann::ordered_json j = {{"self", remote->id()},
+                                      {"healthy", h.ok()},
+                                      {"reason", h.ok() ? std::string() : h.message()},
+                                      {"members", std::move(members)}};
+    return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   }
 
   bool pin(const std::shared_ptr<ClientChannel>& cp, const ring::SubmitEntry& req, ring::CompletionEntry& out) {
@@ -907,9 +896,8 @@ struct DataOps::Impl {
         w.blocks_in += p.blocks_in;
         w.bytes_in += p.bytes_in;
         w.errors += p.errors;
-        if (p.state == "self") continue;
-        const bool lost = p.state.rfind("unreachable", 0) == 0 || p.state == "left";
-        ++(lost ? w.peers_lost : w.peers_live);
+        if (p.is_self()) continue;
+        ++(p.lost() ? w.peers_lost : w.peers_live);
       }
       put_str(w.member, r->id());
       put_str(w.reason, h.ok() ? std::string_view() : std::string_view(h.message()));
@@ -1092,9 +1080,7 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
                              std::string("tier=\"remote\",state=\"") + state + "\"", [rs, lost] {
                                uint64_t n = 0;
                                for (const auto& p : rs->peers()) {
-                                 if (p.state == "self") continue;
-                                 const bool gone = p.state == "left" || p.state.rfind("unreachable", 0) == 0;
-                                 n += gone == lost;
+                                 if (!p.is_self()) n += p.lost() == lost;
                                }
                                return static_cast<double>(n);
                              });
@@ -1239,8 +1225,8 @@ bool DataOps::healthy(std::string* body) const {
       uint64_t live = 0, lost = 0;
       std::string lost_ids;
       for (const auto& p : r->peers()) {
-        if (p.state == "self") continue;
-        if (p.state.rfind("unreachable", 0) == 0 || p.state == "left") {
+        if (p.is_self()) continue;
+        if (p.lost()) {
           ++lost;
           lost_ids += (lost_ids.empty() ? "" : ", ") + p.id;
         } else {

@@ -70,6 +70,9 @@ struct RemotePeerView {
   uint64_t blocks_out = 0, bytes_out = 0;  ///< pushed to it
   uint64_t blocks_in = 0, bytes_in = 0;    ///< fetched from it
   uint64_t errors = 0;                     ///< blocks that failed on its account
+  bool is_self() const { return state == "self"; }
+  /// Lost as /healthz, the metrics and `kvferry stats` count it: it left the cluster or cannot be reached.
+  bool lost() const { return state == "left" || state.rfind("unreachable", 0) == 0; }
 };
 
 class RemoteStore {
