@@ -2,6 +2,8 @@
 // exception crosses into C.
 #include "kvferry/connector/kvferry.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cstddef>
 #include <cstdio>
@@ -141,49 +143,29 @@ int region_spec(const kvferry_region_params* p, kvferry::KvCacheSpec* s) {
   return 0;
 }
 
-std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') o += '\\';
-    if (static_cast<unsigned char>(ch) < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", ch);
-      o += b;
-      continue;
-    }
-    o += ch;
-  }
-  return o + "\"";
-}
-
+// kvferry_daemon_status_json's text (the fields of `kvferry status --json`). Written by nlohmann:
+// names of any length and with control characters stay valid JSON (bad UTF-8 becomes U+FFFD).
 std::string status_json(const kvferry::proto::StatusReply& s) {
-  char b[512];
-  std::snprintf(b, sizeof b, "{\"version\":%s,\"uptime_s\":%.3f,\"pid\":%u,\"backend\":%s,\"regions\":[",
-                json_str(s.version).c_str(), s.uptime_ms / 1000.0, s.pid, json_str(s.backend).c_str());
-  std::string o = b;
-  for (size_t i = 0; i < s.regions.size(); ++i) {
-    const auto& r = s.regions[i];
-    std::snprintf(b, sizeof b,
-                  "%s{\"id\":%u,\"name\":%s,\"layers\":%lld,\"blocks\":%lld,\"block_size\":%lld,\"format\":%s,"
-                  "\"layout\":\"%s\",\"bytes\":%llu,\"backend\":\"%s\",\"device\":%d,\"holders\":%u,"
-                  "\"from_config\":%s}",
-                  i ? "," : "", r.desc.id, json_str(r.desc.name).c_str(), static_cast<long long>(r.desc.spec.layers),
-                  static_cast<long long>(r.desc.spec.blocks), static_cast<long long>(r.desc.spec.block_size),
-                  json_str(r.desc.spec.format.name()).c_str(),
-                  r.desc.spec.layout == kvferry::Layout::kBlockMajor ? "block_major" : "layer_major",
-                  static_cast<unsigned long long>(r.desc.bytes),
-                  std::string(kvferry::proto::backend_name(r.desc.backend)).c_str(), r.desc.device, r.holders,
-                  r.from_config ? "true" : "false");
-    o += b;
-  }
-  o += "],\"clients\":[";
-  for (size_t i = 0; i < s.clients.size(); ++i) {
-    const auto& c = s.clients[i];
-    std::snprintf(b, sizeof b, "%s{\"id\":%u,\"name\":%s,\"pid\":%u,\"uid\":%u,\"ops\":%llu}", i ? "," : "", c.id,
-                  json_str(c.name).c_str(), c.pid, c.uid, static_cast<unsigned long long>(c.ops));
-    o += b;
-  }
-  return o + "]}";
+  using J = nlohmann::ordered_json;
+  J regions = J::array(), clients = J::array();
+  for (const auto& r : s.regions)
+    regions.push_back({{"id", r.desc.id},
+                       {"name", r.desc.name},
+                       {"layers", r.desc.spec.layers},
+                       {"blocks", r.desc.spec.blocks},
+                       {"block_size", r.desc.spec.block_size},
+                       {"format", r.desc.spec.format.name()},
+                       {"layout", r.desc.spec.layout == kvferry::Layout::kBlockMajor ? "block_major" : "layer_major"},
+                       {"bytes", r.desc.bytes},
+                       {"backend", std::string(kvferry::proto::backend_name(r.desc.backend))},
+                       {"device", r.desc.device},
+                       {"holders", r.holders},
+                       {"from_config", r.from_config}});
+  for (const auto& c : s.clients)
+    clients.push_back({{"id", c.id}, {"name", c.name}, {"pid", c.pid}, {"uid", c.uid}, {"ops", c.ops}});
+  const J j = {{"version", s.version},     {"uptime_s", s.uptime_ms / 1000.0}, {"pid", s.pid},
+               {"backend", s.backend},     {"regions", std::move(regions)},   {"clients", std::move(clients)}};
+  return j.dump(-1, ' ', false, J::error_handler_t::replace);
 }
 
 }  // namespace
