@@ -225,3 +225,35 @@ TEST(OffloadWithoutCuda, DeviceRegionsFailWithTheReason) {
 
 }  // namespace
 }  // namespace kvferry::store
+
+namespace kvferry::store {
+namespace {
+
+// Pitched copies: runs of one size at constant strides fold into one 2-D run; anything else stays
+// a run of its own, in order, and the folded rows cover exactly the runs' bytes.
+TEST(Fold2D, ConstantStridesFoldAndTheRestStays) {
+  std::vector<CopyRun> runs;
+  for (int64_t l = 0; l < 14; ++l) runs.push_back({1000 + l * 4096, l * 1024, 1024});  // a page's layers
+  runs.push_back({900000, 500000, 64});                                                // an odd one
+  runs.push_back({800000, 600000, 512});
+  runs.push_back({800000 + 300, 600000 + 512, 512});  // source stride below the width: no fold
+  const auto f = fold_2d(runs);
+  ASSERT_EQ(f.size(), 4u);
+  EXPECT_EQ(f[0].rows, 14);
+  EXPECT_EQ(f[0].spitch, 4096);
+  EXPECT_EQ(f[0].dpitch, 1024);
+  EXPECT_EQ(f[0].width, 1024);
+  EXPECT_EQ(f[1].rows, 1);
+  EXPECT_EQ(f[1].width, 64);
+  EXPECT_EQ(f[2].rows, 1);
+  EXPECT_EQ(f[3].rows, 1);
+  EXPECT_EQ(f[3].src, 800300);
+  int64_t bytes = 0, folded = 0;
+  for (const auto& r : runs) bytes += r.bytes;
+  for (const auto& r : f) folded += r.rows * r.width;
+  EXPECT_EQ(bytes, folded);
+  EXPECT_TRUE(fold_2d({}).empty());
+}
+
+}  // namespace
+}  // namespace kvferry::store

@@ -21,6 +21,37 @@
 
 namespace kvferry::store {
 
+/// `rows` copies of `width` bytes, row r from src + r * spitch to dst + r * dpitch (pitches >=
+/// width): what the copy engines move in one pitched (2-D) transfer.
+struct CopyRun2D {
+  int64_t src = 0, dst = 0, width = 0, rows = 1, spitch = 0, dpitch = 0;
+};
+
+/// Folds runs that step by constant source and destination strides with one size into 2-D runs
+/// (a mapped load's layers of one page, tokens of one head slice), in list order.
+inline std::vector<CopyRun2D> fold_2d(std::span<const CopyRun> runs) {
+  std::vector<CopyRun2D> out;
+  for (size_t i = 0; i < runs.size();) {
+    CopyRun2D r{runs[i].src, runs[i].dst, runs[i].bytes, 1, runs[i].bytes, runs[i].bytes};
+    size_t j = i + 1;
+    if (j < runs.size() && runs[j].bytes == r.width) {
+      const int64_t ds = runs[j].src - runs[i].src, dd = runs[j].dst - runs[i].dst;
+      if (ds >= r.width && dd >= r.width) {
+        r.spitch = ds;
+        r.dpitch = dd;
+        while (j < runs.size() && runs[j].bytes == r.width && runs[j].src - runs[j - 1].src == ds &&
+               runs[j].dst - runs[j - 1].dst == dd)
+          ++j;
+        r.rows = static_cast<int64_t>(j - i);
+      }
+    }
+    if (r.rows == 1) j = i + 1;
+    out.push_back(r);
+    i = j;
+  }
+  return out;
+}
+
 /// One save's or load's use of a mover. Runs are byte runs {src, dst, bytes} with offsets into
 /// the region and the pool (src is the region's side when the op moves toward the pool). The op's
 /// thread calls everything but move_block, which the pool's threads call concurrently. Destroying
@@ -70,6 +101,13 @@ class MoveOp {
     (void)k;
     (void)runs;
     return Status(ErrorCode::kUnsupported, "this mover does not stage");
+  }
+  /// Loads only: sub-batch `k` as pitched copies from the pool into the region (sources are pool
+  /// offsets), on the same depth of events as enqueue(). Movers without 2-D copies: kUnsupported.
+  virtual Status enqueue_2d(size_t k, std::span<const CopyRun2D> runs) {
+    (void)k;
+    (void)runs;
+    return Status(ErrorCode::kUnsupported, "this mover has no 2-D copies");
   }
   /// Waits for everything enqueued; the first copy failure, if any.
   virtual Status finish() = 0;

@@ -152,6 +152,25 @@ class CudaOp final : public MoveOp {
     return lane.stage[s];
   }
 
+  Status enqueue_2d(size_t k, std::span<const CopyRun2D> runs) override {
+    if (to_pool_) return {ErrorCode::kInternal, "enqueue_2d on a save"};
+    Lane& lane = *lane_;
+    const int64_t pb = mover_.pool().bytes, rb = region_.spec.region_bytes();
+    for (const CopyRun2D& r : runs) {
+      const int64_t send = r.src + (r.rows - 1) * r.spitch + r.width, dend = r.dst + (r.rows - 1) * r.dpitch + r.width;
+      if (r.rows < 1 || r.width < 1 || r.spitch < r.width || r.dpitch < r.width || r.src < 0 || r.dst < 0 ||
+          send > pb || dend > rb)
+        return {ErrorCode::kOutOfRange, "2-D copy of " + std::to_string(r.rows) + " x " + std::to_string(r.width) +
+                                            " bytes lies outside the pool or the region"};
+      KVFERRY_CUDA_TRY(cudaMemcpy2DAsync(region_.base + r.dst, static_cast<size_t>(r.dpitch),
+                                         mover_.pool().base + r.src, static_cast<size_t>(r.spitch),
+                                         static_cast<size_t>(r.width), static_cast<size_t>(r.rows),
+                                         cudaMemcpyHostToDevice, lane.stream));
+    }
+    KVFERRY_CUDA_TRY(cudaEventRecord(lane.events[k % Lane::kDepth], lane.stream));
+    return Status::Ok();
+  }
+
   Status enqueue_staged(size_t k, std::span<const CopyRun> runs) override {
     if (to_pool_) return {ErrorCode::kInternal, "enqueue_staged on a save"};
     Lane& lane = *lane_;

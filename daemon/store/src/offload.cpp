@@ -205,6 +205,7 @@ void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) {
 /// layer is 9-18 KiB, a token's head slice 1 KiB).
 constexpr int64_t kStageBelowRun = int64_t{64} << 10;
 constexpr int64_t kStageSubBatch = int64_t{32} << 20;
+constexpr int64_t kPitchedFromRun = int64_t{8} << 10;
 
 std::string format_family(const EntryFormat& f) {
   if (f.is_mla()) return "mla";
@@ -870,8 +871,11 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
   // stored block, and moves it with one run per block.
   int64_t run_bytes = 0;
   for (const CopyRun& r : runs) run_bytes += r.bytes;
-  const bool staged_dma =
-      op && !op->by_block() && !runs.empty() && run_bytes / static_cast<int64_t>(runs.size()) < kStageBelowRun;
+  const int64_t mean_run = runs.empty() ? 0 : run_bytes / static_cast<int64_t>(runs.size());
+  // Runs of a few KiB that repeat at a constant stride (a page's layers, a head slice's tokens)
+  // go as pitched copies instead; runs smaller than kPitchedFromRun are staged.
+  const bool pitched = op && !op->by_block() && !runs.empty() && mean_run < kStageBelowRun && mean_run >= kPitchedFromRun;
+  const bool staged_dma = op && !op->by_block() && !runs.empty() && mean_run < kPitchedFromRun;
   if (staged_dma) {
     const size_t per = static_cast<size_t>(std::max<int64_t>(1, kStageSubBatch / std::max<int64_t>(1, target.bytes())));
     uint8_t* const pool = d.index.pool().base();
@@ -1007,7 +1011,7 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         if (!st.ok()) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
       });
     } else if (!kept.empty()) {
-      if (Status st = op->enqueue(k, kept); !st.ok()) {
+      if (Status st = pitched ? op->enqueue_2d(k, fold_2d(kept)) : op->enqueue(k, kept); !st.ok()) {
         for (size_t q = subs[k].first; q < direct.size(); ++q)
           fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
         break;
