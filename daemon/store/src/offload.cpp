@@ -205,7 +205,6 @@ void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) {
 /// layer is 9-18 KiB, a token's head slice 1 KiB).
 constexpr int64_t kStageBelowRun = int64_t{64} << 10;
 constexpr int64_t kStageSubBatch = int64_t{32} << 20;
-constexpr int64_t kPitchedFromRun = int64_t{8} << 10;
 
 std::string format_family(const EntryFormat& f) {
   if (f.is_mla()) return "mla";
@@ -872,10 +871,14 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
   int64_t run_bytes = 0;
   for (const CopyRun& r : runs) run_bytes += r.bytes;
   const int64_t mean_run = runs.empty() ? 0 : run_bytes / static_cast<int64_t>(runs.size());
-  // Runs of a few KiB that repeat at a constant stride (a page's layers, a head slice's tokens)
-  // go as pitched copies instead; runs smaller than kPitchedFromRun are staged.
-  const bool pitched = op && !op->by_block() && !runs.empty() && mean_run < kStageBelowRun && mean_run >= kPitchedFromRun;
-  const bool staged_dma = op && !op->by_block() && !runs.empty() && mean_run < kPitchedFromRun;
+  // Small runs that repeat at a constant stride into pitched copies of at least the copy
+  // engines' crossover each (an HND head slice's layers and planes) go as 2-D copies instead.
+  bool pitched = false;
+  if (op && !op->by_block() && !runs.empty() && mean_run < kStageBelowRun) {
+    const auto folded = fold_2d(runs);
+    pitched = run_bytes / static_cast<int64_t>(folded.size()) >= kernels::kCopyAutoThreshold;
+  }
+  const bool staged_dma = op && !op->by_block() && !runs.empty() && mean_run < kStageBelowRun && !pitched;
   if (staged_dma) {
     const size_t per = static_cast<size_t>(std::max<int64_t>(1, kStageSubBatch / std::max<int64_t>(1, target.bytes())));
     uint8_t* const pool = d.index.pool().base();
