@@ -75,6 +75,14 @@ def keys_array(keys) -> np.ndarray:
         keys = [keys]
     elif hasattr(keys, "tolist") and not isinstance(keys, (list, tuple)):  # a tensor of int keys
         keys = keys.tolist()
+    if keys and all(type(k) is int for k in keys):  # the common case, without a Python step per element
+        if min(keys) < 0 or max(keys) >> 128:
+            bad = next(i for i, k in enumerate(keys) if k < 0 or k >> 128)
+            raise InvalidArgumentError(f"key {bad} = {keys[bad]} is outside [0, 2**128)")
+        out = np.empty((len(keys), 2), dtype=np.uint64)
+        out[:, 0] = [k >> 64 for k in keys]
+        out[:, 1] = [k & 0xFFFFFFFFFFFFFFFF for k in keys]
+        return out
     out = np.empty((len(keys), 2), dtype=np.uint64)
     for i, k in enumerate(keys):
         if isinstance(k, (bytes, bytearray, memoryview)):
