@@ -107,6 +107,12 @@ Status validate_decode_mla(const DecodeMlaParams& p) {
     return bad("group_warps = " + std::to_string(p.group_warps) + " is not 0, 2 or 4");
   if (p.mma < 0 || p.mma > 2) return bad("mma = " + std::to_string(p.mma) + " is not 0, 1 or 2");
   if (p.fp8_math != 0 && p.fp8_math != 1) return bad("fp8_math = " + std::to_string(p.fp8_math) + " is not 0 or 1");
+  if (p.wgmma_kernel < 0 || p.wgmma_kernel > 2)
+    return bad("wgmma_kernel = " + std::to_string(p.wgmma_kernel) + " is not 0, 1 or 2");
+  if (p.seesaw_loader < 0 || p.seesaw_loader > 2)
+    return bad("seesaw_loader = " + std::to_string(p.seesaw_loader) + " is not 0, 1 or 2");
+  if (p.conv_rows < 0 || p.conv_rows > 32)
+    return bad("conv_rows = " + std::to_string(p.conv_rows) + " is not in [0, 32]");
   if (p.fp8_math == 1 && f.kind != FormatKind::kMlaFp8)
     return bad("fp8_math = 1 applies to mla_fp8 caches only, not " + f.name());
   if (reinterpret_cast<uintptr_t>(p.workspace) % 16 != 0) return bad("workspace is not 16-byte aligned");

@@ -501,13 +501,15 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   const int mma = p.mma == 0 && !wgmma_available() ? 1 : decode_mla_resolved_mma(p);
   if (mma == 2) {
     if (!wgmma_available()) return cudaErrorInvalidDeviceFunction;
-    // The seesaw kernel, where it can run (fp8 caches need tensor copies); KVFERRY_MLA_SEESAW=0
-    // selects the depth-split one (for comparison; read at each call, so a test can exercise both).
-    const char* env = std::getenv("KVFERRY_MLA_SEESAW");
-    const bool seesaw = env == nullptr || std::strcmp(env, "0") != 0;
+    // The seesaw kernel, where it can run (fp8 caches need tensor copies); wgmma_kernel = 2
+    // selects the depth-split one.
+    if (p.wgmma_kernel < 0 || p.wgmma_kernel > 2 || p.seesaw_loader < 0 || p.seesaw_loader > 2)
+      return cudaErrorInvalidValue;
+    k.conv_rows = p.conv_rows;  // launch_wgmma checks its range
     err = cudaErrorNotSupported;
     if (fmt == kFmtFp8 && p.fp8_math == 1 && p.heads >= 64) err = mla_detail::launch_f8(k, p.batch, stream);
-    if (err == cudaErrorNotSupported && seesaw) err = mla_detail::launch_seesaw(k, fmt, p.batch, stream);
+    if (err == cudaErrorNotSupported && p.wgmma_kernel != 2)
+      err = mla_detail::launch_seesaw(k, fmt, p.batch, p.seesaw_loader != 2, stream);
     if (err == cudaErrorNotSupported) err = mla_detail::launch_wgmma(k, fmt, p.batch, stream);
   } else {
     err = fmt == kFmtBf16 ? launch_bf16(k, p.batch, bulk, nw, stream)

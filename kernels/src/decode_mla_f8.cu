@@ -24,8 +24,8 @@
 //   WG1: S(b); m1 = ref(m0, rowmax S(b)); P(b) = 2^(S(b) - m1) -> Pb; O_R = O_R 2^(m - m1) + V_R(b)^T Pb
 //   WG0: P(a) 2^(m0 - m1) -> Pa2; O_L = O_L 2^(m0 - m1) + V_L(b)^T Pb
 //   WG1: O_R += V_R(a)^T Pa2
-// (H200, batch 64, 4096 tokens, 128 heads: 110.8-111.3 us against the exact kernel's 185; timing-only
-// builds put this design's floor near 104 us, kernels/NOTES.md decode round 11.)
+// (About 0.6 of the exact kernel's time at 128 heads, near the floor timing-only builds gave this
+// design: kernels/DESIGN.md §3.5.)
 // A lane of the producer warpgroup per buffer issues the tensor copies of each part of a tile as
 // soon as the warpgroup that reads it last releases it (part 0: V_L and the rope block, by
 // warpgroup 0; part 1: V_R, by warpgroup 1), straight onto the blocks' full barriers.

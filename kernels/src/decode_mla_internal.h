@@ -27,7 +27,7 @@ struct KParams {
   float* lse;
   float* part_o;       // [batch, splits, heads, 512]
   float* part_lse;     // [batch, splits, heads]
-  int32_t conv_rows;   // wgmma, fp8 caches: rows of each tile the producer warpgroup converts (set by launch_wgmma)
+  int32_t conv_rows;   // depth-split, fp8 caches: rows of each tile the producer warps convert (DecodeMlaParams)
   int64_t num_blocks;  // blocks of the cache view (the seesaw kernel's tensor map)
 };
 
@@ -40,10 +40,11 @@ cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stre
 /// Launches the seesaw wgmma split kernel (decode_mla_seesaw.cu): one CTA of two math warpgroups
 /// and a producer warpgroup per request, split and 64 heads, over 64-token tiles, for cache format
 /// `fmt`. Writes o/lse with one split, the fp32 partials otherwise (the caller merges). Needs a
-/// device of compute capability 9.0 and code built for sm_90a. fp8 caches need tensor copies (a page
-/// that is a power of two >= 16, and KVFERRY_MLA_TMA not 0): otherwise it returns
+/// device of compute capability 9.0 and code built for sm_90a. `tensor_copies` false makes the
+/// producer copy with cp.async (DecodeMlaParams::seesaw_loader = 2). fp8 caches need tensor copies
+/// (a page that is a power of two >= 16, and `tensor_copies`): otherwise it returns
 /// cudaErrorNotSupported having launched nothing, and the caller takes launch_wgmma.
-cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, cudaStream_t stream);
+cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream);
 
 /// Launches the seesaw kernel's fp8 tensor-core variant (decode_mla_f8.cu) for an mla_fp8 cache
 /// (DecodeMlaParams::fp8_math): Q and P rounded to e4m3, the tiles multiplied as they land. Same

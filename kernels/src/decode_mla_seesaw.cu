@@ -471,9 +471,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // 128-wide tile at a time (convert_two), and publishes each on the block's full barrier. The copies of a part are
       // issued by the math warp that releases it last (the producer warps never wait for a release, so a part is copied
       // as soon as it is free while they convert); lane 0 of warp 8 + buf issues the buffer's first tile and looks up
-      // the block ids of the tile after the one it converts (next_ids). (One warp per buffer converting while another
-      // issued, v1 in kernels/NOTES.md, kept the math warps waiting for converted blocks about half their time; a pair
-      // whose first lane also issued, waiting for releases, kept them waiting longer.)
+      // the block ids of the tile after the one it converts (next_ids). (The producers tried and rejected, a converting
+      // warp per buffer among them: kernels/DESIGN.md §3.3.)
       const int buf = warp & 1, cw = (warp >> 1) & 1, bar_id = 8 + buf;
       const uint32_t tile = k_u32 + buf * kTileBytes;
       const int32_t* table = p.table + static_cast<int64_t>(b) * p.table_stride;
@@ -1036,17 +1035,15 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
 }
 
 template <int FMT, bool SPLIT>
-cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
-  // KVFERRY_MLA_TMA=0 keeps the cp.async producer (for comparison); fp8 caches need tensor copies.
-  static const bool tma_allowed = [] {
-    const char* e = std::getenv("KVFERRY_MLA_TMA");
-    return e == nullptr || std::strcmp(e, "0") != 0;
-  }();
+cudaError_t launch_one(const KParams& k, int batch, bool tensor_copies, cudaStream_t stream) {
+  // Without tensor copies (DecodeMlaParams::seesaw_loader = 2) the producer uses cp.async; fp8
+  // caches need tensor copies.
   CUtensorMap map{}, map2{};
-  const int copy = tma_allowed ? make_maps<FMT>(k, &map, &map2) : kCopyAsync;
+  const int copy = tensor_copies ? make_maps<FMT>(k, &map, &map2) : kCopyAsync;
   if (FMT != kFmtBf16 && copy == kCopyAsync) return cudaErrorNotSupported;
   // bf16 by tensor copies at 128 heads: the two head groups as a cluster sharing the tile copies
-  // (157 against 160 us on an H200); a device that cannot place the cluster gets the plain launch.
+  // (faster on an H200: kernels/DESIGN.md §3.3); a device that cannot place the cluster gets the
+  // plain launch.
   if constexpr (FMT == kFmtBf16) {
     if (copy != kCopyAsync && k.heads == 2 * kM) {
       if (launch_kernel<FMT, SPLIT, true>(k, batch, stream, map, map2, copy) == cudaSuccess) return cudaSuccess;
@@ -1057,17 +1054,18 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
 }
 
 template <int FMT>
-cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
-  return k.splits > 1 ? launch_one<FMT, true>(k, batch, stream) : launch_one<FMT, false>(k, batch, stream);
+cudaError_t launch_fmt(const KParams& k, int batch, bool tensor_copies, cudaStream_t stream) {
+  return k.splits > 1 ? launch_one<FMT, true>(k, batch, tensor_copies, stream)
+                      : launch_one<FMT, false>(k, batch, tensor_copies, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream) {
   switch (fmt) {
-    case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);
-    case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, stream);
-    case kFmtDs: return launch_fmt<kFmtDs>(k, batch, stream);
+    case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, tensor_copies, stream);
+    case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, tensor_copies, stream);
+    case kFmtDs: return launch_fmt<kFmtDs>(k, batch, tensor_copies, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -27,12 +27,8 @@
 //    stages); a tile is converted to bf16 (exact for e4m3; mla_fp8_ds multiplies by its tile
 //    scale in fp32 and rounds once) by the other three producer warps (rows [0, conv_rows), as
 //    soon as P.V has released the bf16 buffer) and by the 256 math threads (the other rows, while
-//    the tensor cores run the previous tile's P.V). conv_rows is 12 (launch_wgmma; the environment
-//    variable KVFERRY_MLA_CONV_ROWS overrides it for tuning). H200, 128 heads, mla_fp8 / mla_fp8_ds
-//    us over two runs: math threads alone 270 / 345, producer rows 8: 268 / 338, 12: 259-262 /
-//    323-328, 14: 266 / 328, 16: 268 / 335, 20: 293 / 371 (the 96 producer threads become the
-//    slower side); the producer converting every row alone measured slower still. Producer warps
-//    loading two raw chunks before converting either measured the same (258 / 326 at 12 rows).
+//    the tensor cores run the previous tile's P.V). conv_rows is DecodeMlaParams::conv_rows,
+//    default 12 of 32: the split that measured fastest on an H200 (kernels/DESIGN.md §3.4).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -572,13 +568,8 @@ cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_wgmma(const KParams& k0, int fmt, int batch, cudaStream_t stream) {
-  KParams k = k0;
-  static const int env_rows = [] {
-    const char* e = std::getenv("KVFERRY_MLA_CONV_ROWS");
-    return e ? std::atoi(e) : -1;
-  }();
-  k.conv_rows = env_rows >= 0 && env_rows <= kN ? env_rows : 12;
+cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+  if (k.conv_rows < 0 || k.conv_rows > kN) return cudaErrorInvalidValue;
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);
     case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, stream);

@@ -58,7 +58,8 @@ struct Out {
 // copies, 2 cp.async), `group_warps` (0 auto, 2, 4) and tensor-core path `mma` (0 auto, 1
 // mma.sync, 2 wgmma); poisons o and lse first and fails the test when anything was left unwritten
 // (a NaN remains).
-void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_warps = 0, int mma = 1) {
+void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_warps = 0, int mma = 1,
+             int wgmma_kernel = 0) {
   const size_t no = static_cast<size_t>(c.batch()) * c.heads * kMlaRank, nl = static_cast<size_t>(c.batch()) * c.heads;
   DevBuf region(c.region.size()), q(c.q.size() * 2), table(c.table.size() * 4), lens(c.lens.size() * 4), o(no * 2),
       lse(nl * 4);
@@ -78,6 +79,7 @@ void run_gpu(const MlaCase& c, int splits, Out* out, int loader = 0, int group_w
   p.loader = loader;
   p.group_warps = group_warps;
   p.mma = mma;
+  p.wgmma_kernel = wgmma_kernel;
   const Status v = validate_decode_mla(p);
   ASSERT_TRUE(v.ok()) << v.to_string();
   const size_t ws = decode_mla_workspace_bytes(p.batch, p.heads, decode_mla_splits(p));
@@ -157,7 +159,7 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
   bool wgmma_skipped = false;
   for (int run = 0; run < 23; ++run) {
     // mma.sync: every (splits, loader) pair with both warp layouts; then wgmma with each splits
-    // choice, the auto path, and the depth-split wgmma kernel that KVFERRY_MLA_SEESAW=0 selects
+    // choice, the auto path, and the depth-split wgmma kernel that wgmma_kernel = 2 selects
     // instead of the seesaw one.
     const int splits = run % 3 == 0   ? 1
                        : run % 3 == 1 ? 0
@@ -181,9 +183,7 @@ TEST_P(DecodeMlaGpu, MatchesCpuWithinBf16Bound) {
     SCOPED_TRACE("splits " + std::to_string(splits) + " loader " + std::to_string(loader) + " group_warps " +
                  std::to_string(warps) + " mma " + std::to_string(mma) + (depth_split ? " depth-split" : ""));
     Out got;
-    if (depth_split) setenv("KVFERRY_MLA_SEESAW", "0", 1);
-    run_gpu(c, splits, &got, loader, warps, mma);
-    if (depth_split) unsetenv("KVFERRY_MLA_SEESAW");
+    run_gpu(c, splits, &got, loader, warps, mma, depth_split ? 2 : 0);
     if (HasFatalFailure()) return;
     // The wgmma kernels round mla_fp8_ds values (to bf16, or fp16 with an fp16 scale, both within
     // 2^-9: decode_mla.h).

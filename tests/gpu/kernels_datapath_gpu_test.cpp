@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -23,6 +24,18 @@ using namespace kernels;
 constexpr uint32_t detail_one = 0x3f800000u;  // fp32 1.0
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+
+/// The engine the launches are run with: the default, or the one this test variant names in
+/// KVFERRY_DATAPATH_ENGINE (direct, staged, bulk; set by the test registration, so every engine's
+/// kernels stay bit-identical to the CPU twins whichever one a launcher picks).
+DatapathEngine engine_under_test() {
+  const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
+  const std::string e = v ? v : "";
+  return e == "direct"   ? DatapathEngine::kDirect
+         : e == "staged" ? DatapathEngine::kStaged
+         : e == "bulk"   ? DatapathEngine::kBulk
+                         : DatapathEngine::kAuto;
+}
 
 /// A region mirrored on host (lazily zeroed mmap) and device (zeroed); blocks [lo_block, NB) are
 /// the active range: filled with the same random bytes on both sides and compared afterwards.
@@ -176,6 +189,7 @@ TEST_P(KernelsGpu, WriteMla) {
       p.slots = dsl.p;
       p.cache = m.dev(c.layer);
       ASSERT_TRUE(validate_write_mla(p).ok());
+      p.engine = engine_under_test();
       CUDA_OK(launch_write_mla(p, stream_));
       sync();
       expect_same(m, "write_mla");
@@ -214,6 +228,7 @@ TEST_P(KernelsGpu, WriteMha) {
     p.slots = dsl.p;
     p.k_cache = m.dev_plane(c.layer, false);
     p.v_cache = m.dev_plane(c.layer, true);
+    p.engine = engine_under_test();
     CUDA_OK(launch_write_mha(p, stream_));
     sync();
     expect_same(m, "write_mha");
@@ -248,6 +263,7 @@ TEST_P(KernelsGpu, IndexerWrite) {
     p.k = dk.p;
     p.slots = dsl.p;
     p.cache = m.dev(c.layer);
+    p.engine = engine_under_test();
     CUDA_OK(launch_indexer_write(p, stream_));
     sync();
     expect_same(m, "indexer_write");
@@ -298,6 +314,7 @@ TEST_P(KernelsGpu, Gathers) {
     p.block_table = dbt.p;
     p.cu_seq_lens = dcu.p;
     p.seq_starts = dstarts.p;
+    p.engine = engine_under_test();
     CUDA_OK(launch_gather(p, stream_));
     sync();
     const auto back = dout.get();
@@ -327,6 +344,7 @@ TEST_P(KernelsGpu, DequantPaged) {
   p.cache = m.dev(c.layer);
   p.slots = dsl.p;
   p.dst = dout.p;
+  p.engine = engine_under_test();
   CUDA_OK(launch_dequant_paged(p, stream_));
   sync();
   const auto back = dout.get();
@@ -394,6 +412,7 @@ TEST_P(KernelsGpu, Conversions) {
       p.dst_blocks = ddb.p;
       p.not_lossless = dflags.p;
       ASSERT_TRUE(validate_convert(p).ok());
+      p.engine = engine_under_test();
       CUDA_OK(launch_convert(p, stream_));
       sync();
       expect_same(dst, "convert");
@@ -415,6 +434,7 @@ TEST_P(KernelsGpu, Conversions) {
         hall->src_blocks = sb.data();
         hall->dst_blocks = db.data();
         ASSERT_TRUE(convert_cpu(*hall).ok());
+        all->engine = engine_under_test();
         CUDA_OK(launch_convert(*all, stream_));
         sync();
         expect_same(dst, "convert all layers");

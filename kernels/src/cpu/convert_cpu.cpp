@@ -119,6 +119,9 @@ Status validate_convert(const ConvertParams& p) {
   const KindShape s = shape_of(p.kind);
   if (p.layers < 1) return {ErrorCode::kInvalidArgument, "convert: layers must be >= 1"};
   if (p.count < 0) return {ErrorCode::kInvalidArgument, "convert: count is negative"};
+  KVFERRY_TRY(detail::check_engine(p.engine, "convert"));
+  if (static_cast<int>(p.unit_order) > static_cast<int>(ConvertUnitOrder::kRanges))
+    return {ErrorCode::kInvalidArgument, "convert: unit_order is not a ConvertUnitOrder"};
   constexpr int64_t kMax31 = int64_t{1} << 31;  // the CUDA kernels walk entries in 32-bit parts
   if (p.layers >= kMax31 || p.count >= kMax31 || p.src.view.sizes[1] >= kMax31)
     return {ErrorCode::kOutOfRange, "convert: layers, count and the block size must each be below 2^31"};

@@ -71,6 +71,13 @@ inline Status check_rows(const void* p, int64_t rows, int64_t stride, int64_t wi
   return Status::Ok();
 }
 
+/// A launcher's engine choice is one of the DatapathEngine values.
+inline Status check_engine(DatapathEngine e, const char* what) {
+  if (static_cast<int>(e) <= static_cast<int>(DatapathEngine::kBulk)) return {};
+  return {ErrorCode::kInvalidArgument,
+          std::string(what) + ": engine " + std::to_string(static_cast<int>(e)) + " is not a DatapathEngine"};
+}
+
 inline Status check_slots(const int64_t* slots, int64_t n, int64_t limit) {
   if (n > 0 && slots == nullptr) return {ErrorCode::kInvalidArgument, "slot mapping is null"};
   for (int64_t i = 0; i < n; ++i)

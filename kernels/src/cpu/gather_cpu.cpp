@@ -14,6 +14,7 @@ Status validate_gather(const GatherParams& p) {
   using namespace detail;
   if (p.batch < 0 || p.total_rows < 0)
     return {ErrorCode::kInvalidArgument, "gather: batch and total_rows must not be negative"};
+  KVFERRY_TRY(check_engine(p.engine, "gather"));
   if (p.batch > 0 && (p.block_table == nullptr || p.cu_seq_lens == nullptr))
     return {ErrorCode::kInvalidArgument, "gather: block_table and cu_seq_lens are required"};
   if (p.block_table_stride < 0) return {ErrorCode::kInvalidArgument, "gather: block_table_stride is negative"};
@@ -93,6 +94,7 @@ Status gather_cpu(const GatherParams& p, const CpuOptions& opt) {
 Status validate_dequant_paged(const DequantPagedParams& p) {
   using namespace detail;
   if (p.count < 0) return {ErrorCode::kInvalidArgument, "dequant_paged: count is negative"};
+  KVFERRY_TRY(check_engine(p.engine, "dequant_paged"));
   if (p.count > 0 && p.slots == nullptr) return {ErrorCode::kInvalidArgument, "dequant_paged: slots is null"};
   KVFERRY_TRY(check_cache(p.cache, "dequant_paged cache", 3, kMlaDsBytes, 1, 16));
   return check_rows(p.dst, p.count, p.dst_stride, kMlaDim, 2, 16, "dequant_paged: dst");

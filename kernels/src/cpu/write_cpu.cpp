@@ -23,6 +23,7 @@ uint16_t load_u16(const void* p, int64_t i) {
 Status validate_write_mla(const WriteMlaParams& p) {
   using namespace detail;
   if (p.tokens < 0) return {ErrorCode::kInvalidArgument, "write_mla: tokens is negative"};
+  KVFERRY_TRY(check_engine(p.engine, "write_mla"));
   if (!is_half(p.input_dtype))
     return {ErrorCode::kInvalidArgument,
             "write_mla: input dtype " + std::string(dtype_name(p.input_dtype)) + " is not bf16 or fp16"};
@@ -92,6 +93,7 @@ Status write_mla_cpu(const WriteMlaParams& p, const CpuOptions& opt) {
 Status validate_write_mha(const WriteMhaParams& p) {
   using namespace detail;
   if (p.tokens < 0) return {ErrorCode::kInvalidArgument, "write_mha: tokens is negative"};
+  KVFERRY_TRY(check_engine(p.engine, "write_mha"));
   if (!is_half(p.input_dtype))
     return {ErrorCode::kInvalidArgument,
             "write_mha: input dtype " + std::string(dtype_name(p.input_dtype)) + " is not bf16 or fp16"};
@@ -159,6 +161,7 @@ Status write_mha_cpu(const WriteMhaParams& p, const CpuOptions& opt) {
 Status validate_indexer_write(const IndexerWriteParams& p) {
   using namespace detail;
   if (p.tokens < 0) return {ErrorCode::kInvalidArgument, "indexer_write: tokens is negative"};
+  KVFERRY_TRY(check_engine(p.engine, "indexer_write"));
   if (!is_half(p.input_dtype))
     return {ErrorCode::kInvalidArgument,
             "indexer_write: input dtype " + std::string(dtype_name(p.input_dtype)) + " is not bf16 or fp16"};

@@ -369,11 +369,9 @@ Status BlockCopier::staged(const void* src_base, void* dst_base, std::span<const
     return device_side(pc);
   };
   // The GPU starts on the first piece while the host plans the others (planning every piece first
-  // left the GPU idle for the whole plan, 20-40 us of a 16 KiB row's 0.6-1.2 ms, more on a slower
-  // host: kernels/NOTES.md, data path round 13). From host the first piece's DMA needs no run list
-  // and goes first; the run lists follow it in one copy on `stream` (a copy per piece, or one from
-  // another stream between host-to-device DMAs, cost those DMAs about 25 us each: H200, 8 MiB
-  // pieces, 0.92 -> 0.85 of the pinned copy).
+  // left the GPU idle for the whole plan: kernels/DESIGN.md §5). From host the first piece's DMA
+  // needs no run list and goes first; the run lists follow it in one copy on `stream` (a copy per
+  // piece, or one from another stream between host-to-device DMAs, delayed those DMAs).
   if (!plan_next()) return Status::Ok();
   if (to_host) {
     KVFERRY_TRY(fork());

@@ -50,25 +50,13 @@ __device__ __forceinline__ uint2 ld_v8(const uint8_t* p) { return *reinterpret_c
 __device__ __forceinline__ void st_v8(uint8_t* p, uint2 v) { *reinterpret_cast<uint2*>(p) = v; }
 
 // Global memory only: the same accesses with an L2 evict-first policy, for bytes a kernel touches
-// once. write_mha fp8 and the indexer write their fp8 rows this way, and the indexer reads its 16-bit
-// input this way where its slots are scattered: the input and output streams then leave the L2 first, so the lines that
-// random slots fill piecemeal (the indexer's 4-byte scales, entries that share a line with a neighbour written later)
-// stay long enough to be completed there instead of being written back part-filled. kvferry-bench kernels, random
-// slots, contiguous / L61, none -> loads and stores evict-first (before the rows with slots by block were measured; see
-// below for what the loads' policy costs there):
-//   indexer        H100 0.670 / 0.639 -> 0.835 / 0.828, H200 0.634 / 0.623 -> 0.776 / 0.764;
-//   write_mha fp8  H100 0.860 / 0.849 -> 0.887 / 0.876, H200 0.858 / 0.824 -> 0.850 / 0.837;
-//   write_mla fp8  H100 0.846 / 0.840 -> 0.874 / 0.864, H200 0.872 / 0.864 -> 0.809 / 0.803, so
-//                  not used there (H200 is the reference GPU);
-// write_mla bf16 and write_mha bf16 unchanged, write_mla fp8_ds and bf16 -> 656 slower (H200: loads
-// evict-first 0.78 -> 0.66; not used there; measured with bf16 input, the fp16 input paths share
-// the code). The policy is a hint: the bytes written are the same. Evict-first loads cost the
-// slot orders of a prefill (H200, slots by block, contiguous / L61): write_mha fp8 0.861 / 0.861
-// with them, 0.880 / 0.884 with plain loads (random slots 0.841-0.848 / 0.833-0.837 against
-// 0.854 / 0.830-0.835), so it reads plainly; the indexer 0.842-0.850 / 0.836-0.841 with them,
-// 0.890-0.900 / 0.869-0.873 with plain loads, but random slots 0.789 -> 0.668, so it reads plainly
-// exactly where an item's rows go to consecutive slots (0.897-0.905 / 0.875-0.884 by block, random
-// unchanged).
+// once. write_mha fp8 and the indexer write their fp8 rows this way, and the indexer reads its
+// 16-bit input this way where its slots are scattered: the input and output streams then leave the
+// L2 first, so the lines that random slots fill piecemeal (the indexer's 4-byte scales, entries
+// that share a line with a neighbour written later) stay long enough to be completed there instead
+// of being written back part-filled. Where it cost more than it gained on an H200 (write_mla fp8,
+// write_mla fp8_ds, bf16 -> 656, the loads of slots that run in order) the kernels access memory
+// plainly; kernels/DESIGN.md §2.2 has the figures. The policy is a hint: the bytes written are the same.
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t pol;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
@@ -1341,9 +1329,9 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
 // one instruction a unit, completion counted in bytes on the stage's full barrier, nothing in the
 // warps' instruction stream); the warps then convert from shared memory. Warp 0 also refills: at
 // unit k it refills the stage of unit k - 1 once every warp has released it (the stage's empty
-// barrier), before its own share of unit k with two stages, after it with more. Measured and not
-// kept for write_mla (its input is contiguous too): that kernel is issue-bound, and the barriers'
-// waits add instructions (kernels/NOTES.md, data path round 8). ----
+// barrier), before its own share of unit k with two stages, after it with more. Not used for
+// write_mla (its input is contiguous too): that kernel is issue-bound, and the barriers' waits add
+// instructions (kernels/DESIGN.md §2.2). ----
 
 using ptx::mbar_arrive;
 using ptx::mbar_expect_tx;
@@ -1372,16 +1360,15 @@ __device__ __forceinline__ void bulk_units(int64_t units, uint8_t (*ring)[kStage
   __syncthreads();
   // The CTA's units: every gridDim-th from its own index (the grid sweeps the units in order, so
   // at any moment the CTAs work on neighbouring ones), or with `ranges` one range of consecutive
-  // units per CTA (kernels/NOTES.md, data path round 13: what each costs on which views).
+  // units per CTA (kernels/DESIGN.md §2.3: what each costs on which views).
   const int64_t step = ranges ? 1 : gridDim.x;
   int64_t u = ranges ? units * blockIdx.x / gridDim.x : blockIdx.x;
   if (ranges) units = units * (blockIdx.x + 1) / gridDim.x;
   // Where warp 0 refills: with two stages, before its share of unit k (the refill is unit k + 1,
   // needed as soon as unit k is done); with three or more, after it, so that warp 0 does not wait
-  // on the empty barrier (the slowest warp of unit k - 1) before its own work at every unit. The
-  // issue-bound bf16 -> 656 (three stages) measured 0.85 -> 0.87 on a 61-layer view and 0.88 ->
-  // 0.90 contiguous with the late refill; the two-stage conversions lost up to 0.2 with it (H200,
-  // kernels/NOTES.md, data path round 12).
+  // on the empty barrier (the slowest warp of unit k - 1) before its own work at every unit: faster
+  // for the issue-bound bf16 -> 656 (three stages), slower for two-stage rings (kernels/DESIGN.md
+  // §2.3).
   constexpr bool kLateRefill = kSt >= 3;
   if (warp == 0) {
 #pragma unroll
@@ -1834,31 +1821,27 @@ __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertP
   if (kStore && (threadIdx.x & 31) == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-/// KVFERRY_DATAPATH_ENGINE=direct|staged|bulk forces one engine for every kernel that has it
-/// (benchmarks, diagnosis); unset, each launcher takes its default: the engine that measured faster
-/// on an H200 (kvferry-bench kernels, the engines in one run): bulk for the conversions (where
-/// their entries allow it, else staged, and direct for bf16 -> 656), direct for the writers, the
-/// indexer, the gathers and dequant_paged.
-int forced_engine() {
-  static const int forced = [] {
-    const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
-    if (!v) return -1;
-    if (std::strcmp(v, "staged") == 0) return 1;
-    if (std::strcmp(v, "direct") == 0) return 0;
-    if (std::strcmp(v, "bulk") == 0) return 2;
-    return -1;
-  }();
-  return forced;
+/// The engine a launcher's params force, or -1 for its default (DatapathEngine::kAuto): the engine
+/// that measured faster on an H200 (kvferry-bench kernels, the engines in one run): bulk for the
+/// conversions (where their entries allow it, else staged, and direct for bf16 -> 656), direct for
+/// the writers, the indexer, the gathers and dequant_paged (kernels/DESIGN.md §2.1).
+int forced_engine(DatapathEngine e) {
+  switch (e) {
+    case DatapathEngine::kDirect: return 0;
+    case DatapathEngine::kStaged: return 1;
+    case DatapathEngine::kBulk: return 2;
+    default: return -1;
+  }
 }
-bool use_staged(bool by_default) {
-  const int forced = forced_engine();
+bool use_staged(DatapathEngine e, bool by_default) {
+  const int forced = forced_engine(e);
   return forced < 0 || forced == 2 ? by_default : forced == 1;
 }
 /// The bulk engine where the kernel has one and the device runs it: bulk copies need sm_90, a CTA
 /// needs `smem` bytes of shared memory, and the build must have compiled the kernels for sm_90
 /// (code built for an older architecture and JIT-compiled would trap).
-bool use_bulk(bool by_default, int smem) {
-  const int forced = forced_engine();
+bool use_bulk(DatapathEngine e, bool by_default, int smem) {
+  const int forced = forced_engine(e);
   if (forced >= 0 && forced != 2) return false;
   if (forced < 0 && !by_default) return false;
   int dev = 0, major = 0, optin = 0;
@@ -1887,7 +1870,7 @@ cudaError_t go(const P& p, int64_t items, int64_t per_warp, cudaStream_t stream,
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const bool sg = use_staged(false);
+  const bool sg = use_staged(p.engine, false);
   const bool bf16 = p.input_dtype == DType::kBF16;
   switch (p.mode) {
     case MlaWriteMode::kCopy:
@@ -1902,9 +1885,7 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
     case MlaWriteMode::kFp8Ds:
       // Three CTAs per SM where four fit. With random slots each 656 B entry shares a sector with a
       // neighbour written at another time; since the quotient takes one correction (quot_ds), a
-      // fourth CTA's stores in flight cost more than its warps gain (H200, contiguous / L61, random
-      // slots 0.76 / 0.72 at four CTAs, 0.79 / 0.77 at three; slots in order 0.93 / 0.86 and
-      // 0.92 / 0.87; two CTAs 0.71 / 0.71).
+      // fourth CTA's stores in flight cost more than its warps gain (kernels/DESIGN.md §2.2).
       return sg ? go<write_mla_staged_kernel<2>>(p, p.tokens, 1, stream)
                 : go<write_mla_kernel<2>>(p, p.tokens, 1, stream, 3);
     default: return cudaErrorInvalidValue;
@@ -1913,7 +1894,7 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
 
 cudaError_t launch_write_mha(const WriteMhaParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return cudaSuccess;
-  const bool sg = use_staged(false);
+  const bool sg = use_staged(p.engine, false);
   if (p.k_cache.view.dtype == DType::kFP8E4M3) {
     if (p.input_dtype != DType::kBF16)
       return sg ? go<write_mha_staged_kernel<true, false>>(p, p.tokens, 1, stream)
@@ -1932,16 +1913,16 @@ cudaError_t launch_indexer_write(const IndexerWriteParams& p, cudaStream_t strea
     return bf16 ? go<indexer_write_narrow_kernel<true>>(p, p.tokens, 2, stream)
                 : go<indexer_write_narrow_kernel<false>>(p, p.tokens, 2, stream);
   if (!bf16)
-    return use_staged(false) ? go<indexer_write_staged_kernel<false>>(p, p.tokens, 4, stream)
-                             : go<indexer_write_wide_kernel<false>>(p, p.tokens, 8, stream);
-  return use_staged(false) ? go<indexer_write_staged_kernel<true>>(p, p.tokens, 4, stream)
-                           : go<indexer_write_wide_kernel<true>>(p, p.tokens, 8, stream);
+    return use_staged(p.engine, false) ? go<indexer_write_staged_kernel<false>>(p, p.tokens, 4, stream)
+                                       : go<indexer_write_wide_kernel<false>>(p, p.tokens, 8, stream);
+  return use_staged(p.engine, false) ? go<indexer_write_staged_kernel<true>>(p, p.tokens, 4, stream)
+                                     : go<indexer_write_wide_kernel<true>>(p, p.tokens, 8, stream);
 }
 
 cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
   if (p.total_rows == 0) return cudaSuccess;
   const int64_t n = p.total_rows;
-  const bool sg = use_staged(false);
+  const bool sg = use_staged(p.engine, false);
   switch (p.mode) {
     case GatherMode::kCopy: {
       const TensorView& v = p.cache.view;
@@ -1968,8 +1949,8 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
 
 cudaError_t launch_dequant_paged(const DequantPagedParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;
-  return use_staged(false) ? go<dequant_paged_staged_kernel>(p, p.count, 2, stream)
-                           : go<dequant_paged_kernel>(p, p.count, 2, stream);
+  return use_staged(p.engine, false) ? go<dequant_paged_staged_kernel>(p, p.count, 2, stream)
+                                     : go<dequant_paged_kernel>(p, p.count, 2, stream);
 }
 
 /// Launches bulk-engine kernel kK over `units` units (one per CTA and trip) with `smem` bytes of
@@ -2017,10 +1998,10 @@ cudaError_t go_walk(const ConvertParams& p, int64_t items, int64_t per_warp, cud
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t n = p.layers * p.count * p.src.view.sizes[1];
   if (n == 0) return cudaSuccess;
-  const bool sg = use_staged(p.kind != ConvertKind::kBf16ToDs);
+  const bool sg = use_staged(p.engine, p.kind != ConvertKind::kBf16ToDs);
   // The bulk engine where both sides' entries are contiguous within a block (16-byte aligned
   // ranges) and the block size is a multiple of the unit; unit and ring per kind as measured
-  // fastest on an H200 (kernels/NOTES.md, data path round 8): whole blocks of 64 entries in two
+  // fastest on an H200 (kernels/DESIGN.md §2.3): whole blocks of 64 entries in two
   // stages, stored by bulk copies for 576 <-> 656 and by the warps for 656 -> bf16; for bf16 ->
   // 656 (issue-bound) 32 entries in three stages (16 in six for smaller blocks) and 16 warps per
   // CTA, each taking every sixteenth entry. For blocks of 16 or 32 entries the others stay
@@ -2034,25 +2015,20 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
   const int64_t bs = p.src.view.sizes[1];
   // (use_bulk's shared memory: the largest ring of the four, 576 -> 656's with its store buffers.)
   if (kind >= 0 && kind <= 3 && bs % (kind == 2 ? 16 : 64) == 0 &&
-      use_bulk(true, conv_bulk_smem(0, true, 64, 2, kWarps)) &&
+      use_bulk(p.engine, true, conv_bulk_smem(0, true, 64, 2, kWarps)) &&
       contiguous(p.src, conv_src_bytes(kind), p.src_layer_stride) &&
       contiguous(p.dst, conv_dst_bytes(kind), p.dst_layer_stride)) {
     auto units = [&](int unit) { return p.layers * p.count * (bs / unit); };
     // Unit order: for a whole view whose blocks lie apart (a layer view of a block-major buffer,
     // no block list), one range of consecutive units per CTA; otherwise grid-stride, so the grid
-    // sweeps a contiguous cache in order. On an H200, ranges against grid-stride: 61-layer views
-    // in order +0.000-0.008 (656 -> bf16 0.843-0.844 -> 0.849-0.851), contiguous caches -0.03,
-    // 61-layer views through a shuffled list -0.003 to -0.027 (kernels/NOTES.md, data path round 13).
-    // KVFERRY_CONVERT_ORDER=stride|ranges forces one (diagnosis).
-    static const int forced_order = [] {
-      const char* v = std::getenv("KVFERRY_CONVERT_ORDER");
-      return !v ? -1 : std::strcmp(v, "ranges") == 0 ? 1 : std::strcmp(v, "stride") == 0 ? 0 : -1;
-    }();
+    // sweeps a contiguous cache in order: ranges gain a little on layer views read in order and
+    // lose on contiguous caches and on shuffled lists (kernels/DESIGN.md §2.3).
+    // ConvertParams::unit_order forces one.
     auto apart = [bs](const CacheRef& c, int64_t entry_bytes) {
       return c.view.strides[0] * dtype_size(c.view.dtype) != bs * entry_bytes;
     };
-    const bool ranges = forced_order >= 0
-                            ? forced_order == 1
+    const bool ranges = p.unit_order != ConvertUnitOrder::kAuto
+                            ? p.unit_order == ConvertUnitOrder::kRanges
                             : !p.src_blocks && !p.dst_blocks &&
                                   (apart(p.src, conv_src_bytes(kind)) || apart(p.dst, conv_dst_bytes(kind)));
 #define KVF_CONV(K, S, U, ST, SD)                                                                                   \

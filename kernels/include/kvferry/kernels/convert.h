@@ -36,6 +36,15 @@ enum class ConvertKind : uint8_t {
   kFp4ToDs = 9,    ///< mla_fp4 -> mla_fp8_ds (through bf16)
 };
 
+/// The order in which the bulk conversion engine's CTAs take their units (GPU only). Every order
+/// gives the same bytes; they differ in speed only (kernels/DESIGN.md §2.3).
+enum class ConvertUnitOrder : uint8_t {
+  kAuto = 0,        ///< ranges for a whole view whose blocks lie apart (a layer view of a block-major
+                    ///< buffer, no block lists), grid-stride otherwise (the measured default)
+  kGridStride = 1,  ///< the grid strides over the units, so it sweeps a contiguous cache in order
+  kRanges = 2,      ///< one range of consecutive units per CTA
+};
+
 /// Whether `kind` converts from or to mla_fp4.
 constexpr bool is_fp4_convert(ConvertKind k) { return static_cast<int>(k) >= 4 && static_cast<int>(k) <= 9; }
 
@@ -58,6 +67,10 @@ struct ConvertParams {
   /// kDsToFp8, kFp4ToFp8: per listed block, set to 1 when any of its entries was not lossless; entries
   /// already 1 stay 1 (the caller zeroes it first). May be null.
   int32_t* not_lossless = nullptr;
+  /// GPU only: the engine (kAuto: bulk where the views allow it, else staged, direct for
+  /// kBf16ToDs) and the bulk engine's unit order. Neither changes the output.
+  DatapathEngine engine = DatapathEngine::kAuto;
+  ConvertUnitOrder unit_order = ConvertUnitOrder::kAuto;
 };
 
 Status validate_convert(const ConvertParams& p);

@@ -27,6 +27,16 @@ struct CacheRef {
   }
 };
 
+/// Which engine a data-path launcher runs (GPU only; the CPU twins ignore it). Every engine gives
+/// the CPU twins' bits; they differ in speed only (kernels/DESIGN.md §2.1 says which won where).
+enum class DatapathEngine : uint8_t {
+  kAuto = 0,    ///< the engine that measured faster for the kernel (the default)
+  kDirect = 1,  ///< "direct": a warp keeps its next item in registers
+  kStaged = 2,  ///< "staged": items stream through a per-warp ring of shared memory filled by cp.async
+  kBulk = 3,    ///< "bulk": the conversions (kinds 0..3) on sm_90 through a per-CTA ring of bulk
+                ///< copies, where the device and the views allow it; the other kernels take their default
+};
+
 /// Options of the CPU twins. `threads` <= 1 runs on the calling thread; more splits the work over
 /// that many short-lived threads (the daemon converts staged blocks this way).
 struct CpuOptions {

@@ -56,7 +56,7 @@
 //      from the raw rows; P^T through shared memory), a producer lane per buffer issuing each
 //      part's copies.
 //    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
-//      KVFERRY_MLA_SEESAW=0): 32-token tiles; each warpgroup computes the partial S over half the
+//      wgmma_kernel = 2): 32-token tiles; each warpgroup computes the partial S over half the
 //      depth, the halves are exchanged through shared memory and added (in either order the same
 //      bits), and both run the same softmax. fp8 tiles are bulk-copied raw and converted by three
 //      producer warps and the math warpgroups.
@@ -143,6 +143,19 @@ struct DecodeMlaParams {
   /// tensor-copy pages (decode_mla_f8.cu); elsewhere it computes as with 0 (exact 16-bit
   /// operands). Opt-in, for engines that accept fp8 attention math; 0 = exact operands (default).
   int32_t fp8_math = 0;
+  /// wgmma path only: which split kernel runs. 0 = auto and 1 = the seesaw kernel where it can run
+  /// (bf16 caches; fp8 caches whose pages tensor copies take), the depth-split kernel otherwise;
+  /// 2 = the depth-split kernel for every format (for comparison). fp8_math = 1 runs its own kernel
+  /// either way where it applies. Within each format's error bounds; a call's choice is deterministic.
+  int32_t wgmma_kernel = 0;
+  /// Seesaw kernel only: how tiles reach shared memory. 0 = auto and 1 = tensor copies where the
+  /// view allows them (a page that is a power of two >= 16), cp.async otherwise (bf16 caches only);
+  /// 2 = cp.async (for comparison; fp8 caches then run on the depth-split kernel).
+  int32_t seesaw_loader = 0;
+  /// Depth-split kernel, fp8 caches only: how many of each 32-token tile's rows the producer
+  /// warps convert to bf16 (the math warps convert the rest), 0..32. 12 measured fastest on an
+  /// H200 at 128 heads (kernels/DESIGN.md §3.4). Does not change the output.
+  int32_t conv_rows = 12;
 };
 
 constexpr int kDecodeMlaMaxSplits = 64;

@@ -30,7 +30,8 @@ struct GatherParams {
   int64_t batch = 0;
   int64_t total_rows = 0;  ///< = cu_seq_lens[batch]; rows past it are not touched
   GatherMode mode = GatherMode::kCopy;
-  float scale = 1.0f;  ///< kDequantFp8
+  float scale = 1.0f;                             ///< kDequantFp8
+  DatapathEngine engine = DatapathEngine::kAuto;  ///< GPU only; kAuto = the measured default
 };
 
 /// dequantize_k_cache_paged: dst row i (576 bf16) = dequant of the 656 B entry at global slot
@@ -41,6 +42,7 @@ struct DequantPagedParams {
   int64_t count = 0;
   void* dst = nullptr;  ///< bf16 rows
   int64_t dst_stride = 576;
+  DatapathEngine engine = DatapathEngine::kAuto;  ///< GPU only; kAuto = the measured default
 };
 
 Status validate_gather(const GatherParams& p);

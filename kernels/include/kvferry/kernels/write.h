@@ -31,7 +31,8 @@ struct WriteMlaParams {
   int64_t tokens = 0;
   CacheRef cache;  ///< (NB, BS, E): bf16/fp16 576, or u8/fp8 576, or u8 656
   MlaWriteMode mode = MlaWriteMode::kCopy;
-  float scale = 1.0f;  ///< kFp8 only
+  float scale = 1.0f;                             ///< kFp8 only
+  DatapathEngine engine = DatapathEngine::kAuto;  ///< GPU only; kAuto = the measured default
 };
 
 /// MHA/GQA writer: K and V rows `[tokens, heads, head_dim]` into the K and V planes (views
@@ -49,6 +50,7 @@ struct WriteMhaParams {
   CacheRef v_cache;  ///< V plane view (NB, BS, H, D); may share base with k_cache
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  DatapathEngine engine = DatapathEngine::kAuto;  ///< GPU only; kAuto = the measured default
 };
 
 /// indexer_k_quant_and_cache (kernels-spec §5): k rows [tokens, 128] bf16/fp16 into a u8 cache
@@ -62,6 +64,7 @@ struct IndexerWriteParams {
   int64_t tokens = 0;
   CacheRef cache;
   bool ue8m0 = false;
+  DatapathEngine engine = DatapathEngine::kAuto;  ///< GPU only; kAuto = the measured default
 };
 
 /// Shape checks shared by the launcher and the CPU twin (not the slot values: the CPU twin checks
