@@ -13,6 +13,7 @@ namespace {
 struct Suite {
   std::string help;
   SuiteFn fn;
+  std::string options;  // the suite's own arguments, one per line ("" = none)
 };
 
 std::map<std::string, Suite>& registry() {
@@ -27,8 +28,8 @@ double Row::ratio() const {
   return higher_is_better ? value / limit : limit / value;
 }
 
-SuiteRegistrar::SuiteRegistrar(const char* name, const char* help, SuiteFn fn) {
-  registry()[name] = Suite{help, std::move(fn)};
+SuiteRegistrar::SuiteRegistrar(const char* name, const char* help, SuiteFn fn, const char* options) {
+  registry()[name] = Suite{help, std::move(fn), options};
 }
 
 int run_suite(const std::string& name, const Options& opts) {
@@ -95,7 +96,20 @@ int run(int argc, char** argv) {
   app.add_flag("--quick", opts.quick, "fewer sizes and iterations (a smoke run)");
   app.add_option("--device", opts.device, "CUDA device index");
   app.add_flag("--mha", opts.mha, "decode: measure paged MHA/GQA decode instead of MLA");
-  app.add_option("args", opts.args, "suite-specific arguments (after --)");
+  app.add_option("args", opts.args, "suite-specific arguments (after --; SUITE --help lists them)");
+  // `kvferry-bench SUITE --help`: the common options, then the named suite's own.
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;
+    const auto it = registry().find(a);
+    if (it == registry().end()) continue;
+    std::string footer = "\n" + a + ": " + it->second.help + "\n";
+    footer += it->second.options.empty()
+                  ? "  (no options of its own)\n"
+                  : "options of " + a + " (after --: kvferry-bench " + a + " -- OPTION...):\n" + it->second.options;
+    app.footer(footer);
+    break;
+  }
   CLI11_PARSE(app, argc, argv);
   if (list) {
     for (const auto& [name, s] : registry()) std::printf("%s\n", name.c_str());

@@ -15,7 +15,7 @@ struct Options {
   bool quick = false;             ///< --quick: fewer sizes and iterations (smoke runs, CI)
   int device = 0;                 ///< --device N
   bool mha = false;               ///< --mha: the decode suite measures paged MHA/GQA decode instead of MLA
-  std::vector<std::string> args;  ///< suite-specific extra arguments (after --)
+  std::vector<std::string> args;  ///< suite-specific arguments, after `--` (`kvferry-bench SUITE --help` lists them)
 };
 
 /// One result row: a figure, the limit it is compared with (measured in the same run) and the
@@ -52,8 +52,10 @@ class Report {
 using SuiteFn = std::function<int(const Options&)>;
 
 /// Registers a suite at static-initialisation time (suite sources are compiled into the binary).
+/// `options` documents the suite's own arguments (Options::args), one "--flag  what it does" per
+/// line; `kvferry-bench SUITE --help` prints them after the common options.
 struct SuiteRegistrar {
-  SuiteRegistrar(const char* name, const char* help, SuiteFn fn);
+  SuiteRegistrar(const char* name, const char* help, SuiteFn fn, const char* options = "");
 };
 
 /// Runs the registered suite `name` (so one suite can hand over to another, e.g. decode --mha
@@ -72,3 +74,7 @@ std::string human_bytes(int64_t b);
 
 #define KVFERRY_BENCH_SUITE(name, help, fn) \
   static ::kvferry::bench::SuiteRegistrar kvferry_bench_reg_##fn(name, help, fn)
+
+/// A suite with its own arguments (after `--`), documented in `options`.
+#define KVFERRY_BENCH_SUITE_WITH_OPTIONS(name, help, fn, options) \
+  static ::kvferry::bench::SuiteRegistrar kvferry_bench_reg_##fn(name, help, fn, options)

@@ -31,6 +31,40 @@
 namespace kvferry::bench {
 namespace {
 
+/// The suite's own arguments (listed by `kvferry-bench decode --help`): DecodeMlaParams fields for
+/// comparison and tuning, applied to every row.
+struct DecodeArgs {
+  int32_t wgmma_kernel = 0;
+  int32_t seesaw_loader = 0;
+  int32_t conv_rows = DecodeMlaParams{}.conv_rows;
+};
+
+/// Parses opts.args into `a`; false (after a message) on an argument it does not know.
+bool parse_decode_args(const Options& opts, DecodeArgs* a) {
+  for (const std::string& s : opts.args) {
+    if (s == "--wgmma-kernel=auto") {
+      a->wgmma_kernel = 0;
+    } else if (s == "--wgmma-kernel=seesaw") {
+      a->wgmma_kernel = 1;
+    } else if (s == "--wgmma-kernel=depth-split") {
+      a->wgmma_kernel = 2;
+    } else if (s == "--seesaw-loader=auto") {
+      a->seesaw_loader = 0;
+    } else if (s == "--seesaw-loader=tensor") {
+      a->seesaw_loader = 1;
+    } else if (s == "--seesaw-loader=cp.async") {
+      a->seesaw_loader = 2;
+    } else if (s.rfind("--conv-rows=", 0) == 0 && s.size() > 12 &&
+               s.find_first_not_of("0123456789", 12) == std::string::npos && std::atoi(s.c_str() + 12) <= 32) {
+      a->conv_rows = std::atoi(s.c_str() + 12);
+    } else {
+      std::fprintf(stderr, "decode bench: unknown argument %s (kvferry-bench decode --help lists them)\n", s.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
 #if defined(KVFERRY_WITH_CUDA)
 
 constexpr int kBatch = 64;
@@ -130,7 +164,10 @@ double median(std::vector<double> v) {
 
 int run_decode(const Options& opts) {
   if (opts.mha) return run_suite("decode-mha", opts);
+  DecodeArgs args;
+  if (!parse_decode_args(opts, &args)) return 2;
   Report report("decode");
+  for (const std::string& a : opts.args) report.note("run with " + a);
   if (cuda_device_count() == 0) {
     report.note("no CUDA device: " + cuda_summary());
     return report.finish(opts);
@@ -214,7 +251,7 @@ int run_decode(const Options& opts) {
   const FormatKind kinds[] = {FormatKind::kMlaBf16, FormatKind::kMlaFp8, FormatKind::kMlaFp8Ds};
   // One contiguous cache and one 8-layer region, allocated once at the largest format's size and
   // reused by every format: memory allocated after large regions were freed measured up to 11 %
-  // slower on an H200 (kernels/NOTES.md), which would charge the later formats for placement.
+  // slower on an H200 (kernels/DESIGN.md §2.6), which would charge the later formats for placement.
   const KvCacheSpec flat_max{1, blocks, kPage, EntryFormat::mla_bf16(), Layout::kBlockMajor};
   const KvCacheSpec multi_max{kLayers, blocks, kPage, EntryFormat::mla_bf16(), Layout::kBlockMajor};
   void *d_flat = nullptr, *d_multi = nullptr;
@@ -265,6 +302,9 @@ int run_decode(const Options& opts) {
         p.workspace_bytes = work_bytes;
         p.loader = 0;
         p.fp8_math = f8 ? 1 : 0;
+        p.wgmma_kernel = args.wgmma_kernel;
+        p.seesaw_loader = args.seesaw_loader;
+        p.conv_rows = args.conv_rows;
         if (run == 2) p.mma = 3 - decode_mla_resolved_mma(p);
         const int mma = decode_mla_wgmma_available() ? decode_mla_resolved_mma(p) : 1;
         const int loader = decode_mla_resolved_loader(p);
@@ -376,6 +416,8 @@ int run_decode(const Options& opts) {
 
 int run_decode(const Options& opts) {
   if (opts.mha) return run_suite("decode-mha", opts);
+  DecodeArgs args;
+  if (!parse_decode_args(opts, &args)) return 2;
   Report report("decode");
   report.note("built without CUDA: nothing to measure");
   return report.finish(opts);
@@ -385,7 +427,14 @@ int run_decode(const Options& opts) {
 
 }  // namespace
 
-KVFERRY_BENCH_SUITE("decode", "MLA paged decode (bf16 / fp8 / fp8_ds caches, contiguous vs layer view); --mha: MHA",
-                    run_decode);
+KVFERRY_BENCH_SUITE_WITH_OPTIONS(
+    "decode", "MLA paged decode (bf16 / fp8 / fp8_ds caches, contiguous vs layer view); --mha: MHA", run_decode,
+    "  --wgmma-kernel=auto|seesaw|depth-split  the wgmma path's split kernel (DecodeMlaParams::wgmma_kernel);\n"
+    "                                          depth-split runs every cache format on it\n"
+    "  --seesaw-loader=auto|tensor|cp.async    how the seesaw kernel's tiles arrive (seesaw_loader); cp.async\n"
+    "                                          sends fp8 caches to the depth-split kernel\n"
+    "  --conv-rows=N                           rows of each 32-token fp8 tile the depth-split kernel's\n"
+    "                                          producer warps convert, 0..32 (conv_rows; default 12)\n"
+    "  diagnosis environment variables (KVFERRY_BENCH_TOKENS, _HEADS, _LAUNCHES): bench/README.md\n");
 
 }  // namespace kvferry::bench

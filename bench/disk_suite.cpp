@@ -422,7 +422,13 @@ int run_disk(const Options& opts) {
 
 }  // namespace
 
-KVFERRY_BENCH_SUITE("disk", "disk tier (G3) write/read of 256 KiB-4 MiB blocks vs fio io_uring O_DIRECT qd32",
-                    run_disk);
+KVFERRY_BENCH_SUITE_WITH_OPTIONS(
+    "disk", "disk tier (G3) write/read of 256 KiB-4 MiB blocks vs fio io_uring O_DIRECT qd32", run_disk,
+    "  DIR                              directory to use (default ./kvferry-bench-disk, removed afterwards)\n"
+    "  --daemon-only                    only the daemon rows (no bare-tier or restart rows)\n"
+    "  --mode=back|through              write-back or write-through only (default both)\n"
+    "  --rounds=N                       rounds per size (default 3)\n"
+    "  --sizes=KiB,KiB                  block sizes (default 256,1024,4096)\n"
+    "  --durability=none|batch|each     tiers.disk.durability (default batch)\n");
 
 }  // namespace kvferry::bench

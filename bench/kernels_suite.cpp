@@ -38,13 +38,44 @@ KvCacheSpec spec_of(EntryFormat f, int64_t layers, int64_t blocks, int64_t block
   return s;
 }
 
+/// The suite's own arguments (listed by `kvferry-bench kernels --help`).
+struct KernelsArgs {
+  DatapathEngine engine = DatapathEngine::kAuto;
+  ConvertUnitOrder unit_order = ConvertUnitOrder::kAuto;
+};
+
+/// Parses opts.args into `a`; false (after a message) on an argument it does not know.
+bool parse_kernels_args(const Options& opts, KernelsArgs* a) {
+  for (const std::string& s : opts.args) {
+    if (s == "--engine=auto") {
+      a->engine = DatapathEngine::kAuto;
+    } else if (s == "--engine=direct") {
+      a->engine = DatapathEngine::kDirect;
+    } else if (s == "--engine=staged") {
+      a->engine = DatapathEngine::kStaged;
+    } else if (s == "--engine=bulk") {
+      a->engine = DatapathEngine::kBulk;
+    } else if (s == "--unit-order=auto") {
+      a->unit_order = ConvertUnitOrder::kAuto;
+    } else if (s == "--unit-order=stride") {
+      a->unit_order = ConvertUnitOrder::kGridStride;
+    } else if (s == "--unit-order=ranges") {
+      a->unit_order = ConvertUnitOrder::kRanges;
+    } else {
+      std::fprintf(stderr, "kernels bench: unknown argument %s (kvferry-bench kernels --help lists them)\n", s.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
 #if defined(KVFERRY_WITH_CUDA)
 
 /// Device memory for every row of a run, allocated once before the first row and handed out as a
 /// stack (each `Dev` gives its bytes back when it goes out of scope, in reverse order of taking).
 /// Regions allocated per row land wherever the allocator puts them after the earlier rows' 32 GB
 /// regions were freed, and on an H200 such placements copy up to 11 % slower than the same bytes
-/// allocated up front (kernels/NOTES.md): the rows then measured the placement, and the order of
+/// allocated up front (kernels/DESIGN.md §2.6): the rows then measured the placement, and the order of
 /// the passes, rather than the kernel. With one arena, every row and every pass reads and writes
 /// memory taken the same way, as the daemon's own cache region is taken once at start.
 struct Arena {
@@ -121,6 +152,8 @@ double time_launch(cudaStream_t st, int reps, const std::function<cudaError_t()>
 }
 
 int run_kernels(const Options& opts) {
+  KernelsArgs args;
+  if (!parse_kernels_args(opts, &args)) return 2;
   if (cuda_device_count() == 0) {
     std::fprintf(stderr, "kernels: needs a CUDA GPU (%s)\n", cuda_summary().c_str());
     return 2;
@@ -128,6 +161,7 @@ int run_kernels(const Options& opts) {
   if (cudaSetDevice(opts.device) != cudaSuccess) return 1;
   Report rep("kernels");
   rep.note(cuda_summary());
+  for (const std::string& a : opts.args) rep.note("run with " + a);
   cudaStream_t st;
   if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess) return 1;
   const int reps = opts.quick ? 3 : 10;
@@ -274,8 +308,8 @@ int run_kernels(const Options& opts) {
     // (below): the slots of the tokens an engine writes by the thousand in one launch, a prefill's.
     // Random slots are a decode step's pattern, one token per request, a few hundred per launch at
     // most (a latency, not a bandwidth); their rows are informational, next to a raw scatter of the
-    // same bytes to the same slots, which is what that pattern allows any kernel (kernels/NOTES.md,
-    // data path round 10: the writers run above it).
+    // same bytes to the same slots, which is what that pattern allows any kernel (kernels/DESIGN.md
+    // §2.2: the writers run above it).
     static const bool ordered = std::getenv("KVFERRY_BENCH_ORDERED") != nullptr;
     // KVFERRY_BENCH_ONLY (diagnosis): run only the sections whose name contains it (write_mla,
     // write_mha, indexer, gather, dequant, convert).
@@ -350,6 +384,7 @@ int run_kernels(const Options& opts) {
       Dev cache(static_cast<size_t>(s.region_bytes())), kv(static_cast<size_t>(n * 1152)), slots(perm(n));
       if (!cache.p || !kv.p || !slots.p) return 1;
       WriteMlaParams p;
+      p.engine = args.engine;
       p.kv_c = kv.p;
       p.k_pe = kv.as<uint8_t>() + n * 1024;
       p.slots = slots.as<int64_t>();
@@ -376,6 +411,7 @@ int run_kernels(const Options& opts) {
       Dev cache(static_cast<size_t>(s.region_bytes())), kv(static_cast<size_t>(n * 2 * 2048)), slots(perm(n));
       if (!cache.p || !kv.p || !slots.p) return 1;
       WriteMhaParams p;
+      p.engine = args.engine;
       p.key = kv.p;
       p.value = kv.as<uint8_t>() + n * 2048;
       p.key_stride = p.value_stride = 1024;
@@ -399,6 +435,7 @@ int run_kernels(const Options& opts) {
       Dev cache(static_cast<size_t>(s.region_bytes())), k(static_cast<size_t>(n * 256)), slots(perm(n));
       if (!cache.p || !k.p || !slots.p) return 1;
       IndexerWriteParams p;
+      p.engine = args.engine;
       p.k = k.p;
       p.slots = slots.as<int64_t>();
       p.tokens = n;
@@ -427,6 +464,7 @@ int run_kernels(const Options& opts) {
       Dev cache(static_cast<size_t>(s.region_bytes())), out(static_cast<size_t>(n * 1152)), dbt(bt), dcu(cu);
       if (!cache.p || !out.p || !dbt.p || !dcu.p) return 1;
       GatherParams p;
+      p.engine = args.engine;
       p.cache = {cache.p, s.region_bytes(), s.layer_view(layer)};
       p.dst = out.p;
       p.dst_stride = 576;
@@ -453,6 +491,7 @@ int run_kernels(const Options& opts) {
       Dev cache(static_cast<size_t>(s.region_bytes())), out(static_cast<size_t>(n * 1152)), slots(sl32);
       if (!cache.p || !out.p || !slots.p) return 1;
       DequantPagedParams p;
+      p.engine = args.engine;
       p.cache = {cache.p, s.region_bytes(), s.layer_view(layer)};
       p.slots = slots.as<int32_t>();
       p.count = n;
@@ -488,6 +527,8 @@ int run_kernels(const Options& opts) {
       Dev flags(static_cast<size_t>(n / page * 4));
       if (!src.p || !dst.p || !flags.p) return 1;
       ConvertParams p;
+      p.engine = args.engine;
+      p.unit_order = args.unit_order;
       p.kind = k.kind;
       p.src = {src.p, ss.region_bytes(), ss.layer_view(layer)};
       p.dst = {dst.p, ds.region_bytes(), ds.layer_view(layer)};
@@ -538,7 +579,9 @@ int run_kernels(const Options& opts) {
 
 #else
 
-int run_kernels(const Options&) {
+int run_kernels(const Options& opts) {
+  KernelsArgs args;
+  if (!parse_kernels_args(opts, &args)) return 2;
   std::fprintf(stderr, "kernels: needs a CUDA GPU (built without CUDA)\n");
   return 2;
 }
@@ -607,7 +650,11 @@ int run_kernels_cpu(const Options& opts) {
 KVFERRY_BENCH_SUITE("kernels-cpu", "CPU twins of the format conversions vs memcpy (the daemon's host path)",
                     run_kernels_cpu);
 
-KVFERRY_BENCH_SUITE("kernels", "data-path kernels' bytes/s vs a device-to-device copy, contiguous and cross-layer",
-                    run_kernels);
+KVFERRY_BENCH_SUITE_WITH_OPTIONS(
+    "kernels", "data-path kernels' bytes/s vs a device-to-device copy, contiguous and cross-layer", run_kernels,
+    "  --engine=auto|direct|staged|bulk   run every kernel on that engine (the params' engine field;\n"
+    "                                     bulk: the conversions on sm_90, the others keep their default)\n"
+    "  --unit-order=auto|stride|ranges    the bulk conversions' unit order (ConvertParams::unit_order)\n"
+    "  diagnosis environment variables (KVFERRY_BENCH_*): bench/README.md\n");
 
 }  // namespace kvferry::bench

@@ -659,7 +659,12 @@ int run_remote(const Options& opts) {
 
 }  // namespace
 
-KVFERRY_BENCH_SUITE("remote", "remote tier: UCX get/put of 64 KiB-4 MiB blocks between two processes vs ucx_perftest",
-                    run_remote);
+KVFERRY_BENCH_SUITE_WITH_OPTIONS(
+    "remote", "remote tier: UCX get/put of 64 KiB-4 MiB blocks between two processes vs ucx_perftest", run_remote,
+    "  --tls=tcp|shm|both   transports (UCX_TLS tcp, or cma,tcp; default both)\n"
+    "  --sizes=KiB,KiB      block sizes (default 64,256,1024,4096)\n"
+    "  --rounds=N           rounds per size (default 3, 1 with --quick)\n"
+    "  --cap=MiB            bytes moved per row at most (default 1024, 256 with --quick)\n"
+    "  --no-daemons         leave out the rows through two daemons\n");
 
 }  // namespace kvferry::bench
