@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What fp8 tensor-core math would cost MLA decode in accuracy (kernels/NOTES.md, decode round 4).
+"""What fp8 tensor-core math would cost MLA decode in accuracy (kernels/DESIGN.md §3.5 (docs/notes/kernels-rounds.md has the round)).
 
 Float64 simulation of one request (16 heads, 4096 tokens, 576-dim e4m3 cache, bf16-range Q drawn
 as kvferry-bench decode draws them): the relative error norm of the output when Q (scaled per
