@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <sstream>
 #include <thread>
@@ -48,31 +49,42 @@ Pct percentiles(std::vector<double> v) {
   return {v[v.size() / 2], v[std::min(v.size() - 1, v.size() * 99 / 100)]};
 }
 
-/// Pipelined data op over all blocks: batches of `batch` keys, up to `depth` in flight.
-Result<double> transfer(Client& c, bool load, uint32_t region, const std::vector<ops::Key>& keys,
-                        const std::vector<int64_t>& ids, size_t batch) {
+/// Runs requests over items [0, n) with up to 8 in flight: submit(first, count) queues one of
+/// the `count` items from `first` (`batch`, or more where `extend(first, count)` says a request
+/// must not end there) and returns its id. Seconds for all, or the first failure.
+Result<double> pipelined(Client& c, size_t n, size_t batch, const char* what,
+                         const std::function<Result<uint64_t>(size_t, size_t)>& submit,
+                         const std::function<bool(size_t, size_t)>& extend = {}) {
   const auto t0 = Clock::now();
   std::vector<uint64_t> inflight;
   size_t next = 0;
   constexpr size_t kDepth = 8;
-  while (next < keys.size() || !inflight.empty()) {
-    while (next < keys.size() && inflight.size() < kDepth) {
-      const size_t n = std::min(batch, keys.size() - next);
-      std::span<const ops::Key> k(keys.data() + next, n);
-      std::span<const int64_t> b(ids.data() + next, n);
-      auto id = load ? c.submit_load(region, k, b) : c.submit_save(region, k, b);
+  while (next < n || !inflight.empty()) {
+    while (next < n && inflight.size() < kDepth) {
+      size_t count = std::min(batch, n - next);
+      while (extend && next + count < n && extend(next, count)) ++count;
+      auto id = submit(next, count);
       if (!id.ok()) return id.status();
       inflight.push_back(*id);
-      next += n;
+      next += count;
     }
     auto r = c.wait_op(inflight.front(), 60'000'000);
     if (!r.ok()) return r.status();
     if (r->status != ErrorCode::kOk)
-      return Status(r->status, std::string(load ? "load" : "save") + ": " + std::to_string(r->blocks.size() - r->done) +
-                                   " blocks failed");
+      return Status(r->status, std::string(what) + ": " + std::to_string(r->blocks.size() - r->done) + " entries failed");
     inflight.erase(inflight.begin());
   }
   return secs(t0);
+}
+
+/// Pipelined save or load of every block: batches of `batch` keys.
+Result<double> transfer(Client& c, bool load, uint32_t region, const std::vector<ops::Key>& keys,
+                        const std::vector<int64_t>& ids, size_t batch) {
+  return pipelined(c, keys.size(), batch, load ? "load" : "save", [&](size_t first, size_t n) {
+    const std::span<const ops::Key> k(keys.data() + first, n);
+    const std::span<const int64_t> b(ids.data() + first, n);
+    return load ? c.submit_load(region, k, b) : c.submit_save(region, k, b);
+  });
 }
 
 struct Bare {
@@ -505,29 +517,16 @@ int measure(const Options& opts, const Variant& v, const std::vector<int64_t>& s
   return rc;
 }
 
-/// Mapped loads in batches of about `batch` entries that end on a region block, up to 8 in flight.
+/// Mapped loads in batches of about `batch` entries that end on a region block.
 Result<double> transfer_mapped(Client& c, uint32_t region, const std::vector<ops::Key>& keys,
                                const std::vector<int64_t>& ids, const std::vector<int32_t>& parts, size_t batch) {
-  const auto t0 = Clock::now();
-  std::vector<uint64_t> inflight;
-  size_t next = 0;
-  while (next < keys.size() || !inflight.empty()) {
-    while (next < keys.size() && inflight.size() < 8) {
-      size_t n = std::min(batch, keys.size() - next);
-      while (next + n < keys.size() && ids[next + n] == ids[next + n - 1]) ++n;  // a region block stays whole
-      auto id = c.submit_load_mapped(region, std::span(keys).subspan(next, n), std::span(ids).subspan(next, n),
-                                     std::span(parts).subspan(next, n));
-      if (!id.ok()) return id.status();
-      inflight.push_back(*id);
-      next += n;
-    }
-    auto r = c.wait_op(inflight.front(), 60'000'000);
-    if (!r.ok()) return r.status();
-    if (r->status != ErrorCode::kOk)
-      return Status(r->status, "load_mapped: " + std::to_string(r->blocks.size() - r->done) + " entries failed");
-    inflight.erase(inflight.begin());
-  }
-  return secs(t0);
+  return pipelined(
+      c, keys.size(), batch, "load_mapped",
+      [&](size_t first, size_t n) {
+        return c.submit_load_mapped(region, std::span(keys).subspan(first, n), std::span(ids).subspan(first, n),
+                                    std::span(parts).subspan(first, n));
+      },
+      [&](size_t first, size_t n) { return ids[first + n] == ids[first + n - 1]; });  // a region block stays whole
 }
 
 /// Loads across geometries (1 MiB stored blocks): 64-token pages into 16-token ones (mla_bf16,

@@ -36,6 +36,17 @@ std::vector<Status> run_turns(size_t n, uint64_t block_bytes, const TieredStore:
 /// worker's hiccups on a busy host), and up to 32 blocks (a device queue's worth: 4 MiB blocks
 /// come 8 to a 32 MiB step) as long as they and the step being copied take at most half of the
 /// pool, so the other worker's pipeline fits beside them.
+/// A read of block `key` of namespace `ns` from the lower tier into the reserved slot `r`.
+TierRequest read_into(const std::string& ns, const BlockKey& key, const SaveReservation& r) {
+  TierRequest q;
+  q.op = TierOp::kRead;
+  q.record.ns = ns;
+  q.record.key = key;
+  q.buf = r.data;
+  q.buf_bytes = r.slot.bytes;
+  return q;
+}
+
 size_t steps_in_flight(size_t per_step, uint64_t slot_bytes, uint64_t pool_bytes) {
   const size_t for_queue = (32 + per_step - 1) / per_step;
   const size_t fit = static_cast<size_t>(pool_bytes / 2 / std::max<uint64_t>(1, per_step * slot_bytes));
@@ -500,13 +511,7 @@ std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns
         if (r.status().code() != ErrorCode::kAlreadyExists) p.promo[i] = r.status();  // saved meanwhile: fine
         continue;
       }
-      TierRequest q;
-      q.op = TierOp::kRead;
-      q.record.ns = *name;
-      q.record.key = key;
-      q.buf = r->data;
-      q.buf_bytes = r->slot.bytes;
-      reqs.push_back(std::move(q));
+      reqs.push_back(read_into(*name, key, *r));
       rd.resv.push_back(*r);
       rd.at.push_back(i);
     }
@@ -667,13 +672,7 @@ std::vector<Status> TieredStore::load_mapped(const RegionAccess& region, Namespa
         if (r.status().code() != ErrorCode::kAlreadyExists) promo[key] = r.status();
         continue;
       }
-      TierRequest q;
-      q.op = TierOp::kRead;
-      q.record.ns = *name;
-      q.record.key = key;
-      q.buf = r->data;
-      q.buf_bytes = r->slot.bytes;
-      reqs.push_back(std::move(q));
+      reqs.push_back(read_into(*name, key, *r));
       resv.push_back(*r);
       reads_of.push_back(key);
     }

@@ -42,21 +42,10 @@ KindShape shape_of(ConvertKind k) {
 
 Status check_side(const CacheRef& c, const char* what, const Side& s, int64_t layers, int64_t stride) {
   const int64_t align = s.fp4 ? 4 : 16;  // fp4 pages are BS x 324 B: 4-byte aligned for every BS
-  KVFERRY_TRY(detail::check_cache(c, what, 3, s.elems, s.eb, align));
+  KVFERRY_TRY(detail::check_cache_layers(c, what, s.elems, s.eb, align, layers, stride));
   if (s.fp4 && c.view.sizes[1] > 1 && c.view.strides[1] != kMlaFp4Bytes)
     return {ErrorCode::kInvalidArgument,
             std::string(what) + ": mla_fp4 view " + c.view.to_string() + " must have dense pages (stride(1) = 324)"};
-  if (layers > 1 && c.view.numel() > 0) {  // a view of no blocks (a layer-major region of none: stride 0)
-    if (stride <= 0 || stride % align != 0)
-      return {ErrorCode::kInvalidArgument, std::string(what) + ": layer stride " + std::to_string(stride) +
-                                               " B must be a positive multiple of " + std::to_string(align)};
-    CacheRef last = c;
-    int64_t shift = 0;
-    if (__builtin_mul_overflow(layers - 1, stride, &shift) ||
-        __builtin_add_overflow(last.view.offset, shift, &last.view.offset))
-      return {ErrorCode::kOverflow, std::string(what) + ": layer offsets overflow int64"};
-    KVFERRY_TRY(detail::check_cache(last, what, 3, s.elems, s.eb, align).with_context("last layer"));
-  }
   return Status::Ok();
 }
 

@@ -53,6 +53,23 @@ inline Status check_cache(const CacheRef& c, const char* what, int rank, int64_t
   return Status::Ok();
 }
 
+/// check_cache for layer 0 of `layers` layers `stride` bytes apart (a per-layer view of a
+/// block-major or layer-major region), and for the last layer, whose offset must not overflow.
+inline Status check_cache_layers(const CacheRef& c, const char* what, int64_t entry_elems, int64_t elem_bytes,
+                                 int64_t align, int64_t layers, int64_t stride) {
+  KVFERRY_TRY(check_cache(c, what, 3, entry_elems, elem_bytes, align));
+  if (layers <= 1 || c.view.numel() == 0) return Status::Ok();  // no blocks (a layer-major region of none: stride 0)
+  if (stride <= 0 || stride % align != 0)
+    return {ErrorCode::kInvalidArgument, std::string(what) + ": layer stride " + std::to_string(stride) +
+                                             " B must be a positive multiple of " + std::to_string(align)};
+  CacheRef last = c;
+  int64_t shift = 0;
+  if (__builtin_mul_overflow(layers - 1, stride, &shift) ||
+      __builtin_add_overflow(last.view.offset, shift, &last.view.offset))
+    return {ErrorCode::kOverflow, std::string(what) + ": layer offsets overflow int64"};
+  return check_cache(last, what, 3, entry_elems, elem_bytes, align).with_context("last layer");
+}
+
 /// Checks a row-major input: pointer non-null and aligned, row stride (elements) >= width and
 /// a multiple of the alignment.
 inline Status check_rows(const void* p, int64_t rows, int64_t stride, int64_t width, int64_t elem_bytes, int64_t align,

@@ -31,20 +31,9 @@ namespace {
 
 Status check_side(const CacheRef& c, const char* what, int64_t row, int64_t eb, int64_t align, int64_t layers,
                   int64_t stride) {
-  KVFERRY_TRY(detail::check_cache(c, what, 3, row, eb, align));
+  KVFERRY_TRY(detail::check_cache_layers(c, what, row, eb, align, layers, stride));
   if (c.view.strides[1] * eb < row && c.view.sizes[1] > 1)
     return {ErrorCode::kInvalidArgument, std::string(what) + ": rows of " + c.view.to_string() + " overlap"};
-  if (layers > 1 && c.view.numel() > 0) {  // a view of no blocks (a layer-major region of none: stride 0)
-    if (stride <= 0 || stride % align != 0)
-      return {ErrorCode::kInvalidArgument, std::string(what) + ": layer stride " + std::to_string(stride) +
-                                               " B must be a positive multiple of " + std::to_string(align)};
-    CacheRef last = c;
-    int64_t shift = 0;
-    if (__builtin_mul_overflow(layers - 1, stride, &shift) ||
-        __builtin_add_overflow(last.view.offset, shift, &last.view.offset))
-      return {ErrorCode::kOverflow, std::string(what) + ": layer offsets overflow int64"};
-    KVFERRY_TRY(detail::check_cache(last, what, 3, row, eb, align).with_context("last layer"));
-  }
   return Status::Ok();
 }
 
