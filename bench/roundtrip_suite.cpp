@@ -71,7 +71,8 @@ Result<double> pipelined(Client& c, size_t n, size_t batch, const char* what,
     auto r = c.wait_op(inflight.front(), 60'000'000);
     if (!r.ok()) return r.status();
     if (r->status != ErrorCode::kOk)
-      return Status(r->status, std::string(what) + ": " + std::to_string(r->blocks.size() - r->done) + " entries failed");
+      return Status(r->status,
+                    std::string(what) + ": " + std::to_string(r->blocks.size() - r->done) + " entries failed");
     inflight.erase(inflight.begin());
   }
   return secs(t0);
@@ -549,11 +550,14 @@ int geometry_rows(const Options& opts, Report& rep) {
     return EntryFormat::mha_slice(heads, 128, DType::kBF16, o, first, 8);
   };
   const std::vector<Case> cases = {
-      {"load 64->16 token pages (mla_bf16)", {14, 2 * n, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor},
+      {"load 64->16 token pages (mla_bf16)",
+       {14, 2 * n, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor},
        {14, 4 * n, 16, EntryFormat::mla_bf16(), Layout::kBlockMajor}},
-      {"load TP 1->2 heads (mha:bf16:8x128 nhd)", {16, 2 * n, 16, mha(8, MhaOrder::kNHD, 0), Layout::kBlockMajor},
+      {"load TP 1->2 heads (mha:bf16:8x128 nhd)",
+       {16, 2 * n, 16, mha(8, MhaOrder::kNHD, 0), Layout::kBlockMajor},
        {16, n, 16, mha(4, MhaOrder::kNHD, 4), Layout::kBlockMajor}},
-      {"load TP 1->2 heads (mha:bf16:8x128 hnd)", {16, 2 * n, 16, mha(8, MhaOrder::kHND, 0), Layout::kBlockMajor},
+      {"load TP 1->2 heads (mha:bf16:8x128 hnd)",
+       {16, 2 * n, 16, mha(8, MhaOrder::kHND, 0), Layout::kBlockMajor},
        {16, n, 16, mha(4, MhaOrder::kHND, 4), Layout::kBlockMajor}},
   };
   const bool device = cuda_device_count() > 0;
@@ -594,8 +598,9 @@ int geometry_rows(const Options& opts, Report& rep) {
     std::vector<double> t_same, t_map;
     for (int r = 0; r < reps; ++r) {
       auto ts = transfer(*c, true, *a, keys, same, batch);
-      auto tm = transfer_mapped(*c, *b, mk, mb, mp, batch * static_cast<size_t>(std::max<int64_t>(
-                                                                1, cs.saved.block_size / cs.loaded.block_size)));
+      auto tm = transfer_mapped(
+          *c, *b, mk, mb, mp,
+          batch * static_cast<size_t>(std::max<int64_t>(1, cs.saved.block_size / cs.loaded.block_size)));
       if (!ts.ok() || !tm.ok()) {
         std::fprintf(stderr, "roundtrip geometry: %s\n", (ts.ok() ? tm : ts).status().to_string().c_str());
         return 1;

@@ -163,8 +163,8 @@ std::string status_json(const kvferry::proto::StatusReply& s) {
                        {"from_config", r.from_config}});
   for (const auto& c : s.clients)
     clients.push_back({{"id", c.id}, {"name", c.name}, {"pid", c.pid}, {"uid", c.uid}, {"ops", c.ops}});
-  const J j = {{"version", s.version},     {"uptime_s", s.uptime_ms / 1000.0}, {"pid", s.pid},
-               {"backend", s.backend},     {"regions", std::move(regions)},   {"clients", std::move(clients)}};
+  const J j = {{"version", s.version}, {"uptime_s", s.uptime_ms / 1000.0}, {"pid", s.pid},
+               {"backend", s.backend}, {"regions", std::move(regions)},    {"clients", std::move(clients)}};
   return j.dump(-1, ' ', false, J::error_handler_t::replace);
 }
 
@@ -462,8 +462,8 @@ int kvferry_load(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
   });
 }
 
-int kvferry_submit_load_mapped(kvferry_client* c, uint32_t region_id, const kvferry_key* keys,
-                               const int64_t* block_ids, const int32_t* parts, uint32_t n, uint64_t* req) {
+int kvferry_submit_load_mapped(kvferry_client* c, uint32_t region_id, const kvferry_key* keys, const int64_t* block_ids,
+                               const int32_t* parts, uint32_t n, uint64_t* req) {
   return guard([&] {
     KVFERRY_C_CHECK(c && req && ((keys && block_ids && parts) || n == 0),
                     "client, keys, block_ids, parts or req is NULL");

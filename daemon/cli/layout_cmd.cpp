@@ -88,7 +88,9 @@ void add_layout_command(CLI::App& app, std::function<int()>* run) {
   sub->add_option("--layers", args->layers, "attention layers sharing the allocation")->capture_default_str();
   sub->add_option("--blocks", args->blocks, "blocks (pages) in the region")->capture_default_str();
   sub->add_option("--block-size", args->block_size, "tokens per block")->capture_default_str();
-  sub->add_option("--format", args->format, "mla_bf16 | mla_fp8 | mla_fp8_ds | mla_fp4 | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL]")
+  sub->add_option(
+         "--format", args->format,
+         "mla_bf16 | mla_fp8 | mla_fp8_ds | mla_fp4 | indexer_fp8 | mha:DTYPE:HxD[:nhd|:hnd][:slice=FIRST/TOTAL]")
       ->capture_default_str();
   sub->add_option("--layout", args->layout, "block_major | layer_major")->capture_default_str();
   sub->add_option("--sample", args->sample, "block ids to coalesce")->expected(1, -1);

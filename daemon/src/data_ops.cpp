@@ -150,7 +150,7 @@ struct Transfer {
   std::vector<int64_t> peer_ids;  // ... at these blocks, one per key
   bool mapped = false;            // load_mapped: `parts` say which part of each stored block goes where
   std::vector<int32_t> parts;
-  uint64_t bytes = 0;             // counted against the tenant's in-flight quota until the completion
+  uint64_t bytes = 0;  // counted against the tenant's in-flight quota until the completion
   Clock::time_point t0, deadline;
   size_t next = 0;  // blocks done
   std::vector<ErrorCode> codes;
@@ -1098,11 +1098,17 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
                  "Saved blocks that did not reach their remote owner (kept on this daemon)", "tier=\"remote\"");
   d.quota_refusals = &m.counter("kvferry_quota_refusals_total",
                                 "Pins and transfers refused by a tenant quota (limits.tenant, tenants[].quota)");
-  static const std::pair<proto::Op, const char*> names[] = {
-      {proto::Op::kLookup, "lookup"}, {proto::Op::kSave, "save"},   {proto::Op::kLoad, "load"},
-      {proto::Op::kPin, "pin"},       {proto::Op::kUnpin, "unpin"}, {proto::Op::kEvict, "evict"},
-      {proto::Op::kStats, "stats"},   {proto::Op::kLs, "ls"},       {proto::Op::kSend, "send"},
-      {proto::Op::kPeers, "peers"},   {proto::Op::kLoadMapped, "load_mapped"}};
+  static const std::pair<proto::Op, const char*> names[] = {{proto::Op::kLookup, "lookup"},
+                                                            {proto::Op::kSave, "save"},
+                                                            {proto::Op::kLoad, "load"},
+                                                            {proto::Op::kPin, "pin"},
+                                                            {proto::Op::kUnpin, "unpin"},
+                                                            {proto::Op::kEvict, "evict"},
+                                                            {proto::Op::kStats, "stats"},
+                                                            {proto::Op::kLs, "ls"},
+                                                            {proto::Op::kSend, "send"},
+                                                            {proto::Op::kPeers, "peers"},
+                                                            {proto::Op::kLoadMapped, "load_mapped"}};
   for (auto& [op, name] : names)
     d.op_seconds[static_cast<uint16_t>(op)] =
         &m.histogram("kvferry_ring_op_seconds", "Data op latency from the ring to the completion",

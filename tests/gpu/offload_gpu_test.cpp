@@ -227,9 +227,12 @@ TEST(OffloadGpu, MappedLoadsAcrossGeometries) {
     return EntryFormat::mha_slice(heads, 64, DType::kBF16, order, first, 8);
   };
   const std::vector<Case> cases = {
-      {{4, 8, 64, EntryFormat::mla_fp8(), Layout::kBlockMajor}, {4, 32, 16, EntryFormat::mla_fp8(), Layout::kLayerMajor}},
-      {{3, 8, 16, mha(8, MhaOrder::kNHD, 0), Layout::kBlockMajor}, {3, 8, 16, mha(4, MhaOrder::kHND, 4), Layout::kLayerMajor}},
-      {{4, 8, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}, {4, 32, 16, EntryFormat::mla_fp8_ds(), Layout::kBlockMajor}},
+      {{4, 8, 64, EntryFormat::mla_fp8(), Layout::kBlockMajor},
+       {4, 32, 16, EntryFormat::mla_fp8(), Layout::kLayerMajor}},
+      {{3, 8, 16, mha(8, MhaOrder::kNHD, 0), Layout::kBlockMajor},
+       {3, 8, 16, mha(4, MhaOrder::kHND, 4), Layout::kLayerMajor}},
+      {{4, 8, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor},
+       {4, 32, 16, EntryFormat::mla_fp8_ds(), Layout::kBlockMajor}},
   };
   int k = 0;
   for (const Case& cs : cases) {

@@ -110,8 +110,8 @@ TEST(GeometryIt, TensorParallelRanksAndAFullHeadEngine) {
   // A full-head HND engine assembles each block from the two slices.
   auto full = testing::connect_client(d, "full");
   ASSERT_TRUE(full);
-  Region fr = create(*full, "full", {3, 4, 16, EntryFormat::mha(H, D, DType::kBF16, MhaOrder::kHND),
-                                     Layout::kLayerMajor});
+  Region fr =
+      create(*full, "full", {3, 4, 16, EntryFormat::mha(H, D, DType::kBF16, MhaOrder::kHND), Layout::kLayerMajor});
   ASSERT_TRUE(fr.base);
   std::vector<ops::Key> mk;
   std::vector<int64_t> mb;
@@ -186,7 +186,8 @@ TEST(GeometryIt, CAbiMappedLoadAndBadArguments) {
   EXPECT_EQ(kvferry_load_mapped(cc, rid, k.data(), b.data(), nullptr, 8, st.data(), &done),
             KVFERRY_ERROR_INVALID_ARGUMENT);
   uint64_t req = 0;
-  EXPECT_EQ(kvferry_submit_load_mapped(cc, rid, k.data(), b.data(), p.data(), 8, nullptr), KVFERRY_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(kvferry_submit_load_mapped(cc, rid, k.data(), b.data(), p.data(), 8, nullptr),
+            KVFERRY_ERROR_INVALID_ARGUMENT);
   EXPECT_EQ(kvferry_submit_load_mapped(cc, rid, k.data(), b.data(), p.data(), 7, &req), 0) << kvferry_last_error();
   uint32_t d2 = 0;
   EXPECT_EQ(kvferry_wait_op(cc, req, 10'000'000, st.data(), 8, &d2, nullptr), 0) << kvferry_last_error();

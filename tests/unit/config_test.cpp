@@ -281,9 +281,8 @@ TEST(ConfigLoad, EnumsAllValues) {
     EXPECT_EQ(load_ok(std::string("daemon:\n  log_level: ") + name).daemon.log_level, v);
   EXPECT_EQ(load_ok("device:\n  backend: cuda").device.backend, Backend::kCuda);
   EXPECT_EQ(load_ok("device:\n  backend: auto").device.backend, Backend::kAuto);
-  for (const char* f :
-       {"mla_bf16", "mla_fp8", "mla_fp8_ds", "mla_fp4", "indexer_fp8", "mha:bf16:1x64", "mha:fp8_e4m3:2x128:nhd",
-        "mha:bf16:4x128:hnd:slice=4/8"}) {
+  for (const char* f : {"mla_bf16", "mla_fp8", "mla_fp8_ds", "mla_fp4", "indexer_fp8", "mha:bf16:1x64",
+                        "mha:fp8_e4m3:2x128:nhd", "mha:bf16:4x128:hnd:slice=4/8"}) {
     const Config c = load_ok(std::string("regions:\n  - {name: r, layers: 1, blocks: 1, format: ") + f + "}");
     ASSERT_EQ(c.regions.size(), 1u);
     EXPECT_EQ(c.regions[0].spec.format, *EntryFormat::parse(f)) << f;

@@ -123,7 +123,8 @@ TEST(Geometry, TensorParallelSlicesBothWaysWithOrderAndPages) {
                 const auto sf = EntryFormat::mha_slice(hs, D, DType::kBF16, os, rs * hs, H);
                 const auto df = EntryFormat::mha_slice(hdst, D, DType::kBF16, od, rd * hdst, H);
                 if (common_heads(sf, df).count() == 0) continue;
-                check_case({sf, df, a, b, Layout::kBlockMajor, (rs + rd) % 2 ? Layout::kLayerMajor : Layout::kBlockMajor});
+                check_case(
+                    {sf, df, a, b, Layout::kBlockMajor, (rs + rd) % 2 ? Layout::kLayerMajor : Layout::kBlockMajor});
               }
           }
 }

@@ -82,8 +82,8 @@ TEST_F(MappedLoadTest, LargePagesFillSeveralSmallOnesAndBack) {
     const auto k = keys(2, 10 + static_cast<int>(layout));
     save(big, k);
     // 64 -> 4 x 16: stored block s, part p into small block 4 s + p.
-    HostRegion small({4, 8, 16, EntryFormat::mla_fp8(), layout == Layout::kBlockMajor ? Layout::kLayerMajor
-                                                                                        : Layout::kBlockMajor});
+    HostRegion small(
+        {4, 8, 16, EntryFormat::mla_fp8(), layout == Layout::kBlockMajor ? Layout::kLayerMajor : Layout::kBlockMajor});
     std::vector<BlockKey> mk;
     std::vector<int64_t> mb;
     std::vector<int32_t> mp;
@@ -96,7 +96,8 @@ TEST_F(MappedLoadTest, LargePagesFillSeveralSmallOnesAndBack) {
     all_ok(svc_->load_mapped(small.access(), ns_, mk, mb, mp));
     for (int64_t l = 0; l < 4; ++l)
       for (int64_t t = 0; t < 128; ++t)
-        ASSERT_EQ(small.row(l, t / 16, 0, t % 16, 0), big.row(l, t / 64, 0, t % 64, 0)) << "layer " << l << " token " << t;
+        ASSERT_EQ(small.row(l, t / 16, 0, t % 16, 0), big.row(l, t / 64, 0, t % 64, 0))
+            << "layer " << l << " token " << t;
     // And back: save the small pages, fill a 64-token block from four of them.
     const auto sk = keys(8, 20 + static_cast<int>(layout));
     save(small, sk);
@@ -137,8 +138,8 @@ TEST_F(MappedLoadTest, TensorParallelSlicesBothWaysWithHeadLayouts) {
   save(full, fk);
   // TP 1 -> 2: each rank (HND, layer-major) loads its slice with a plain load, block for block.
   for (int r = 0; r < 2; ++r) {
-    HostRegion rank({3, 2, 16, EntryFormat::mha_slice(4, D, DType::kBF16, MhaOrder::kHND, 4 * r, H),
-                     Layout::kLayerMajor});
+    HostRegion rank(
+        {3, 2, 16, EntryFormat::mha_slice(4, D, DType::kBF16, MhaOrder::kHND, 4 * r, H), Layout::kLayerMajor});
     all_ok(svc_->load(rank.access(), ns_, fk, std::vector<int64_t>{1, 0}));
     for (int64_t l = 0; l < 3; ++l)
       for (int pl = 0; pl < 2; ++pl)
@@ -193,9 +194,9 @@ TEST_F(MappedLoadTest, PageMapWithFormatConversion) {
                              std::vector<int32_t>{0, 1, 2, 3}));
     HostRegion whole({2, 1, 64, to, Layout::kBlockMajor});
     const int64_t zero = 0;
-    ASSERT_TRUE(kernels::convert_blocks_cpu(big.bytes.data(), big.spec, {&zero, 1}, whole.bytes.data(), whole.spec,
-                                            {&zero, 1})
-                    .ok());
+    ASSERT_TRUE(
+        kernels::convert_blocks_cpu(big.bytes.data(), big.spec, {&zero, 1}, whole.bytes.data(), whole.spec, {&zero, 1})
+            .ok());
     const bool fp4 = to.kind == FormatKind::kMlaFp4;
     for (int64_t l = 0; l < 2; ++l)
       for (int64_t t = 0; t < 64; ++t) {

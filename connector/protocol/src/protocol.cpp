@@ -452,10 +452,10 @@ Result<RegisterRegion> decode_register_region(std::span<const uint8_t> p, uint32
   m.backend = static_cast<Backend>(b);
   if (m.alloc_bytes < static_cast<uint64_t>(m.spec.region_bytes()) ||
       m.offset > m.alloc_bytes - static_cast<uint64_t>(m.spec.region_bytes()))
-    return Result<RegisterRegion>(ErrorCode::kProtocol,
-                                  "alloc_bytes " + std::to_string(m.alloc_bytes) + " cannot hold the spec's " +
-                                      std::to_string(m.spec.region_bytes()) + " bytes at offset " +
-                                      std::to_string(m.offset));
+    return Result<RegisterRegion>(ErrorCode::kProtocol, "alloc_bytes " + std::to_string(m.alloc_bytes) +
+                                                            " cannot hold the spec's " +
+                                                            std::to_string(m.spec.region_bytes()) +
+                                                            " bytes at offset " + std::to_string(m.offset));
   if (m.offset % static_cast<uint64_t>(m.spec.format.alignment()) != 0)
     return Result<RegisterRegion>(ErrorCode::kProtocol, "offset " + std::to_string(m.offset) +
                                                             " is not a multiple of the format's alignment (" +

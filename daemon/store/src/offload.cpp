@@ -681,9 +681,9 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
   const size_t n = keys.size();
   if (block_ids.size() != n) return mismatched_lists("mapped load", n, block_ids.size());
   if (parts.size() != n)
-    return std::vector<Status>(n, Status(ErrorCode::kInvalidArgument, "mapped load: " + std::to_string(n) +
-                                                                          " keys but " + std::to_string(parts.size()) +
-                                                                          " parts"));
+    return std::vector<Status>(
+        n, Status(ErrorCode::kInvalidArgument,
+                  "mapped load: " + std::to_string(n) + " keys but " + std::to_string(parts.size()) + " parts"));
   std::vector<Status> res(n);
   const BlockShape target{region.spec.layers, region.spec.block_size, region.spec.format};
   const KvCacheSpec one = target.slot_spec();  // a region block alone, as it is assembled on the host
@@ -784,23 +784,24 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
       g.convert = g.convert || conv[i];
       for (size_t b = 0; b < a; ++b) {
         const size_t j = g.entries[b];
-        const HeadRange hj = mha ? common_heads(srcs[src_of[j]].hold.meta.shape.format, target.format) : HeadRange{0, 1};
+        const HeadRange hj =
+            mha ? common_heads(srcs[src_of[j]].hold.meta.shape.format, target.format) : HeadRange{0, 1};
         const bool tokens = span[i].dst_token < span[j].dst_token + span[j].tokens &&
                             span[j].dst_token < span[i].dst_token + span[i].tokens;
         const bool heads = std::max(hi.first, hj.first) < std::min(hi.end, hj.end);
         if (tokens && heads)
-          fail_group(g, i,
-                     Status(ErrorCode::kInvalidArgument,
-                            "it overlaps entry " + std::to_string(j) + " (tokens [" +
-                                std::to_string(span[i].dst_token) + ", " +
-                                std::to_string(span[i].dst_token + span[i].tokens) + ") of the region block twice)"));
+          fail_group(
+              g, i,
+              Status(ErrorCode::kInvalidArgument,
+                     "it overlaps entry " + std::to_string(j) + " (tokens [" + std::to_string(span[i].dst_token) +
+                         ", " + std::to_string(span[i].dst_token + span[i].tokens) + ") of the region block twice)"));
       }
     }
     if (g.st.ok() && covered != need)
       fail_group(g, g.entries.front(),
-                 Status(ErrorCode::kInvalidArgument,
-                        "the request fills " + std::to_string(covered) + " of its " + std::to_string(need) +
-                            (mha ? " token-heads" : " tokens") + "; name the stored blocks of every part"));
+                 Status(ErrorCode::kInvalidArgument, "the request fills " + std::to_string(covered) + " of its " +
+                                                         std::to_string(need) + (mha ? " token-heads" : " tokens") +
+                                                         "; name the stored blocks of every part"));
   }
   // Verifies the stored blocks `which` (not yet checked) on the hashing pool.
   auto check_sources = [&](std::vector<size_t>& which) {
@@ -892,7 +893,8 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
       }
       auto buf = op->staging(k, static_cast<int64_t>(b - a) * target.bytes());
       if (!buf.ok()) {
-        for (size_t q = a; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), buf.status());
+        for (size_t q = a; q < direct.size(); ++q)
+          fail_group(groups[direct[q]], groups[direct[q]].entries.front(), buf.status());
         break;
       }
       std::vector<uint8_t> go(b - a, 0);
@@ -921,8 +923,9 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         const int64_t at = static_cast<int64_t>(x) * target.bytes();
         for (size_t i : g.entries) {
           const Source& src = srcs[src_of[i]];
-          Status st = push_token_runs(&cr, src.hold.meta.shape.slot_spec(), 0, span[i].src_token, one, 0,
-                                      span[i].dst_token, span[i].tokens, static_cast<int64_t>(src.hold.slot.offset), at);
+          Status st =
+              push_token_runs(&cr, src.hold.meta.shape.slot_spec(), 0, span[i].src_token, one, 0, span[i].dst_token,
+                              span[i].tokens, static_cast<int64_t>(src.hold.slot.offset), at);
           if (!st.ok()) {
             fail_group(g, i, st);
             return;
@@ -950,7 +953,8 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
       std::vector<CopyRun> dma;
       for (size_t x = 0; x < b - a; ++x)
         if (go[x] && groups[direct[a + x]].st.ok())
-          push_block_runs(&dma, region.spec, groups[direct[a + x]].block, static_cast<int64_t>(x) * target.bytes(), false);
+          push_block_runs(&dma, region.spec, groups[direct[a + x]].block, static_cast<int64_t>(x) * target.bytes(),
+                          false);
       if (dma.empty()) continue;
       if (Status st = op->enqueue_staged(k, dma); !st.ok()) {
         for (size_t q = a; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
@@ -1053,7 +1057,8 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         Status st = kernels::convert_blocks_cpu(sbase, sspec, {&zero, 1}, conv_buf.data(), cspec, {&zero, 1},
                                                 {d.opts.cpu_threads}, &lossy);
         if (st.ok() && !lossy.empty())
-          st = {ErrorCode::kDataLoss, "it is not losslessly representable as " + target.format.name() + "; recompute it"};
+          st = {ErrorCode::kDataLoss,
+                "it is not losslessly representable as " + target.format.name() + "; recompute it"};
         if (!st.ok()) {
           fail_group(g, i, st);
           break;

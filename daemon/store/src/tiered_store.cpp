@@ -608,9 +608,9 @@ std::vector<Status> TieredStore::load(const RegionAccess& region, NamespaceId ns
   return res;
 }
 
-std::vector<Status> TieredStore::load_mapped(const RegionAccess& region, NamespaceId ns,
-                                             std::span<const BlockKey> keys, std::span<const int64_t> block_ids,
-                                             std::span<const int32_t> parts, Clock::time_point deadline) {
+std::vector<Status> TieredStore::load_mapped(const RegionAccess& region, NamespaceId ns, std::span<const BlockKey> keys,
+                                             std::span<const int64_t> block_ids, std::span<const int32_t> parts,
+                                             Clock::time_point deadline) {
   Impl& d = *impl_;
   const auto name = lower_ ? d.index.namespace_name(ns) : std::nullopt;
   if (!lower_ || !name || keys.size() != block_ids.size() || keys.size() != parts.size())
@@ -692,8 +692,8 @@ std::vector<Status> TieredStore::load_mapped(const RegionAccess& region, Namespa
       if (out[j].status.code() == ErrorCode::kNotFound) continue;
       d.read_failures.add();
       promo[reads_of[j]] = out[j].status.ok() ? Status(ErrorCode::kDataLoss, "size changed on the lower tier")
-                                              : out[j].status.with_context("block " + reads_of[j].hex() +
-                                                                           " from the " + std::string(lower_->name()) + " tier");
+                                              : out[j].status.with_context("block " + reads_of[j].hex() + " from the " +
+                                                                           std::string(lower_->name()) + " tier");
     }
     std::vector<BlockKey> k;
     std::vector<int64_t> b;

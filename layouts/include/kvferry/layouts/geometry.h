@@ -62,24 +62,23 @@ inline HeadRange common_heads(const EntryFormat& a, const EntryFormat& b) {
 /// `src_base` / `dst_base` (a block in a pool slot: a one-block spec at the slot's offset). Runs
 /// that follow each other on both sides merge, but never into a run from before this call.
 /// The formats must be same_entries(); layer counts equal; token ranges inside the blocks.
-inline Status push_token_runs(std::vector<CopyRun>* runs, const KvCacheSpec& src, int64_t src_block,
-                              int64_t src_token, const KvCacheSpec& dst, int64_t dst_block, int64_t dst_token,
-                              int64_t tokens, int64_t src_base = 0, int64_t dst_base = 0) {
+inline Status push_token_runs(std::vector<CopyRun>* runs, const KvCacheSpec& src, int64_t src_block, int64_t src_token,
+                              const KvCacheSpec& dst, int64_t dst_block, int64_t dst_token, int64_t tokens,
+                              int64_t src_base = 0, int64_t dst_base = 0) {
   if (!same_entries(src.format, dst.format))
-    return {ErrorCode::kUnsupported, "no token map from " + src.format.name() + " to " + dst.format.name() +
-                                         " without a format conversion"};
+    return {ErrorCode::kUnsupported,
+            "no token map from " + src.format.name() + " to " + dst.format.name() + " without a format conversion"};
   if (src.layers != dst.layers)
-    return {ErrorCode::kInvalidArgument, "no token map between " + std::to_string(src.layers) + " and " +
-                                             std::to_string(dst.layers) + " layers"};
+    return {ErrorCode::kInvalidArgument,
+            "no token map between " + std::to_string(src.layers) + " and " + std::to_string(dst.layers) + " layers"};
   KVFERRY_TRY(src.check_block(src_block).with_context("source"));
   KVFERRY_TRY(dst.check_block(dst_block).with_context("destination"));
   if (tokens < 0 || src_token < 0 || dst_token < 0 || src_token + tokens > src.block_size ||
       dst_token + tokens > dst.block_size)
-    return {ErrorCode::kOutOfRange, "tokens [" + std::to_string(src_token) + ", " + std::to_string(src_token + tokens) +
-                                        ") -> [" + std::to_string(dst_token) + ", " +
-                                        std::to_string(dst_token + tokens) + ") do not fit blocks of " +
-                                        std::to_string(src.block_size) + " and " + std::to_string(dst.block_size) +
-                                        " tokens"};
+    return {ErrorCode::kOutOfRange,
+            "tokens [" + std::to_string(src_token) + ", " + std::to_string(src_token + tokens) + ") -> [" +
+                std::to_string(dst_token) + ", " + std::to_string(dst_token + tokens) + ") do not fit blocks of " +
+                std::to_string(src.block_size) + " and " + std::to_string(dst.block_size) + " tokens"};
   const size_t floor = runs->size();
   auto push = [runs, floor](int64_t s, int64_t d, int64_t n) {
     if (n <= 0) return;
@@ -146,10 +145,10 @@ inline Result<TokenSpan> token_span(int64_t stored_tokens, int64_t region_tokens
                                                           " tokens: one page size must divide the other");
   const int64_t parts = s >= r ? s / r : r / s;
   if (part < 0 || part >= parts)
-    return Result<TokenSpan>(ErrorCode::kOutOfRange,
-                             "part " + std::to_string(part) + " is out of range: a " + std::to_string(s) +
-                                 "-token stored block and " + std::to_string(r) + "-token region blocks make " +
-                                 std::to_string(parts) + " parts");
+    return Result<TokenSpan>(ErrorCode::kOutOfRange, "part " + std::to_string(part) + " is out of range: a " +
+                                                         std::to_string(s) + "-token stored block and " +
+                                                         std::to_string(r) + "-token region blocks make " +
+                                                         std::to_string(parts) + " parts");
   if (s >= r) return TokenSpan{part * r, 0, r};
   return TokenSpan{0, part * s, s};
 }
