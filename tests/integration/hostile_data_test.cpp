@@ -177,10 +177,11 @@ TEST(HostileData, RewritingSlotsAndArenaAfterSubmitNeverCrashes) {
       }
     }
   });
-  const uint16_t ops_[] = {static_cast<uint16_t>(proto::Op::kLookup), static_cast<uint16_t>(proto::Op::kSave),
-                           static_cast<uint16_t>(proto::Op::kLoad),   static_cast<uint16_t>(proto::Op::kPin),
-                           static_cast<uint16_t>(proto::Op::kUnpin),  static_cast<uint16_t>(proto::Op::kEvict),
-                           static_cast<uint16_t>(proto::Op::kLs),     static_cast<uint16_t>(proto::Op::kStats)};
+  const uint16_t ops_[] = {static_cast<uint16_t>(proto::Op::kLookup),    static_cast<uint16_t>(proto::Op::kSave),
+                           static_cast<uint16_t>(proto::Op::kLoad),      static_cast<uint16_t>(proto::Op::kPin),
+                           static_cast<uint16_t>(proto::Op::kUnpin),     static_cast<uint16_t>(proto::Op::kEvict),
+                           static_cast<uint16_t>(proto::Op::kLs),        static_cast<uint16_t>(proto::Op::kStats),
+                           static_cast<uint16_t>(proto::Op::kLoadMapped)};
   uint64_t id = 1, submitted = 0;
   const auto end = std::chrono::steady_clock::now() + 2s;
   std::mt19937 rng(3);
@@ -269,6 +270,10 @@ TEST(HostileData, OutOfRangeMisalignedAndOversizedRequestsAreRefused) {
       {lookup, arena / 16, 0, ErrorCode::kOutOfRange},  // keys fit, statuses do not
       {static_cast<uint16_t>(proto::Op::kLs), 0, 0xfffffff8u, ErrorCode::kOutOfRange},
       {static_cast<uint16_t>(proto::Op::kStats), 0, arena - 8, ErrorCode::kOutOfRange},
+      // load_mapped: keys, ids and statuses fit, its parts (after them) do not.
+      {static_cast<uint16_t>(proto::Op::kLoadMapped), 1,
+       arena - static_cast<uint32_t>(ops::request_bytes(static_cast<uint16_t>(proto::Op::kLoadMapped), 1)),
+       ErrorCode::kOutOfRange},
   };
   uint64_t id = 100;
   for (const Case& k : cases) {
