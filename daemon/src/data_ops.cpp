@@ -456,32 +456,27 @@ struct DataOps::Impl {
   void step(const std::shared_ptr<Transfer>& t) {
     const store::RegionAccess acc{t->region->base(), t->region->desc().spec, t->region->on_device()};
     const size_t n = t->keys.size();
+    std::vector<Status> res;
     if (t->mapped) {  // runs whole: a region block's entries must be loaded together
-      std::vector<Status> res = tiers->load_mapped(acc, t->ns, t->keys, t->ids, t->parts, t->deadline);
+      res = tiers->load_mapped(acc, t->ns, t->keys, t->ids, t->parts, t->deadline);
       if (remote && !res.empty()) fetch_missing_mapped(*t, acc, res);
-      for (const Status& r : res) {
-        t->codes.push_back(r.code());
-        if (t->why.empty() && !r.ok()) t->why = r.to_string();
+    } else {
+      store::TieredStore::Turn turn;
+      // The service refuses a destination named twice only within one call: such a request runs whole.
+      if (!(t->next == 0 && has_duplicate_destinations(*t))) {
+        turn.bytes = kFairStepBytes;
+        turn.yield = [this, &t] { return workers->others_waiting(t->client->owner); };
       }
-      t->next = n;
-      finish(*t);
-      return;
-    }
-    store::TieredStore::Turn turn;
-    // The service refuses a destination named twice only within one call: such a request runs whole.
-    if (!(t->next == 0 && has_duplicate_destinations(*t))) {
-      turn.bytes = kFairStepBytes;
-      turn.yield = [this, &t] { return workers->others_waiting(t->client->owner); };
-    }
-    const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next);
-    const auto ids = std::span<const int64_t>(t->ids).subspan(t->next);
-    std::vector<Status> res = t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline, turn)
-                                      : tiers->save(acc, t->ns, keys, ids, t->deadline, turn);
-    if (remote && !res.empty()) {
-      if (t->load)
-        fetch_missing(*t, acc, keys, ids, res);
-      else
-        push_saved(*t, keys, res);
+      const auto keys = std::span<const store::BlockKey>(t->keys).subspan(t->next);
+      const auto ids = std::span<const int64_t>(t->ids).subspan(t->next);
+      res = t->load ? tiers->load(acc, t->ns, keys, ids, t->deadline, turn)
+                    : tiers->save(acc, t->ns, keys, ids, t->deadline, turn);
+      if (remote && !res.empty()) {
+        if (t->load)
+          fetch_missing(*t, acc, keys, ids, res);
+        else
+          push_saved(*t, keys, res);
+      }
     }
     for (const Status& r : res) {
       t->codes.push_back(r.code());

@@ -69,13 +69,24 @@ std::unique_ptr<DaemonProcess> start(const std::string& yaml) {
   return d;
 }
 
+/// `n` daemons on free loopback ports (into `*ports` when given), each listing all of them as
+/// static peers (plus `more` under tiers.remote); the test fails (with a log) where one does not
+/// come up.
+std::vector<std::unique_ptr<DaemonProcess>> start_cluster(size_t n, const std::string& more = "",
+                                                          std::vector<int>* ports_out = nullptr) {
+  std::vector<int> ports;
+  for (size_t i = 0; i < n; ++i) ports.push_back(testing::etcd::free_port());
+  if (ports_out) *ports_out = ports;
+  std::vector<std::unique_ptr<DaemonProcess>> d;
+  for (int p : ports) d.push_back(start(remote_yaml(p, static_peers(ports) + more)));
+  return d;
+}
+
 // A client of A saves; clients of B and C look up and load every block, byte for byte, and C
 // loads them converted into another format; another model's namespace sees none of them.
 TEST(RemoteDaemons, SaveOnOneLoadOnAnother) {
-  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port(), testing::etcd::free_port()};
-  std::vector<std::unique_ptr<DaemonProcess>> d;
-  d.reserve(ports.size());
-  for (int p : ports) d.push_back(start(remote_yaml(p, static_peers(ports))));
+  std::vector<int> ports;
+  auto d = start_cluster(3, "", &ports);
   for (auto& x : d) ASSERT_TRUE(x->ready());
   auto a = connect(*d[0]), b = connect(*d[1]), c = connect(*d[2]);
   ASSERT_TRUE(a && b && c);
@@ -166,10 +177,7 @@ TEST(RemoteDaemons, SharedMemoryTransports) {
 // replicas: 2: every block has two owners; with one of three daemons killed, every block still
 // loads from the other owner (or from the loader itself), byte for byte.
 TEST(RemoteDaemons, TwoReplicasSurviveALostOwner) {
-  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port(), testing::etcd::free_port()};
-  std::vector<std::unique_ptr<DaemonProcess>> d;
-  d.reserve(ports.size());
-  for (int p : ports) d.push_back(start(remote_yaml(p, static_peers(ports) + "    replicas: 2\n")));
+  auto d = start_cluster(3, "    replicas: 2\n");
   for (auto& x : d) ASSERT_TRUE(x->ready());
   auto a = connect(*d[0]), b = connect(*d[1]);
   ASSERT_TRUE(a && b);
@@ -198,9 +206,9 @@ TEST(RemoteDaemons, TwoReplicasSurviveALostOwner) {
 // Prefill → decode: a client of A sends blocks to B; a client of B waiting for them sees each
 // complete, and loads them byte for byte. A send to an unknown peer fails every block, clearly.
 TEST(RemoteDaemons, SendPrefillToDecode) {
-  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port()};
-  auto pa = start(remote_yaml(ports[0], static_peers(ports)));
-  auto pb = start(remote_yaml(ports[1], static_peers(ports)));
+  std::vector<int> ports;
+  auto d = start_cluster(2, "", &ports);
+  auto &pa = d[0], &pb = d[1];
   ASSERT_TRUE(pa->ready() && pb->ready());
   auto a = connect(*pa), b = connect(*pb);
   ASSERT_TRUE(a && b);
@@ -243,9 +251,9 @@ TEST(RemoteDaemons, SendPrefillToDecode) {
 // second region) without B's client loading anything. A region B does not have, or block ids past
 // its end, fail per block and say so.
 TEST(RemoteDaemons, SendLandsInThePeersRegion) {
-  const std::vector<int> ports{testing::etcd::free_port(), testing::etcd::free_port()};
-  auto pa = start(remote_yaml(ports[0], static_peers(ports)));
-  auto pb = start(remote_yaml(ports[1], static_peers(ports)));
+  std::vector<int> ports;
+  auto d = start_cluster(2, "", &ports);
+  auto &pa = d[0], &pb = d[1];
   ASSERT_TRUE(pa->ready() && pb->ready());
   auto a = connect(*pa), b = connect(*pb);
   ASSERT_TRUE(a && b);

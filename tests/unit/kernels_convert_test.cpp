@@ -18,14 +18,7 @@ using kernels::ConvertKind;
 using test::Bytes;
 using test::Region;
 
-void fill_valid(Region& r, uint32_t seed) {
-  std::mt19937 g(seed);
-  const int64_t e = r.spec.format.bytes_per_token();
-  for (int64_t l = 0; l < r.spec.layers; ++l)
-    for (int64_t b = 0; b < r.spec.blocks; ++b)
-      for (int64_t t = 0; t < r.spec.block_size; ++t)
-        test::random_entry(r.spec.format.kind, r.bytes.data() + r.spec.page_offset(l, b) + t * e, g);
-}
+using test::fill_valid;
 
 TEST(KernelsConvert, Fp8ToDsHandChecked) {
   Region src(test::mk_spec(1, 1, 1, EntryFormat::mla_fp8()), 1);

@@ -468,14 +468,7 @@ TEST(Fp4Convert, ThroughBf16) {
   const auto sbf = test::mk_spec(3, 4, 8, EntryFormat::mla_bf16());
   const auto s4 = test::mk_spec(3, 4, 8, EntryFormat::mla_fp4(), Layout::kLayerMajor);
   const auto ids = iota(4);
-  auto fill_valid = [](Region& r, uint32_t seed) {
-    std::mt19937 g(seed);
-    const int64_t e = r.spec.format.bytes_per_token();
-    for (int64_t l = 0; l < r.spec.layers; ++l)
-      for (int64_t b = 0; b < r.spec.blocks; ++b)
-        for (int64_t t = 0; t < r.spec.block_size; ++t)
-          test::random_entry(r.spec.format.kind, r.bytes.data() + r.spec.page_offset(l, b) + t * e, g);
-  };
+  using test::fill_valid;
   for (const KvCacheSpec* src : {&s8, &sds}) {
     Region a(*src, 41), mid(sbf, 42), want(s4, 43), got(s4, 44);
     fill_valid(a, 45);

@@ -103,6 +103,16 @@ struct Region {
   kernels::CacheRef plane(int64_t l, bool v) { return {bytes.data(), bytes.ssize(), spec.kv_view(l, v)}; }
 };
 
+/// Fills every entry of `r` with random but valid values of its format (random_entry).
+inline void fill_valid(Region& r, uint32_t seed) {
+  std::mt19937 g(seed);
+  const int64_t e = r.spec.format.bytes_per_token();
+  for (int64_t l = 0; l < r.spec.layers; ++l)
+    for (int64_t b = 0; b < r.spec.blocks; ++b)
+      for (int64_t t = 0; t < r.spec.block_size; ++t)
+        random_entry(r.spec.format.kind, r.bytes.data() + r.spec.page_offset(l, b) + t * e, g);
+}
+
 inline KvCacheSpec mk_spec(int64_t layers, int64_t blocks, int64_t bs, EntryFormat f,
                            Layout layout = Layout::kBlockMajor) {
   KvCacheSpec s;

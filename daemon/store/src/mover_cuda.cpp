@@ -137,18 +137,7 @@ class CudaOp final : public MoveOp {
     Lane& lane = *lane_;
     const size_t s = k % 2;
     if (k >= 2) KVFERRY_TRY(wait(k - 2));  // its copy out of this buffer is done
-    if (lane.stage_bytes[s] < bytes) {
-      if (lane.stage[s]) {
-        KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-        cudaFreeHost(lane.stage[s]);
-      }
-      lane.stage[s] = nullptr;
-      lane.stage_bytes[s] = 0;
-      void* p = nullptr;
-      KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(bytes)));
-      lane.stage[s] = static_cast<uint8_t*>(p);
-      lane.stage_bytes[s] = bytes;
-    }
+    KVFERRY_TRY(grow_pinned(&lane.stage[s], &lane.stage_bytes[s], bytes));
     return lane.stage[s];
   }
 
@@ -222,19 +211,21 @@ class CudaOp final : public MoveOp {
 
  private:
   /// The lane's pinned staging, at least `bytes` (regrown after the stream is idle).
-  Status grow_staging(int64_t bytes) {
-    Lane& lane = *lane_;
-    if (lane.staging_bytes >= bytes) return Status::Ok();
-    if (lane.staging) {
-      KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane.stream));
-      cudaFreeHost(lane.staging);
+  Status grow_staging(int64_t bytes) { return grow_pinned(&lane_->staging, &lane_->staging_bytes, bytes); }
+
+  /// Makes `*buf` pinned host memory of at least `bytes` (regrown once the lane's stream is idle).
+  Status grow_pinned(uint8_t** buf, int64_t* have, int64_t bytes) {
+    if (*have >= bytes) return Status::Ok();
+    if (*buf) {
+      KVFERRY_CUDA_TRY(cudaStreamSynchronize(lane_->stream));
+      cudaFreeHost(*buf);
     }
-    lane.staging = nullptr;
-    lane.staging_bytes = 0;
+    *buf = nullptr;
+    *have = 0;
     void* p = nullptr;
     KVFERRY_CUDA_TRY(cudaMallocHost(&p, static_cast<size_t>(bytes)));
-    lane.staging = static_cast<uint8_t*>(p);
-    lane.staging_bytes = bytes;
+    *buf = static_cast<uint8_t*>(p);
+    *have = bytes;
     return Status::Ok();
   }
 

@@ -803,13 +803,45 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
                                                          std::to_string(need) + (mha ? " token-heads" : " tokens") +
                                                          "; name the stored blocks of every part"));
   }
-  // Verifies the stored blocks `which` (not yet checked) on the hashing pool.
+  std::vector<size_t> direct, staged;  // indices into groups: moved as they are, or converted first
+  // Checks a stored block's bytes once (not when the caller vouched for them).
+  auto verify_source = [&](Source& src) {
+    if (src.checked) return;
+    src.checked = true;
+    if (verify && !src.trusted && block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum)
+      src.bad = true;
+  };
+  // Verifies the stored blocks `which` (marked checked already) on the hashing pool.
   auto check_sources = [&](std::vector<size_t>& which) {
     if (!verify || which.empty()) return;
     d.hashers->parallel_for(which.size(), target.bytes(), [&](size_t k) {
       Source& src = srcs[which[k]];
       if (block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum) src.bad = true;
     });
+  };
+  // When each of the region blocks direct[from, to) comes from one stored block (pages split, a
+  // head slice taken): the stored blocks in order of first use, each with its region blocks (their
+  // index q into `direct`), so that a thread verifies a stored block and then moves its region
+  // blocks while the block is in cache. Empty when some region block has several stored blocks.
+  struct BySource {
+    std::vector<size_t> order;
+    std::unordered_map<size_t, std::vector<size_t>> blocks;
+  };
+  auto by_source = [&](size_t from, size_t to, BySource* out) {
+    for (size_t q = from; q < to; ++q)
+      for (size_t i : groups[direct[q]].entries)
+        if (src_of[i] != src_of[groups[direct[q]].entries[0]]) return false;
+    for (size_t q = from; q < to; ++q) {
+      if (!groups[direct[q]].st.ok()) continue;
+      auto [it, fresh] = out->blocks.try_emplace(src_of[groups[direct[q]].entries[0]]);
+      if (fresh) out->order.push_back(it->first);
+      it->second.push_back(q);
+    }
+    return true;
+  };
+  // Fails region blocks direct[from, end) that have not failed yet with `st`.
+  auto fail_direct_from = [&](size_t from, const Status& st) {
+    for (size_t q = from; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
   };
   auto group_bad = [&](Group& g) {
     for (size_t i : g.entries)
@@ -830,7 +862,6 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
       }
     return which;
   };
-  std::vector<size_t> direct, staged;  // indices into groups
   for (size_t g = 0; g < groups.size(); ++g)
     if (groups[g].st.ok()) (groups[g].convert ? staged : direct).push_back(g);
 
@@ -887,32 +918,18 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
       const size_t b = std::min(direct.size(), a + per);
       d.test_delay();
       if (Clock::now() >= deadline) {
-        for (size_t q = a; q < direct.size(); ++q)
-          fail_group(groups[direct[q]], groups[direct[q]].entries.front(), Impl::timed_out("load"));
+        fail_direct_from(a, Impl::timed_out("load"));
         break;
       }
       auto buf = op->staging(k, static_cast<int64_t>(b - a) * target.bytes());
       if (!buf.ok()) {
-        for (size_t q = a; q < direct.size(); ++q)
-          fail_group(groups[direct[q]], groups[direct[q]].entries.front(), buf.status());
+        fail_direct_from(a, buf.status());
         break;
       }
       std::vector<uint8_t> go(b - a, 0);
-      // Region blocks that each come from one stored block (pages split, a head slice taken):
-      // a thread verifies a stored block and assembles its region blocks at once, from cache.
-      bool fused = true;
-      for (size_t q = a; fused && q < b; ++q)
-        for (size_t i : groups[direct[q]].entries) fused = fused && src_of[i] == src_of[groups[direct[q]].entries[0]];
-      std::unordered_map<size_t, std::vector<size_t>> by_src;  // source -> its groups' x
-      std::vector<size_t> order;
-      if (fused) {
-        for (size_t x = 0; x < b - a; ++x) {
-          if (!groups[direct[a + x]].st.ok()) continue;
-          auto [it, fresh] = by_src.try_emplace(src_of[groups[direct[a + x]].entries[0]]);
-          if (fresh) order.push_back(it->first);
-          it->second.push_back(x);
-        }
-      } else {
+      BySource bs;
+      const bool fused = by_source(a, b, &bs);
+      if (!fused) {
         auto which = sources_of(a, b, direct);
         check_sources(which);
       }
@@ -938,14 +955,9 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
         go[x] = 1;
       };
       if (fused) {
-        d.hashers->parallel_for(order.size(), bb, [&](size_t y) {
-          Source& src = srcs[order[y]];
-          if (!src.checked) {
-            src.checked = true;
-            if (verify && !src.trusted && block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum)
-              src.bad = true;
-          }
-          for (size_t x : by_src[order[y]]) assemble(x);
+        d.hashers->parallel_for(bs.order.size(), bb, [&](size_t y) {
+          verify_source(srcs[bs.order[y]]);
+          for (size_t q : bs.blocks.at(bs.order[y])) assemble(q - a);
         });
       } else {
         d.hashers->parallel_for(b - a, bb, assemble);
@@ -957,7 +969,7 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
                           false);
       if (dma.empty()) continue;
       if (Status st = op->enqueue_staged(k, dma); !st.ok()) {
-        for (size_t q = a; q < direct.size(); ++q) fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
+        fail_direct_from(a, st);
         break;
       }
     }
@@ -965,33 +977,15 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
   for (size_t k = 0; op && !staged_dma && k < subs.size(); ++k) {
     d.test_delay();
     if (Clock::now() >= deadline) {
-      for (size_t q = subs[k].first; q < direct.size(); ++q)
-        fail_group(groups[direct[q]], groups[direct[q]].entries.front(), Impl::timed_out("load"));
+      fail_direct_from(subs[k].first, Impl::timed_out("load"));
       break;
     }
-    // A host mover whose region blocks each come from one stored block (pages split, a head
-    // slice taken): each stored block is verified and then copied into its region blocks on one
-    // thread, while it is in cache.
-    bool fused = op->by_block();
-    for (size_t q = subs[k].first; fused && q < subs[k].second; ++q)
-      for (size_t i : groups[direct[q]].entries) fused = fused && src_of[i] == src_of[groups[direct[q]].entries[0]];
-    if (fused) {
-      std::unordered_map<size_t, std::vector<size_t>> by_src;  // source -> its region blocks (q)
-      std::vector<size_t> order;
-      for (size_t q = subs[k].first; q < subs[k].second; ++q) {
-        if (!groups[direct[q]].st.ok()) continue;
-        auto [it, fresh] = by_src.try_emplace(src_of[groups[direct[q]].entries[0]]);
-        if (fresh) order.push_back(it->first);
-        it->second.push_back(q);
-      }
-      d.hashers->parallel_for(order.size(), bb, [&](size_t x) {
-        Source& src = srcs[order[x]];
-        if (!src.checked) {
-          src.checked = true;
-          if (verify && !src.trusted && block_checksum(src.hold.data, src.hold.meta.bytes) != src.hold.meta.checksum)
-            src.bad = true;
-        }
-        for (size_t q : by_src[order[x]]) {
+    // A host mover copies each stored block into its region blocks right after verifying it.
+    BySource bs;
+    if (op->by_block() && by_source(subs[k].first, subs[k].second, &bs)) {
+      d.hashers->parallel_for(bs.order.size(), bb, [&](size_t x) {
+        verify_source(srcs[bs.order[x]]);
+        for (size_t q : bs.blocks.at(bs.order[x])) {
           Group& g = groups[direct[q]];
           if (group_bad(g)) continue;
           Status st = op->move_block(std::span<const CopyRun>(runs).subspan(run_at[q], run_at[q + 1] - run_at[q]));
@@ -1019,8 +1013,7 @@ std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, Name
       });
     } else if (!kept.empty()) {
       if (Status st = pitched ? op->enqueue_2d(k, fold_2d(kept)) : op->enqueue(k, kept); !st.ok()) {
-        for (size_t q = subs[k].first; q < direct.size(); ++q)
-          fail_group(groups[direct[q]], groups[direct[q]].entries.front(), st);
+        fail_direct_from(subs[k].first, st);
         break;
       }
     }
