@@ -694,6 +694,9 @@ const std::vector<Field>& table() {
         field("tiers.remote.lookup_timeout", KVF_MEMBER(remote.lookup_timeout),
               MillisC{std::chrono::milliseconds(1), std::chrono::minutes(1)}, kRestart,
               "deadline of a remote lookup (an owner that does not answer by then is a miss)"),
+        field("tiers.remote.local_transfer", KVF_MEMBER(remote.local_transfer), BoolC{}, kRestart,
+              "a send into a region of a peer daemon on this host copies region to region (device to device "
+              "for GPU regions) instead of through both host pools"),
         field("integrity.checksum", KVF_MEMBER(integrity.checksum), checksum, kRestart,
               "checksum of stored blocks: xxh3 | none"),
         field("integrity.verify_on_load", KVF_MEMBER(integrity.verify_on_load), BoolC{}, kReload,

@@ -81,6 +81,7 @@ Result<std::unique_ptr<Client>> Client::connect(const Options& opts) {
     hello.model = opts.model;
     hello.tenant = opts.tenant;
   }
+  hello.peer_token = opts.peer_token;
   auto f = c->request(proto::encode(hello), proto::MsgType::kWelcome);
   if (!f.ok()) {
     if (f.status().code() == ErrorCode::kVersionMismatch)
@@ -126,6 +127,7 @@ Client::~Client() {
 
 void Client::unmap(Mapped& m) {
   if (!m.base || !m.owned) return;
+  m.base = static_cast<uint8_t*>(m.base) - m.offset;  // the mapping starts at the buffer
   switch (m.desc.backend) {
     case proto::Backend::kMemfd: ::munmap(m.base, m.desc.alloc_bytes); break;
     case proto::Backend::kCudaVmm: {
@@ -219,6 +221,15 @@ Result<uint32_t> Client::map_handle(proto::RecvFrame& f) {
       break;
     }
   }
+  // A region inside a larger buffer (registered at an offset; mapped by a peer daemon only).
+  if (h->offset > d.alloc_bytes || d.bytes > d.alloc_bytes - h->offset) {
+    unmap(m);
+    return Status(ErrorCode::kProtocol, "region '" + d.name + "' of " + std::to_string(d.bytes) + " bytes at offset " +
+                                            std::to_string(h->offset) + " does not fit its buffer of " +
+                                            std::to_string(d.alloc_bytes) + " bytes");
+  }
+  m.offset = h->offset;
+  m.base = static_cast<uint8_t*>(m.base) + m.offset;
   known_[d.id] = d;
   mapped_[d.id] = m;
   return d.id;

@@ -48,6 +48,24 @@ TEST(Protocol, HelloRoundTrip) {
   ASSERT_TRUE(d.ok()) << d.status().to_string();
   EXPECT_EQ(d->client_name, "engine-7");
   EXPECT_EQ(d->pid, 4242u);
+  EXPECT_TRUE(d->peer_token.empty());
+}
+
+TEST(Protocol, HelloWithAPeerToken) {
+  Hello m{"peer:b", 7, true, "m", "t", "0123456789abcdef0123456789abcdef"};
+  auto f = one_frame(encode(m));
+  EXPECT_EQ(f.header.field_mask, kFieldNamespace | kFieldPeerToken);
+  auto d = decode_hello(f.payload, f.header.field_mask);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ(d->tenant, "t");
+  EXPECT_EQ(d->peer_token, m.peer_token);
+  // Without the namespace, and a token longer than allowed is refused by name.
+  Hello n{"peer:b", 7};
+  n.peer_token = std::string(kMaxPeerToken + 1, 'x');
+  auto g = one_frame(encode(n));
+  auto e = decode_hello(g.payload, g.header.field_mask);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("peer_token"), std::string::npos) << e.status().to_string();
 }
 
 TEST(Protocol, WelcomeRoundTripWithRegions) {

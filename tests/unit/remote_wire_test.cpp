@@ -78,6 +78,27 @@ TEST(RemoteWire, BodiesRoundTrip) {
   auto n2 = Notify::decode(n.encode());
   ASSERT_TRUE(n2.ok());
   EXPECT_EQ(n2->codes, n.codes);
+
+  LocalExportRequest le{"m|mla|t", 7};
+  auto le2 = LocalExportRequest::decode(le.encode());
+  ASSERT_TRUE(le2.ok());
+  EXPECT_EQ(le2->ns, le.ns);
+  EXPECT_EQ(le2->region, 7u);
+  LocalExportReply lr{"boot", "/run/kvferry/b.sock", "tok"};
+  auto lr2 = LocalExportReply::decode(lr.encode());
+  ASSERT_TRUE(lr2.ok());
+  EXPECT_EQ(lr2->boot_id, "boot");
+  EXPECT_EQ(lr2->socket, lr.socket);
+  EXPECT_EQ(lr2->token, "tok");
+  LocalLanded ll{"ns", "tok", 3, {{1, 1}, {2, 2}}, {5, -1}};
+  auto ll2 = LocalLanded::decode(ll.encode());
+  ASSERT_TRUE(ll2.ok());
+  EXPECT_EQ(ll2->region, 3u);
+  EXPECT_EQ(ll2->token, "tok");
+  EXPECT_EQ(ll2->ids, ll.ids);
+  EXPECT_EQ(ll2->keys[1].lo, 2u);
+  const auto lle = ll.encode();
+  for (size_t k = 0; k < lle.size(); ++k) EXPECT_FALSE(LocalLanded::decode(std::span(lle).first(k)).ok()) << k;
 }
 
 TEST(RemoteWire, DecodingNeverTrustsALength) {
@@ -104,6 +125,9 @@ TEST(RemoteWire, DecodingNeverTrustsALength) {
     (void)CommitRequest::decode(junk);
     (void)CommitReply::decode(junk);
     (void)Notify::decode(junk);
+    (void)LocalExportRequest::decode(junk);
+    (void)LocalExportReply::decode(junk);
+    (void)LocalLanded::decode(junk);
     Reader r(junk);
     (void)PeerHello::decode(r);
   }

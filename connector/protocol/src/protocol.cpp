@@ -232,7 +232,9 @@ Frame encode(const Hello& m) {
     w.str(m.model);
     w.str(m.tenant);
   }
-  return finish(MsgType::kHello, w, m.has_namespace ? kFieldNamespace : 0);
+  if (!m.peer_token.empty()) w.str(m.peer_token);
+  return finish(MsgType::kHello, w,
+                (m.has_namespace ? kFieldNamespace : 0) | (m.peer_token.empty() ? 0 : kFieldPeerToken));
 }
 Result<Hello> decode_hello(std::span<const uint8_t> p, uint32_t fm) {
   Reader r(p);
@@ -244,6 +246,7 @@ Result<Hello> decode_hello(std::span<const uint8_t> p, uint32_t fm) {
     m.model = r.str("model", 256);
     m.tenant = r.str("tenant", 256);
   }
+  if (fm & kFieldPeerToken) m.peer_token = r.str("peer_token", kMaxPeerToken);
   return done(r, std::move(m));
 }
 

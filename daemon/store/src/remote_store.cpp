@@ -8,12 +8,14 @@
 #include <condition_variable>
 #include <cstdio>
 #include <deque>
+#include <fstream>
 #include <future>
 #include <map>
 #include <optional>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "kvferry/store/membership.h"
 #include "kvferry/store/placement.h"
@@ -75,6 +77,17 @@ milliseconds left_until(Clock::time_point deadline) {
 
 bool peer_failure(ErrorCode c) { return c == ErrorCode::kUnavailable || c == ErrorCode::kTimeout; }
 
+/// This host's boot id (differs between machines and between boots; the same in every network
+/// namespace of one kernel), or the host name when the kernel does not say.
+std::string host_boot_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (f && std::getline(f, id) && !id.empty()) return id;
+  char hn[256] = {};
+  ::gethostname(hn, sizeof hn - 1);
+  return std::string("host:") + hn;
+}
+
 }  // namespace
 
 struct RemoteStore::Impl {
@@ -125,7 +138,15 @@ struct RemoteStore::Impl {
   std::thread sweeper;
 
   Counter *served_lookups = nullptr, *served_blocks_in = nullptr, *torn_reads = nullptr, *refused = nullptr,
-          *commit_mismatch = nullptr, *landing_failures = nullptr;
+          *commit_mismatch = nullptr, *landing_failures = nullptr, *local_landed = nullptr;
+
+  std::string boot_id;  // this host's (/proc/sys/kernel/random/boot_id): peers with the same one share it
+
+  // Keys peers on this host copied into this daemon's regions (region to region: not stored here),
+  // by namespace name, for wait_for; guarded by commit_mu, the oldest dropped past kMaxLanded.
+  static constexpr size_t kMaxLanded = size_t{1} << 16;
+  std::map<std::string, std::unordered_set<BlockKey, BlockKeyHash>> landed;
+  std::deque<std::pair<std::string, BlockKey>> landed_order;
 
   Impl(RemoteStoreOptions o, BlockIndex& i, Registry& m) : opts(std::move(o)), index(i), metrics(m) {}
 
@@ -301,10 +322,55 @@ struct RemoteStore::Impl {
       case wire::RemoteOp::kReserve: return serve_reserve(peer, body);
       case wire::RemoteOp::kCommit: return serve_commit(peer, body);
       case wire::RemoteOp::kPing: return std::vector<uint8_t>(body.begin(), body.end());
+      case wire::RemoteOp::kLocalExport: return serve_local_export(peer, body);
+      case wire::RemoteOp::kLocalLanded: return serve_local_landed(peer, body);
       default: break;
     }
     refused->add();
     return Status(ErrorCode::kUnsupported, "remote op " + std::to_string(op) + " is not served");
+  }
+
+  /// A peer on this host asks to import one of this daemon's regions: the daemon grants a token.
+  Result<std::vector<uint8_t>> serve_local_export(const PeerInfo& peer, std::span<const uint8_t> body) {
+    KVFERRY_ASSIGN_OR_RETURN(auto q, wire::LocalExportRequest::decode(body));
+    if (!opts.grant_import || opts.socket.empty())
+      return Status(ErrorCode::kUnsupported, self_id + " does not export regions to peers (local_transfer is off)");
+    KVFERRY_ASSIGN_OR_RETURN(auto token, opts.grant_import(TieredStore::tenant_of(q.ns), q.region));
+    note("peer " + peer.name + " imports region " + std::to_string(q.region) + " for region-to-region sends");
+    return wire::LocalExportReply{boot_id, opts.socket, std::move(token)}.encode();
+  }
+
+  /// A peer on this host copied blocks into one of this daemon's regions: check them, remember the
+  /// keys as landed and wake the waiters.
+  Result<std::vector<uint8_t>> serve_local_landed(const PeerInfo&, std::span<const uint8_t> body) {
+    KVFERRY_ASSIGN_OR_RETURN(auto q, wire::LocalLanded::decode(body));
+    if (!opts.on_local_landed)
+      return Status(ErrorCode::kUnsupported, self_id + " does not take region-to-region sends");
+    const auto st = opts.on_local_landed(q.token, TieredStore::tenant_of(q.ns), q.region, q.ids);
+    wire::CommitReply rep;
+    rep.codes.resize(q.keys.size(), ErrorCode::kInternal);
+    std::lock_guard g(commit_mu);
+    auto& set = landed[q.ns];
+    uint64_t n = 0;
+    for (size_t i = 0; i < q.keys.size() && i < st.size(); ++i) {
+      rep.codes[i] = st[i].code();
+      if (!st[i].ok() || !set.insert(q.keys[i]).second) continue;
+      landed_order.emplace_back(q.ns, q.keys[i]);
+      ++n;
+    }
+    while (landed_order.size() > kMaxLanded) {
+      auto& [ns, key] = landed_order.front();
+      if (auto it = landed.find(ns); it != landed.end()) {
+        it->second.erase(key);
+        if (it->second.empty()) landed.erase(it);
+      }
+      landed_order.pop_front();
+    }
+    if (landed.count(q.ns) && landed[q.ns].empty()) landed.erase(q.ns);
+    local_landed->add(n);
+    ++commits;
+    commit_cv.notify_all();
+    return rep.encode();
   }
 
   Result<std::vector<uint8_t>> serve_lookup(std::span<const uint8_t> body) {
@@ -940,6 +1006,10 @@ Result<std::unique_ptr<RemoteStore>> RemoteStore::create(RemoteStoreOptions opts
   d.commit_mismatch =
       &m.counter("kvferry_remote_commit_mismatches_total",
                  "Blocks peers wrote whose bytes did not match their checksum (dropped)", "tier=\"remote\"");
+  d.local_landed =
+      &m.counter("kvferry_remote_local_landed_total",
+                 "Blocks peers on this host copied into this daemon's regions (region to region)", "tier=\"remote\"");
+  d.boot_id = host_boot_id();
 
   UcxTransport::Options to;
   to.incarnation = incarnation;
@@ -1124,6 +1194,55 @@ std::vector<Status> RemoteStore::push_into(NamespaceId ns, const std::string& ns
   return out;
 }
 
+Result<RemoteStore::LocalGrant> RemoteStore::local_import(const std::string& to, const std::string& ns_name,
+                                                          uint32_t region, Clock::time_point deadline) {
+  Impl& d = *impl_;
+  if (to == d.self_id) return Status(ErrorCode::kInvalidArgument, "a send into a region names this daemon itself");
+  KVFERRY_ASSIGN_OR_RETURN(PeerId ep, d.endpoint(to));
+  auto rep = d.transport->call(ep, static_cast<uint16_t>(wire::RemoteOp::kLocalExport),
+                               wire::LocalExportRequest{ns_name, region}.encode(),
+                               std::max(left_until(deadline), milliseconds(100)));
+  Result<wire::LocalExportReply> r =
+      rep.ok() ? wire::LocalExportReply::decode(*rep) : Result<wire::LocalExportReply>(rep.status());
+  if (!r.ok()) {
+    d.failed(to, ep, r.status());
+    return r.status().with_context("importing region " + std::to_string(region) + " of " + to);
+  }
+  if (r->boot_id != d.boot_id) return Status(ErrorCode::kUnsupported, to + " runs on another host");
+  return LocalGrant{std::move(r->socket), std::move(r->token)};
+}
+
+std::vector<Status> RemoteStore::local_landed(const std::string& to, const std::string& ns_name,
+                                              const std::string& token, uint32_t region, std::span<const BlockKey> keys,
+                                              std::span<const int64_t> ids, Clock::time_point deadline) {
+  Impl& d = *impl_;
+  auto ep = d.endpoint(to);
+  if (!ep.ok()) return std::vector<Status>(keys.size(), ep.status());
+  wire::LocalLanded q{ns_name, token, region, {keys.begin(), keys.end()}, {ids.begin(), ids.end()}};
+  auto rep = d.transport->call(*ep, static_cast<uint16_t>(wire::RemoteOp::kLocalLanded), q.encode(),
+                               std::max(left_until(deadline), milliseconds(100)));
+  Result<wire::CommitReply> r = rep.ok() ? wire::CommitReply::decode(*rep) : Result<wire::CommitReply>(rep.status());
+  if (r.ok() && r->codes.size() != keys.size())
+    r = Status(ErrorCode::kProtocol, to + " answered a landing of " + std::to_string(keys.size()) + " blocks with " +
+                                         std::to_string(r->codes.size()) + " codes");
+  std::vector<Status> out(keys.size(), Status::Ok());
+  uint64_t errors = 0;
+  if (!r.ok()) {
+    d.failed(to, *ep, r.status());
+    for (auto& o : out) o = r.status().with_context("telling " + to + " the blocks landed");
+    errors = keys.size();
+  } else {
+    for (size_t i = 0; i < keys.size(); ++i)
+      if (r->codes[i] != ErrorCode::kOk) {
+        out[i] = Status(r->codes[i],
+                        to + " refused block " + std::to_string(ids[i]) + " of its region " + std::to_string(region));
+        ++errors;
+      }
+  }
+  d.count(to, true, keys.size() - errors, 0, errors);
+  return out;
+}
+
 std::vector<uint8_t> RemoteStore::wait_for(NamespaceId ns, std::span<const BlockKey> keys, Clock::time_point deadline) {
   Impl& d = *impl_;
   for (;;) {
@@ -1133,6 +1252,15 @@ std::vector<uint8_t> RemoteStore::wait_for(NamespaceId ns, std::span<const Block
       seen = d.commits;
     }
     auto r = d.index.lookup(ns, keys);
+    if (r.prefix < keys.size()) {  // or copied into a region here by a peer on this host
+      const auto name = d.index.namespace_name(ns);
+      std::lock_guard g(d.commit_mu);
+      auto it = name ? d.landed.find(*name) : d.landed.end();
+      for (size_t i = 0; it != d.landed.end() && i < keys.size(); ++i)
+        if (!r.present[i] && it->second.count(keys[i])) r.present[i] = 1;
+      r.prefix = 0;
+      while (r.prefix < keys.size() && r.present[r.prefix]) ++r.prefix;
+    }
     if (r.prefix == keys.size() || Clock::now() >= deadline) return r.present;
     std::unique_lock lk(d.commit_mu);
     d.commit_cv.wait_until(lk, deadline, [&] { return d.commits != seen; });
@@ -1205,6 +1333,15 @@ std::vector<Status> RemoteStore::push_into(NamespaceId, const std::string&, std:
 }
 std::vector<uint8_t> RemoteStore::wait_for(NamespaceId, std::span<const BlockKey> keys, Clock::time_point) {
   return std::vector<uint8_t>(keys.size(), 0);
+}
+Result<RemoteStore::LocalGrant> RemoteStore::local_import(const std::string&, const std::string&, uint32_t,
+                                                          Clock::time_point) {
+  return Status(ErrorCode::kUnavailable, "built without UCX");
+}
+std::vector<Status> RemoteStore::local_landed(const std::string&, const std::string&, const std::string&, uint32_t,
+                                              std::span<const BlockKey> keys, std::span<const int64_t>,
+                                              Clock::time_point) {
+  return std::vector<Status>(keys.size(), Status(ErrorCode::kUnavailable, "built without UCX"));
 }
 std::vector<RemotePeerView> RemoteStore::peers() const { return {}; }
 Status RemoteStore::health() const { return {ErrorCode::kUnavailable, "built without UCX"}; }

@@ -103,6 +103,9 @@ struct RemoteTierConfig {
   std::chrono::milliseconds timeout{5000};        ///< deadline of a remote transfer batch
   std::chrono::milliseconds lookup_timeout{500};  ///< deadline of a remote lookup
   RemoteWrite write = RemoteWrite::kThrough;      ///< through | on_evict
+  /// A send into a region of a peer on this host goes region to region (the peer's region
+  /// imported once; device-to-device copies for GPU regions), not through the host pools.
+  bool local_transfer = true;
 
   bool operator==(const RemoteTierConfig&) const = default;
 };

@@ -58,6 +58,8 @@ class Client {
     /// family, never across). "" model = the daemon's default namespace.
     std::string model;
     std::string tenant;
+    /// Set only by a peer daemon importing a region (proto::Hello::peer_token).
+    std::string peer_token;
   };
 
   /// The outcome of one data op (lookup, save, load, pin, unpin, evict, stats, ls).
@@ -215,8 +217,9 @@ class Client {
  private:
   struct Mapped {
     proto::RegionDesc desc;
-    void* base = nullptr;
-    uint64_t handle = 0;  // cuda vmm
+    void* base = nullptr;  // where the region starts: the mapping + offset
+    uint64_t offset = 0;   // of the region in its buffer
+    uint64_t handle = 0;   // cuda vmm
     bool device = false;
     bool owned = true;  // false for a registered buffer: the caller unmaps it
   };

@@ -147,6 +147,9 @@ struct RegionDesc {
 
 /// Hello field_mask bits.
 inline constexpr uint32_t kFieldNamespace = 1u << 0;  ///< model + tenant follow (the block namespace)
+inline constexpr uint32_t kFieldPeerToken = 1u << 1;  ///< a peer daemon's one-time token follows
+/// Longest peer token a Hello may carry.
+inline constexpr size_t kMaxPeerToken = 64;
 struct Hello {
   std::string client_name;
   uint32_t pid = 0;
@@ -155,6 +158,10 @@ struct Hello {
   bool has_namespace = false;
   std::string model = {};
   std::string tenant = {};
+  /// A peer daemon of the remote tier on this host that imports one region for region-to-region
+  /// sends: the token that daemon was granted over the cluster's authenticated channel. The
+  /// session acts as the token's tenant and may map that region only.
+  std::string peer_token = {};
 };
 
 struct Welcome {

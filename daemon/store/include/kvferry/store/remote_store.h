@@ -57,6 +57,18 @@ struct RemoteStoreOptions {
   std::function<std::vector<Status>(NamespaceId ns, const std::string& tenant, uint32_t region,
                                     std::span<const BlockKey> keys, std::span<const int64_t> ids)>
       on_land;
+  /// Region-to-region sends from peers on this host (tiers.remote.local_transfer), this daemon's
+  /// side. grant_import: a one-time token with which a peer's import session on `socket` maps
+  /// region `region` of `tenant` (kNotFound when that tenant has no such region). Empty: such
+  /// imports are refused (kUnsupported), and senders go through the host pools.
+  std::function<Result<std::string>(const std::string& tenant, uint32_t region)> grant_import;
+  std::string socket;  ///< this daemon's control socket (where an importing peer connects)
+  /// A peer copied blocks into blocks `ids` of region `region` of `tenant` through the import
+  /// that `token` granted: one status per id (the import is still that region's, each id exists).
+  /// Called on the transport's progress thread; must not block.
+  std::function<std::vector<Status>(const std::string& token, const std::string& tenant, uint32_t region,
+                                    std::span<const int64_t> ids)>
+      on_local_landed;
   std::function<void(const std::string&)> log;   ///< warnings; stderr when empty
   std::function<void(const std::string&)> info;  ///< notable events (joins, leaves); dropped when empty
 };
@@ -114,8 +126,25 @@ class RemoteStore {
                                 Clock::time_point deadline, const std::string& to, uint32_t region,
                                 std::span<const int64_t> ids);
 
+  /// How to import member `to`'s region `region` for region-to-region sends (the namespace's tenant
+  /// must reach it): its control socket and a one-time token. kUnsupported when `to` runs on
+  /// another host (its boot id differs) or does not export regions; kUnavailable when it is lost.
+  struct LocalGrant {
+    std::string socket;
+    std::string token;
+  };
+  Result<LocalGrant> local_import(const std::string& to, const std::string& ns_name, uint32_t region,
+                                  Clock::time_point deadline);
+  /// Tells member `to` that blocks `keys` of `ns_name` were copied into blocks `ids` of its region
+  /// `region`: per key kOk once it has checked the blocks and woken its waiters, else the error.
+  std::vector<Status> local_landed(const std::string& to, const std::string& ns_name, const std::string& token,
+                                   uint32_t region, std::span<const BlockKey> keys, std::span<const int64_t> ids,
+                                   Clock::time_point deadline);
+
   /// Waits until every key of `ns_name` in `keys` is stored here (a send from a peer landed) or the
   /// deadline passes; per key 1 when present. Wakes on every commit from a peer (no polling).
+  /// A key a peer on this host copied into one of this daemon's regions (local_landed) counts as
+  /// present too, though it is not stored: it is in the region it was sent to.
   std::vector<uint8_t> wait_for(NamespaceId ns, std::span<const BlockKey> keys, Clock::time_point deadline);
 
   /// The host pool's write-back tier for `tiers.remote.write: on_evict`: the store's demotions of

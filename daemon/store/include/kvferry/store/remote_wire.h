@@ -37,11 +37,13 @@ enum class MsgType : uint16_t {
 
 /// Operations carried by kRequest (the body layouts below).
 enum class RemoteOp : uint16_t {
-  kLookup = 1,   ///< LookupRequest → LookupReply
-  kReserve = 2,  ///< ReserveRequest → ReserveReply: slots in the owner's pool to put blocks into
-  kCommit = 3,   ///< CommitRequest → CommitReply: the put blocks are complete, check and index them
-  kNotify = 4,   ///< Notify → empty: per-block outcome of a send (prefill → decode)
-  kPing = 5,     ///< any bytes → the same bytes
+  kLookup = 1,       ///< LookupRequest → LookupReply
+  kReserve = 2,      ///< ReserveRequest → ReserveReply: slots in the owner's pool to put blocks into
+  kCommit = 3,       ///< CommitRequest → CommitReply: the put blocks are complete, check and index them
+  kNotify = 4,       ///< Notify → empty: per-block outcome of a send (prefill → decode)
+  kPing = 5,         ///< any bytes → the same bytes
+  kLocalExport = 6,  ///< LocalExportRequest → LocalExportReply: import one of the owner's regions (same host)
+  kLocalLanded = 7,  ///< LocalLanded → CommitReply: blocks were copied into that region, region to region
 };
 
 struct Header {
@@ -431,6 +433,89 @@ struct Notify {
       q.codes.push_back(ErrorCode(int16_t(r.u16())));
     }
     KVFERRY_TRY(r.finish("notify"));
+    return q;
+  }
+};
+
+/// A sender on the same host asks to import region `region` of the namespace's tenant, for sends
+/// that copy region to region.
+struct LocalExportRequest {
+  std::string ns;  ///< namespace name (its tenant must reach the region)
+  uint32_t region = 0;
+  std::vector<uint8_t> encode() const {
+    Writer w;
+    w.str(ns);
+    w.u32(region);
+    return std::move(w.buffer());
+  }
+  static Result<LocalExportRequest> decode(std::span<const uint8_t> b) {
+    Reader r(b);
+    LocalExportRequest q;
+    q.ns = r.str(255);
+    q.region = r.u32();
+    KVFERRY_TRY(r.finish("local export request"));
+    return q;
+  }
+};
+
+/// How to import it: the host it runs on (boot id: a sender elsewhere cannot import), its
+/// control socket and a one-time token for the Hello (proto::Hello::peer_token).
+struct LocalExportReply {
+  std::string boot_id;
+  std::string socket;
+  std::string token;
+  std::vector<uint8_t> encode() const {
+    Writer w;
+    w.str(boot_id);
+    w.str(socket);
+    w.str(token);
+    return std::move(w.buffer());
+  }
+  static Result<LocalExportReply> decode(std::span<const uint8_t> b) {
+    Reader r(b);
+    LocalExportReply q;
+    q.boot_id = r.str(64);
+    q.socket = r.str(4096);
+    q.token = r.str(64);
+    KVFERRY_TRY(r.finish("local export reply"));
+    return q;
+  }
+};
+
+/// Blocks `keys` of namespace `ns` were copied into blocks `ids` of region `region` (answered by
+/// a CommitReply: one code per block).
+struct LocalLanded {
+  std::string ns;
+  std::string token;  ///< the import's (LocalExportReply::token): names what the sender copied into
+  uint32_t region = 0;
+  std::vector<BlockKey> keys;
+  std::vector<int64_t> ids;  ///< one per key
+  std::vector<uint8_t> encode() const {
+    Writer w;
+    w.str(ns);
+    w.str(token);
+    w.u32(region);
+    w.u32(uint32_t(keys.size()));
+    for (size_t i = 0; i < keys.size(); ++i) {
+      w.key(keys[i]);
+      w.u64(uint64_t(i < ids.size() ? ids[i] : -1));
+    }
+    return std::move(w.buffer());
+  }
+  static Result<LocalLanded> decode(std::span<const uint8_t> b) {
+    Reader r(b);
+    LocalLanded q;
+    q.ns = r.str(255);
+    q.token = r.str(64);
+    q.region = r.u32();
+    uint32_t n = r.count(24);
+    q.keys.reserve(n);
+    q.ids.reserve(n);
+    for (uint32_t i = 0; i < n; ++i) {
+      q.keys.push_back(r.key());
+      q.ids.push_back(int64_t(r.u64()));
+    }
+    KVFERRY_TRY(r.finish("local landed"));
     return q;
   }
 };
