@@ -1,9 +1,5 @@
 // The daemon core (daemon.h): control socket, sessions, tenancy, region registry, ring service.
-#include <utility>  // before Asio (Boost 1.74 with C++20)
-
-#include <boost/asio.hpp>
-
-#include "kvferry/daemon/daemon.h"
+#include "daemon_impl.h"
 
 #include <fcntl.h>
 #include <grp.h>
@@ -12,33 +8,21 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include <spdlog/spdlog.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <fstream>
-#include <map>
-#include <mutex>
 #include <set>
 #include <sstream>
 
-#include "data_ops.h"
 #include "kvferry/connector/wire_io.h"
 #include "kvferry/daemon/notify.h"
-#include "kvferry/daemon/region.h"
-#include "kvferry/daemon/ring_service.h"
 #include "kvferry/kernels/device.h"
-#include "kvferry/store/http_server.h"
 #include "kvferry/version.h"
 
 namespace kvferry::daemon {
-
-namespace asio = boost::asio;
-using local_stream = asio::local::stream_protocol;
-using Clock = std::chrono::steady_clock;
 
 const char* version() { return KVFERRY_VERSION; }
 
@@ -55,10 +39,6 @@ void apply_log_level(config::LogLevel level) {
 
 namespace {
 
-constexpr uint32_t kArenaBytes = 1u << 20;
-constexpr auto kSpin = std::chrono::microseconds(50);
-/// A payload is read in pieces of at most this, so the buffer grows with what actually arrived.
-constexpr size_t kReadChunk = 64 * 1024;
 /// A session's output queue holds at most this many frames or bytes; past either, the session's
 /// requests are not read until the client reads its replies (limits.send_timeout then applies).
 constexpr size_t kMaxQueuedFrames = 64;
@@ -69,18 +49,8 @@ constexpr size_t kMaxClaimedTenant = 128;
 constexpr auto kAcceptBackoff = std::chrono::milliseconds(100);
 /// Period of the sweep over handshake and send deadlines (while any is pending).
 constexpr auto kSweepPeriod = std::chrono::milliseconds(100);
-/// The owner of what an admin session without a tenant creates: not a valid tenant name, so it
-/// never collides with one.
-constexpr const char* kAdminOwner = "@admin";
 
 void op_ping(ClientChannel&, const ring::SubmitEntry& req, ring::CompletionEntry& out) { out.result[0] = req.args[0]; }
-
-/// A peer's credentials as the kernel vouches for them at connect(): uid, primary gid, pid and
-/// every group (primary first, then the supplementary ones).
-struct Creds {
-  uint32_t uid = 0, gid = 0, pid = 0;
-  std::vector<uint32_t> groups;
-};
 
 std::string creds_text(const Creds& c) {
   std::string s = "uid " + std::to_string(c.uid) + " gid " + std::to_string(c.gid);
@@ -149,41 +119,6 @@ std::vector<uint32_t> peer_groups(int fd, const ucred& cr) {
   return out;
 }
 
-/// Runs `f`, turning any exception into a log line: nothing thrown may cross an Asio handler.
-template <class F>
-void guarded(const char* where, F&& f) noexcept {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    try {
-      spdlog::error("{}: {}", where, e.what());
-    } catch (...) {
-    }
-  } catch (...) {
-    try {
-      spdlog::error("{}: unknown exception", where);
-    } catch (...) {
-    }
-  }
-}
-
-/// At most one log line a second for a repeating event; counts the lines it held back.
-struct Throttle {
-  Clock::time_point last{};
-  uint64_t held = 0;
-  /// True when a line may be written now; `*held_back` = lines held back since the last one.
-  bool allow(uint64_t* held_back) {
-    const auto now = Clock::now();
-    if (last != Clock::time_point{} && now - last < std::chrono::seconds(1)) {
-      ++held;
-      return false;
-    }
-    last = now;
-    *held_back = std::exchange(held, 0);
-    return true;
-  }
-};
-
 /// Sends a small frame once without waiting (a just-accepted socket's buffer is empty): for
 /// refusals made before a session exists.
 void send_best_effort(int fd, const Status& st) {
@@ -192,79 +127,6 @@ void send_best_effort(int fd, const Status& st) {
 }
 
 }  // namespace
-
-/// Who a session acts as, settled at its Hello from its credentials (never from the claim alone).
-struct Identity {
-  std::string tenant;  ///< ClientChannel::tenant: the block namespace's tenant part
-  std::string owner;   ///< owner of the regions it creates and the key of its quotas
-  bool admin = false;  ///< sees and manages every tenant's regions, clients and blocks; no quotas
-};
-
-struct Daemon::Impl {
-  struct Session;
-  struct RegionEntry {
-    std::shared_ptr<Region> region;
-    bool from_config = false;
-    uint32_t holders = 0;
-    std::string owner;  ///< "" = shared by every tenant (config regions without a tenant)
-  };
-  /// Whose view a status reply is: nullptr = everything (in-process callers).
-  struct Viewer {
-    bool admin = false;
-    std::string owner;  ///< "" = sees shared regions only and no clients
-  };
-
-  config::Config cfg;
-  RegionBackend backend = RegionBackend::kCpu;
-  asio::io_context io{1};
-  local_stream::acceptor acceptor{io};
-  asio::signal_set signals{io};
-  asio::steady_timer watchdog{io};
-  asio::steady_timer sweep{io};         // handshake and send deadlines
-  asio::steady_timer accept_pause{io};  // back-off of the accept loop after EMFILE and the like
-  std::chrono::microseconds watchdog_half{0};
-  RingService rings{kSpin};
-  std::unique_ptr<DataOps> data;            // after rings: its workers post to them
-  std::unique_ptr<store::HttpServer> http;  // after io: it serves on it
-  std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
-  std::function<Result<config::Config>()> on_hup;
-  bool stopping = false;
-  bool bound = false;
-  bool sweep_armed = false;
-  bool accept_pause_armed = false;
-  UniqueFd reserve_fd;  // given up at EMFILE so one pending connection can be accepted and shed
-  Throttle accept_log, refuse_log;
-  uint64_t shed = 0;  // connections accepted only to be closed at fd exhaustion
-  /// Where payload bytes land before they are appended to their session's frame (event loop only).
-  std::vector<uint8_t> scratch = std::vector<uint8_t>(kReadChunk);
-
-  mutable std::mutex mu;  // guards regions, sessions and each session's hello/identity (status() reads them)
-  std::map<uint32_t, RegionEntry> regions;
-  std::map<uint32_t, std::shared_ptr<Session>> sessions;
-  uint32_t next_region = 1;
-  uint32_t next_client = 1;
-
-  Status bind_socket();
-  void accept();
-  void on_accept(local_stream::socket s);
-  void pause_accepting(const boost::system::error_code& ec);
-  void arm_sweep();
-  void sweep_once();
-  void do_stop();
-  void arm_watchdog();
-  void do_reload(const config::Config& next);
-  void recheck_sessions();
-  bool allowed(const Creds& c) const;
-  bool is_admin(const Creds& c) const;
-  Result<Identity> identify(const Creds& c, const std::string& claimed) const;
-  config::TenantQuota quota_for(const Identity& id) const;
-  Viewer viewer_for(const Creds& c) const;
-  void release(Session& s);
-  std::vector<std::shared_ptr<Session>> all_sessions() const;
-  proto::StatusReply snapshot(const Viewer* v) const;
-  Result<std::shared_ptr<Region>> add_region(const std::string& name, const KvCacheSpec& spec, bool from_config,
-                                             const std::string& owner);
-};
 
 /// One connected client. Lives while the registry or a pending handler holds it. Everything here
 /// runs on the event loop thread; `hello` and `ident` are also read by status() under `d.mu`.
