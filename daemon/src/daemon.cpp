@@ -1,4 +1,5 @@
-// The daemon core (daemon.h): control socket, sessions, tenancy, region registry, ring service.
+// The daemon's life (daemon.h): create, run, stop, reload and signals; the accept loop, the sweep
+// of handshake and send deadlines, the watchdog and the status snapshot. Daemon::Impl: daemon_impl.h.
 #include "daemon_impl.h"
 #include "session.h"
 
@@ -50,23 +51,6 @@ void send_best_effort(int fd, const Status& st) {
 }
 
 }  // namespace
-
-Result<std::shared_ptr<Region>> Daemon::Impl::add_region(const std::string& name, const KvCacheSpec& spec,
-                                                         bool from_config, const std::string& owner) {
-  uint32_t id;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    id = next_region++;
-  }
-  auto r = create_region(id, name, spec, backend, cfg.device.gpu);
-  if (!r.ok()) return r.status();
-  std::lock_guard<std::mutex> g(mu);
-  regions[id] = RegionEntry{*r, from_config, 0, owner};
-  spdlog::info("region {} '{}': {} x {} blocks x {} tokens of {}, {} bytes on {}, {}", id, name, spec.layers,
-               spec.blocks, spec.block_size, spec.format.name(), (*r)->desc().bytes,
-               proto::backend_name((*r)->desc().backend), owner.empty() ? "shared" : "owned by '" + owner + "'");
-  return r;
-}
 
 proto::StatusReply Daemon::Impl::snapshot(const Viewer* v) const {
   proto::StatusReply s;
@@ -394,26 +378,9 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
     if (opts.data_workers > 0) o.workers = opts.data_workers;
     o.hash_threads = opts.hash_threads;
     o.pipeline_bytes = opts.pipeline_bytes;
-    // A data op reaches a region only as map_region would: its owner's, a shared one, or any
-    // for an admin. Another tenant's region is as absent as one that does not exist.
-    o.find_region = [d](const ClientChannel& c, uint32_t id) -> std::shared_ptr<Region> {
-      std::lock_guard<std::mutex> g(d->mu);
-      auto it = d->regions.find(id);
-      if (it == d->regions.end()) return nullptr;
-      const bool reach = c.admin || it->second.owner.empty() || it->second.owner == c.owner;
-      return reach ? it->second.region : nullptr;
-    };
-    // A peer's send lands in a region only as a client of the blocks' tenant would reach it.
-    o.find_region_for_tenant = [d](const std::string& tenant, uint32_t id) -> std::shared_ptr<Region> {
-      // The owner a client of `tenant` has (identify): the tenant itself, "uid:N" for a
-      // per-uid tenant ("uid:N/claimed" included), the admins' owner for the empty one.
-      std::string owner = tenant.empty() ? kAdminOwner : tenant;
-      if (owner.rfind("uid:", 0) == 0) owner = owner.substr(0, owner.find('/'));
-      std::lock_guard<std::mutex> g(d->mu);
-      auto it = d->regions.find(id);
-      if (it == d->regions.end()) return nullptr;
-      const bool reach = it->second.owner.empty() || it->second.owner == owner;
-      return reach ? it->second.region : nullptr;
+    o.find_region = [d](const ClientChannel& c, uint32_t id) { return d->find_region(c, id); };
+    o.find_region_for_tenant = [d](const std::string& tenant, uint32_t id) {
+      return d->find_region_for_tenant(tenant, id);
     };
     o.clients = [d]() -> uint64_t {
       std::lock_guard<std::mutex> g(d->mu);

@@ -114,6 +114,7 @@ struct Daemon::Impl {
   uint32_t next_region = 1;
   uint32_t next_client = 1;
 
+  // The control socket, the sweep, the watchdog, stop and reload (daemon.cpp).
   Status bind_socket();
   void accept();
   void on_accept(local_stream::socket s);
@@ -124,16 +125,27 @@ struct Daemon::Impl {
   void arm_watchdog();
   void do_reload(const config::Config& next);
   void recheck_sessions();
+  proto::StatusReply snapshot(const Viewer* v) const;
+
+  // Credentials and tenancy (tenancy.cpp).
   bool allowed(const Creds& c) const;
   bool is_admin(const Creds& c) const;
   Result<Identity> identify(const Creds& c, const std::string& claimed) const;
   config::TenantQuota quota_for(const Identity& id) const;
   Viewer viewer_for(const Creds& c) const;
+
+  // The session table (session.cpp).
   void release(Session& s);
   std::vector<std::shared_ptr<Session>> all_sessions() const;
-  proto::StatusReply snapshot(const Viewer* v) const;
+
+  // The region registry (region_registry.cpp).
   Result<std::shared_ptr<Region>> add_region(const std::string& name, const KvCacheSpec& spec, bool from_config,
                                              const std::string& owner);
+  /// The region a data op of `c` names: reached only as map_region would, its owner's, a shared
+  /// one, or any for an admin. Another tenant's region is as absent as one that does not exist.
+  std::shared_ptr<Region> find_region(const ClientChannel& c, uint32_t id) const;
+  /// The region a peer's send names: reached only as a client of the blocks' tenant would.
+  std::shared_ptr<Region> find_region_for_tenant(const std::string& tenant, uint32_t id) const;
 };
 
 }  // namespace kvferry::daemon

@@ -97,7 +97,8 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
   Status refuse(const Status& st);
   Status on_hello(uint32_t fm);
 
-  // The region requests (MapRegion, CreateRegion, RegisterRegion, DebugRead) and their checks.
+  // The region requests (MapRegion, CreateRegion, RegisterRegion, DebugRead) and their checks
+  // (region_registry.cpp).
   static bool visible(const Identity& who, const RegionEntry& e);
   Status denied_region(uint32_t rid, const std::string& rname) const;
   Status send_region(const std::shared_ptr<Region>& r);
