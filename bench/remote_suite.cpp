@@ -10,7 +10,8 @@
 // region), a client of A sends blocks to B (saved on A, put into B's pool, verified by B), a
 // client lookup of 16 keys B must ask A for, and a kill -9 of A in the middle of B's load.
 // Arguments after --: --tls=tcp|shm|both (shm = cma,tcp: see the note), --sizes=64,1024 (KiB),
-// --rounds=N, --cap=MiB (bytes per round and size), --no-daemons.
+// --rounds=N, --cap=MiB (bytes per round and size), --no-daemons, --local (only the region-to-region
+// sends between two daemons of this host), --backend=cpu|cuda (their regions).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -40,6 +41,10 @@
 #include "kvferry/store/placement.h"
 #include "kvferry/store/remote_wire.h"
 #include "kvferry/store/ucx_transport.h"
+
+#if defined(KVFERRY_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 namespace kvferry::bench {
 namespace {
@@ -257,7 +262,8 @@ struct DaemonProc {
   std::string id() const { return "127.0.0.1:" + std::to_string(port); }
 };
 
-std::unique_ptr<DaemonProc> spawn_daemon(int port, const std::vector<int>& peers, uint64_t pool_bytes) {
+std::unique_ptr<DaemonProc> spawn_daemon(int port, const std::vector<int>& peers, uint64_t pool_bytes,
+                                         const std::string& backend = "cpu") {
   auto d = std::make_unique<DaemonProc>();
   char exe[4096];
   const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -286,7 +292,7 @@ std::unique_ptr<DaemonProc> spawn_daemon(int port, const std::vector<int>& peers
   {
     std::ofstream f(cfg);
     f << "daemon:\n  socket: " << d->socket << "\n  log_level: warn\n  metrics_listen: \"\"\n"
-      << "device:\n  backend: cpu\n"
+      << "device:\n  backend: " << backend << "\n"
       << "tiers:\n  host:\n    capacity: " << pool_bytes << "\n  remote:\n    listen: 127.0.0.1:" << port
       << "\n    peers: [" << peer_list << "]\n    transport: tcp\n    timeout: 60s\n"
       << "limits:\n  request_timeout: 120s\n";
@@ -474,6 +480,115 @@ void daemon_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& 
   }
 }
 
+#if defined(KVFERRY_WITH_CUDA)
+/// One device-to-device copy of `bytes` on device 0 (the limit of a region-to-region send between
+/// daemons on one GPU): GB/s, median of `rounds`; 0 when it cannot run.
+double d2d_limit(uint64_t bytes, int rounds) {
+  void *a = nullptr, *b = nullptr;
+  cudaStream_t s = nullptr;
+  if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (a) cudaFree(a);
+    if (b) cudaFree(b);
+    return 0;
+  }
+  std::vector<double> bw;
+  for (int r = 0; r < rounds + 1; ++r) {
+    const auto t0 = Clock::now();
+    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s);
+    cudaStreamSynchronize(s);
+    if (r) bw.push_back(double(bytes) / std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  cudaStreamDestroy(s);
+  cudaFree(a);
+  cudaFree(b);
+  return median(bw);
+}
+#endif
+
+/// Memcpy of `bytes` between two buffers (the limit of a region-to-region send between daemons
+/// with host regions): GB/s, median of `rounds`.
+double memcpy_limit(uint64_t bytes, int rounds) {
+  std::vector<uint8_t> a(bytes, 1), b(bytes, 2);
+  std::vector<double> bw;
+  for (int r = 0; r < rounds + 1; ++r) {
+    const auto t0 = Clock::now();
+    std::memcpy(b.data(), a.data(), bytes);
+    if (r) bw.push_back(double(bytes) / std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(bw);
+}
+
+/// Two daemons of this host, a client of A sending into B's region (tiers.remote.local_transfer:
+/// B's region imported once, then copied into region to region, nothing stored), up to 4096 blocks
+/// of each size, next to one copy of the same bytes in the same run: device to device on GPU 0
+/// with `backend` cuda (both daemons on one GPU: the path two GPUs of one host take, without
+/// NVLink), memcpy with host regions.
+void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& sizes, int rounds, uint64_t cap,
+                const std::string& backend, int& rc) {
+  (void)opts;
+  const int pa = free_port(), pb = free_port();
+  const uint64_t pool = uint64_t{256} << 20;  // nothing is stored on either side
+  auto a = spawn_daemon(pa, {pa, pb}, pool, backend);
+  auto b = a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool, backend) : nullptr;
+  if (!a->error.empty() || !b->error.empty()) {
+    std::fprintf(stderr, "remote bench: %s\n", (a->error.empty() ? b->error : a->error).c_str());
+    rc = 1;
+    return;
+  }
+  auto ca = bench_client(*a), cb = bench_client(*b);
+  if (!ca || !cb) {
+    std::fprintf(stderr, "remote bench: cannot connect to the daemons\n");
+    rc = 1;
+    return;
+  }
+  for (uint64_t size : sizes) {
+    const uint64_t n = std::min<uint64_t>(4096, std::max<uint64_t>(1, cap / size));
+    const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
+                           Layout::kBlockMajor};
+    const std::string rname = "local-" + std::to_string(size >> 10) + "k";
+    auto ra = ca->create_region(rname, spec);
+    auto rb = cb->create_region(rname, spec);
+    if (!ra.ok() || !rb.ok()) {
+      std::fprintf(stderr, "remote bench: region: %s\n", (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
+      rc = 1;
+      return;
+    }
+    std::vector<int64_t> mine(n), theirs(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      mine[i] = int64_t(i);
+      theirs[i] = int64_t((i * 2654435761u) % n);  // scattered over B's region
+    }
+    std::vector<double> bw;
+    for (int r = 0; r < rounds + 1; ++r) {  // the first round imports B's region: not counted
+      const auto keys = keys_owned_by({a->id(), b->id()}, 0, n, (size << 8) + uint64_t(r) + 7);
+      const auto t0 = Clock::now();
+      auto sd = ca->send_into(*ra, keys, mine, b->id(), *rb, theirs);
+      const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (!all_done(sd, n, "send A -> B region to region", rc)) return;
+      if (r) bw.push_back(double(n * size) / sec);
+    }
+    double limit = 0;
+    std::string what = "memcpy of the same bytes";
+    if (backend == "cuda") {
+#if defined(KVFERRY_WITH_CUDA)
+      limit = d2d_limit(n * size, rounds);
+      what = "one cudaMemcpyAsync D2D";
+#endif
+    } else {
+      limit = memcpy_limit(n * size, rounds);
+    }
+    rep.add({"daemons, one host: send A -> B region to region " + human_bytes(int64_t(size)) + " x" +
+                 std::to_string(n) + " " + backend,
+             median(bw) / 1e9, "GB/s", limit / 1e9, what, true, backend == "cuda" && size >= (256u << 10) ? 0.9 : 0,
+             "DMA from A's region into B's (imported), + B's check of the ids"});
+  }
+  rep.note("region to region: two daemons on this host, " + backend +
+           " regions; the first send of each size imports B's region and is not counted; one GPU here, so the "
+           "copies stay inside it (two GPUs of one host take the same path over NVLink)");
+}
+
 struct Mode {
   std::string name;  ///< row label
   std::string tls;
@@ -484,7 +599,8 @@ int run_remote(const Options& opts) {
   std::vector<Mode> modes{{"tcp", "tcp", false}, {"shm", "cma,tcp", true}};
   std::vector<uint64_t> sizes{64u << 10, 256u << 10, 1u << 20, 4u << 20};
   int rounds = opts.quick ? 1 : 3;
-  bool daemons = true;
+  bool daemons = true, local_only = false;
+  std::string backend = "cpu";
   uint64_t cap = opts.quick ? (uint64_t{256} << 20) : (uint64_t{1} << 30);
   for (const std::string& a : opts.args) {
     if (a == "--tls=tcp")
@@ -494,6 +610,10 @@ int run_remote(const Options& opts) {
     else if (a == "--tls=both") {
     } else if (a == "--no-daemons")
       daemons = false;
+    else if (a == "--local")
+      local_only = true;
+    else if (a.rfind("--backend=", 0) == 0)
+      backend = a.substr(10);
     else if (a.rfind("--rounds=", 0) == 0)
       rounds = std::max(1, std::atoi(a.c_str() + 9));
     else if (a.rfind("--cap=", 0) == 0)
@@ -508,10 +628,21 @@ int run_remote(const Options& opts) {
     } else {
       std::fprintf(stderr,
                    "remote bench: unknown argument %s (--tls=tcp|shm|both --sizes=KiB,.. --rounds=N --cap=MiB "
-                   "--no-daemons)\n",
+                   "--no-daemons --local --backend=cpu|cuda)\n",
                    a.c_str());
       return 2;
     }
+  }
+  if (backend != "cpu" && backend != "cuda") {
+    std::fprintf(stderr, "remote bench: --backend=cpu|cuda, not %s\n", backend.c_str());
+    return 2;
+  }
+  if (local_only) {
+    Report rep("remote");
+    int rc = 0;
+    local_rows(rep, opts, sizes, rounds, cap, backend, rc);
+    const int frc = rep.finish(opts);
+    return rc ? rc : frc;
   }
   if (run_capture("command -v ucx_perftest").empty()) {
     std::fprintf(stderr, "remote bench: ucx_perftest not found (Debian package ucx-utils)\n");
@@ -653,6 +784,7 @@ int run_remote(const Options& opts) {
       "operations in flight; without it ucp_get waits for each get)");
   ::munmap(pool, pool_bytes);
   if (daemons) daemon_rows(rep, opts, sizes, rounds, cap, rc);
+  if (daemons) local_rows(rep, opts, sizes, rounds, cap, backend, rc);
   const int frc = rep.finish(opts);
   return rc ? rc : frc;
 }
@@ -665,6 +797,8 @@ KVFERRY_BENCH_SUITE_WITH_OPTIONS(
     "  --sizes=KiB,KiB      block sizes (default 64,256,1024,4096)\n"
     "  --rounds=N           rounds per size (default 3, 1 with --quick)\n"
     "  --cap=MiB            bytes moved per row at most (default 1024, 256 with --quick)\n"
-    "  --no-daemons         leave out the rows through two daemons\n");
+    "  --no-daemons         leave out the rows through two daemons\n"
+    "  --local              only the rows of region-to-region sends between two daemons of this host\n"
+    "  --backend=cpu|cuda   the regions of those rows (default cpu; cuda: GPU 0, next to a D2D copy)\n");
 
 }  // namespace kvferry::bench

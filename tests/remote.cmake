@@ -29,3 +29,11 @@ if(KVFERRY_WITH_UCX)
   target_compile_definitions(remote_stats_test PRIVATE
     KVFERRYD_PATH="$<TARGET_FILE:kvferryd>" KVFERRY_CLI_PATH="$<TARGET_FILE:kvferry_cli>")
 endif()
+# GPU: region-to-region sends between two daemons of one host with GPU regions (both on GPU 0 here).
+if(KVFERRY_WITH_UCX AND KVFERRY_WITH_CUDA)
+  kvferry_add_gtest(remote_local_gpu_test LABEL gpu TIMEOUT 300 SERIAL
+    SOURCES gpu/remote_local_gpu_test.cpp
+    LIBS kvferry::connector kvferry::kernels)
+  add_dependencies(remote_local_gpu_test kvferryd)
+  target_compile_definitions(remote_local_gpu_test PRIVATE KVFERRYD_PATH="$<TARGET_FILE:kvferryd>")
+endif()

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 
 #include "kvferry/connector/wire_io.h"
 #include "kvferry/daemon/notify.h"
@@ -170,7 +171,9 @@ void Daemon::Impl::on_accept(local_stream::socket s) {
     boost::system::error_code ig;
     sess->sock.close(ig);
   };
-  if (!allowed(sess->creds))
+  // This daemon's own uid is admitted to the Hello: a peer daemon of this host running as the same
+  // service user imports regions with a granted token (any other Hello is then checked there).
+  if (!allowed(sess->creds) && sess->creds.uid != ::geteuid())
     return refuse(
         {ErrorCode::kPermissionDenied,
          creds_text(sess->creds) + " is not allowed to connect (see daemon.allowed_uids and daemon.allowed_gids)"});
@@ -274,7 +277,7 @@ void Daemon::Impl::do_stop() {
 void Daemon::Impl::recheck_sessions() {
   for (auto& s : all_sessions()) {
     if (s->closed) continue;
-    if (!allowed(s->creds)) {
+    if (!allowed(s->creds) && !s->peer_region) {
       spdlog::warn(
           "client {} '{}' ({}): no longer allowed after the reload (daemon.allowed_uids, "
           "daemon.allowed_gids); disconnecting it",
@@ -382,6 +385,14 @@ Result<std::unique_ptr<Daemon>> Daemon::create(const config::Config& cfg, const 
     o.find_region_for_tenant = [d](const std::string& tenant, uint32_t id) {
       return d->find_region_for_tenant(tenant, id);
     };
+    o.grant_import = [d](const std::string& tenant, uint32_t region) { return d->grant_import(tenant, region); };
+    o.check_landed = [d](const std::string& token, const std::string& tenant, uint32_t region,
+                         std::span<const int64_t> ids) { return d->check_landed(token, tenant, region, ids); };
+    {
+      std::error_code ec;
+      const auto abs = std::filesystem::absolute(cfg.daemon.socket, ec);
+      o.socket = ec ? cfg.daemon.socket : abs.string();
+    }
     o.clients = [d]() -> uint64_t {
       std::lock_guard<std::mutex> g(d->mu);
       uint64_t n = 0;

@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -146,6 +147,30 @@ struct Daemon::Impl {
   std::shared_ptr<Region> find_region(const ClientChannel& c, uint32_t id) const;
   /// The region a peer's send names: reached only as a client of the blocks' tenant would.
   std::shared_ptr<Region> find_region_for_tenant(const std::string& tenant, uint32_t id) const;
+
+  // Imports of this daemon's regions by peer daemons on its host, for region-to-region sends
+  // (tiers.remote.local_transfer; peer_import.cpp). A grant is asked for over the remote tier's
+  // authenticated channel and used once, by the Hello of the importing session, which may then map
+  // that region only; it lives until that session closes (an unused one lapses after a while).
+  struct PeerGrant {
+    std::string tenant;
+    uint32_t region = 0;
+    std::weak_ptr<Region> what;  // the region as it was granted (a replaced one is another)
+    Clock::time_point lapses;    // an unused grant is dropped then
+    uint32_t session = 0;        // the import session that used it (0: not yet)
+  };
+  std::map<std::string, PeerGrant> grants;  // by token; guarded by mu
+  /// A token for a peer's import of region `region` as a client of `tenant` reaches it.
+  Result<std::string> grant_import(const std::string& tenant, uint32_t region);
+  /// The Hello of session `session` carries `token`: the identity it acts as and the one region it
+  /// may map, or why not (unknown, used, lapsed).
+  Result<Identity> take_grant(const std::string& token, uint32_t session, uint32_t* region);
+  /// A peer says it copied blocks `ids` into region `region` through the import `token` granted:
+  /// one status per id (the import still names that region, each id is in it).
+  std::vector<Status> check_landed(const std::string& token, const std::string& tenant, uint32_t region,
+                                   std::span<const int64_t> ids) const;
+  /// Drops the grants of a closed session and the unused ones that lapsed (mu held).
+  void drop_grants_locked(uint32_t session);
 };
 
 }  // namespace kvferry::daemon

@@ -1,5 +1,6 @@
 // The data ops of kvferryd (data_ops.h).
 #include "data_ops.h"
+#include "local_send.h"
 
 #include "ring_request.h"
 
@@ -207,7 +208,8 @@ Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(
     const config::Config& cfg, store::BlockIndex& index, store::Registry& metrics,
     std::function<std::vector<Status>(store::NamespaceId, const std::string&, uint32_t,
                                       std::span<const store::BlockKey>, std::span<const int64_t>)>
-        on_land) {
+        on_land,
+    const DataOps::Options& dopts) {
   const config::RemoteTierConfig& rc = cfg.remote;
   if (!rc.peers.empty() && !rc.etcd.empty())
     return Status(ErrorCode::kConfig,
@@ -232,6 +234,11 @@ Result<std::unique_ptr<store::RemoteStore>> open_remote_tier(
   o.timeout = rc.timeout;
   o.lookup_timeout = rc.lookup_timeout;
   o.on_land = std::move(on_land);
+  if (rc.local_transfer && dopts.grant_import && dopts.check_landed && !dopts.socket.empty()) {
+    o.grant_import = dopts.grant_import;
+    o.on_local_landed = dopts.check_landed;
+    o.socket = dopts.socket;
+  }
   o.log = [](const std::string& line) { spdlog::warn("remote tier: {}", line); };
   o.info = [](const std::string& line) { spdlog::info("remote tier: {}", line); };
   if (!rc.secret_file.empty()) {
@@ -277,7 +284,8 @@ struct DataOps::Impl {
   std::unique_ptr<store::TieredStore> tiers;   // the host pool over the disk tier (when configured)
   std::unique_ptr<store::RemoteStore> remote;  // the remote tier (tiers.remote.listen set); before its users
   std::chrono::milliseconds remote_timeout{5000}, remote_lookup_timeout{500};
-  bool remote_on_evict = false;  // tiers.remote.write: on_evict (the remote tier is the write-back tier)
+  bool remote_on_evict = false;        // tiers.remote.write: on_evict (the remote tier is the write-back tier)
+  std::unique_ptr<LocalSender> local;  // sends into regions of peers on this host (tiers.remote.local_transfer)
   std::unique_ptr<WorkerPool> workers;
   std::unique_ptr<WorkerPool> remote_workers;  // remote lookups and waits: never queued behind transfers
   RingService* rings = nullptr;
@@ -457,7 +465,15 @@ struct DataOps::Impl {
     const store::RegionAccess acc{t->region->base(), t->region->desc().spec, t->region->on_device()};
     const size_t n = t->keys.size();
     std::vector<Status> res;
-    if (t->mapped) {  // runs whole: a region block's entries must be loaded together
+    std::optional<std::vector<Status>> direct;
+    if (t->send && t->peer_region && local && t->next == 0) {  // a peer on this host: region to region
+      if (const auto name = index->namespace_name(t->ns))
+        direct = local->send(*t->region, *name, t->peer, t->peer_region, t->keys, t->ids, t->peer_ids,
+                             std::min(t->deadline, Clock::now() + remote_timeout));
+    }
+    if (direct) {
+      res = std::move(*direct);
+    } else if (t->mapped) {  // runs whole: a region block's entries must be loaded together
       res = tiers->load_mapped(acc, t->ns, t->keys, t->ids, t->parts, t->deadline);
       if (remote && !res.empty()) fetch_missing_mapped(*t, acc, res);
     } else {
@@ -1056,9 +1072,17 @@ Result<std::unique_ptr<DataOps>> DataOps::create(const config::Config& cfg, Opti
     auto r = open_remote_tier(
         cfg, *impl->index, impl->metrics,
         [ip](store::NamespaceId ns, const std::string& tenant, uint32_t region, std::span<const store::BlockKey> keys,
-             std::span<const int64_t> ids) { return ip->land(ns, tenant, region, keys, ids); });
+             std::span<const int64_t> ids) { return ip->land(ns, tenant, region, keys, ids); },
+        impl->opts);
     if (!r.ok()) return r.status();
     impl->remote = std::move(*r);
+    if (cfg.remote.local_transfer) {
+      impl->local = std::make_unique<LocalSender>(*impl->remote, impl->remote->id());
+      LocalSender* ls = impl->local.get();
+      impl->metrics.gauge_fn("kvferry_remote_local_sent_blocks",
+                             "Blocks this daemon sent region to region into peers on its host (since start)",
+                             "tier=\"remote\"", [ls] { return static_cast<double>(ls->blocks_sent()); });
+    }
     impl->remote_timeout = cfg.remote.timeout;
     impl->remote_lookup_timeout = cfg.remote.lookup_timeout;
     impl->remote_on_evict = on_evict;

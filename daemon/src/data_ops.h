@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "kvferry/config/config.h"
@@ -41,6 +42,14 @@ class DataOps {
     std::function<std::shared_ptr<Region>(const std::string& tenant, uint32_t)> find_region_for_tenant;
     /// Connected clients (for the metrics).
     std::function<uint64_t()> clients;
+    /// Region-to-region sends from peers on this host (store::RemoteStoreOptions::grant_import and
+    /// on_local_landed): the daemon's session registry grants imports of its regions on `socket`
+    /// and checks the blocks a peer says it copied. Any empty: peers are not offered imports.
+    std::function<Result<std::string>(const std::string& tenant, uint32_t region)> grant_import;
+    std::function<std::vector<Status>(const std::string& token, const std::string& tenant, uint32_t region,
+                                      std::span<const int64_t> ids)>
+        check_landed;
+    std::string socket;
   };
 
   /// Creates the host pool (populated and pinned now, progress logged), the index, the offload

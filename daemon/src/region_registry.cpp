@@ -32,10 +32,7 @@ std::shared_ptr<Region> Daemon::Impl::find_region(const ClientChannel& c, uint32
 }
 
 std::shared_ptr<Region> Daemon::Impl::find_region_for_tenant(const std::string& tenant, uint32_t id) const {
-  // The owner a client of `tenant` has (identify): the tenant itself, "uid:N" for a
-  // per-uid tenant ("uid:N/claimed" included), the admins' owner for the empty one.
-  std::string owner = tenant.empty() ? kAdminOwner : tenant;
-  if (owner.rfind("uid:", 0) == 0) owner = owner.substr(0, owner.find('/'));
+  const std::string owner = owner_of_tenant(tenant);
   std::lock_guard<std::mutex> g(mu);
   auto it = regions.find(id);
   if (it == regions.end()) return nullptr;
@@ -56,6 +53,7 @@ Status Daemon::Impl::Session::denied_region(uint32_t rid, const std::string& rna
 Status Daemon::Impl::Session::send_region(const std::shared_ptr<Region>& r) {
   proto::RegionHandle h;
   h.region = r->desc();
+  h.offset = r->offset();  // only a peer's import session is sent a region at an offset
   h.has_ipc_handle = r->ipc_handle(h.ipc_handle);
   const int fd = r->export_fd();
   if (fd >= 0) {
@@ -90,9 +88,12 @@ Status Daemon::Impl::Session::map_region(uint32_t rid) {
     auto it = d.regions.find(rid);
     if (it == d.regions.end()) return {ErrorCode::kNotFound, "no region with id " + std::to_string(rid)};
     if (!visible(ident, it->second)) return denied_region(rid, it->second.region->desc().name);
+    if (peer_region && rid != peer_region)
+      return {ErrorCode::kPermissionDenied, "a peer daemon's import session maps region " +
+                                                std::to_string(peer_region) + " only, not " + std::to_string(rid)};
     r = it->second.region;
   }
-  if (r->offset() != 0)
+  if (r->offset() != 0 && !peer_region)
     return {ErrorCode::kUnsupported, "region '" + r->desc().name + "' was registered at offset " +
                                          std::to_string(r->offset()) +
                                          " inside its buffer; only the client that registered it maps it"};

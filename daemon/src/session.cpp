@@ -253,7 +253,16 @@ Status Daemon::Impl::Session::on_hello(uint32_t fm) {
   if (want.size() > kMaxClaimedTenant)
     return refuse({ErrorCode::kInvalidArgument,
                    "the Hello's tenant is longer than " + std::to_string(kMaxClaimedTenant) + " bytes"});
-  auto who = d.identify(creds, want);
+  uint32_t peer = 0;
+  Result<Identity> who = Status(ErrorCode::kInternal, "no identity");
+  if (!m->peer_token.empty()) {
+    who = d.take_grant(m->peer_token, id, &peer);  // a peer daemon importing one region
+  } else if (!d.allowed(creds)) {                  // admitted at accept only as this daemon's own uid
+    return refuse({ErrorCode::kPermissionDenied,
+                   creds_text(creds) + " is not allowed to connect (see daemon.allowed_uids and daemon.allowed_gids)"});
+  } else {
+    who = d.identify(creds, want);
+  }
   if (!who.ok()) return refuse(who.status());
   const config::TenantQuota quota = d.quota_for(*who);
   size_t engines = 0, same = 0;
@@ -269,7 +278,7 @@ Status Daemon::Impl::Session::on_hello(uint32_t fm) {
     return refuse({ErrorCode::kResourceExhausted, "the daemon serves its limit of " +
                                                       std::to_string(d.cfg.limits.max_clients) +
                                                       " clients (limits.max_clients)"});
-  if (!who->admin && quota.clients > 0 && same >= quota.clients)
+  if (!who->admin && !peer && quota.clients > 0 && same >= quota.clients)
     return refuse({ErrorCode::kResourceExhausted,
                    "tenant '" + who->owner + "' has its quota of " + std::to_string(quota.clients) +
                        " clients connected (quota.clients, default limits.tenant.clients)"});
@@ -300,11 +309,16 @@ Status Daemon::Impl::Session::on_hello(uint32_t fm) {
     name = m->client_name;
     claimed = want;
     ident = *who;
+    peer_region = peer;
     hello = true;
   }
   d.rings.add(channel);
-  spdlog::info("client {} '{}' connected ({}), tenant '{}'{}", id, name, creds_text(creds), ident.tenant,
-               ident.admin ? " (admin)" : "");
+  if (peer)
+    spdlog::info("client {} '{}' connected ({}): a peer daemon importing region {} of tenant '{}'", id, name,
+                 creds_text(creds), peer, ident.tenant);
+  else
+    spdlog::info("client {} '{}' connected ({}), tenant '{}'{}", id, name, creds_text(creds), ident.tenant,
+                 ident.admin ? " (admin)" : "");
   if (Status st = send(proto::encode(w), fds3); !st.ok()) {
     close();  // no Welcome could go out: the client cannot use the session
     return Status::Ok();
@@ -333,6 +347,7 @@ void Daemon::Impl::release(Session& s) {
     }
   }
   s.held.clear();
+  drop_grants_locked(s.id);
   if (s.hello) spdlog::info("client {} '{}' disconnected", s.id, s.name);
   sessions.erase(s.id);
 }

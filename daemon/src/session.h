@@ -40,6 +40,9 @@ struct Daemon::Impl::Session : std::enable_shared_from_this<Session> {
   bool draining = false;  // refused or failed: no more reads, closed once the queue is sent
   std::shared_ptr<ClientChannel> channel;
   std::set<uint32_t> held;
+  /// An import session of a peer daemon on this host (its Hello carried a granted token): the one
+  /// region it may map; 0 for every other session.
+  uint32_t peer_region = 0;
 
   // Input: the header is read with recvmsg (it carries the fds), then the payload as it arrives.
   uint8_t hdr[proto::kHeaderBytes];

@@ -77,6 +77,12 @@ std::vector<uint32_t> peer_groups(int fd, const ucred& cr) {
   return out;
 }
 
+std::string owner_of_tenant(const std::string& tenant) {
+  std::string owner = tenant.empty() ? kAdminOwner : tenant;
+  if (owner.rfind("uid:", 0) == 0) owner = owner.substr(0, owner.find('/'));
+  return owner;
+}
+
 bool Daemon::Impl::allowed(const Creds& c) const {
   const auto& u = cfg.daemon.allowed_uids;
   const auto& g = cfg.daemon.allowed_gids;

@@ -31,6 +31,10 @@ std::string creds_text(const Creds& c);
 /// readable: the primary gid only.
 std::vector<uint32_t> peer_groups(int fd, const ucred& cr);
 
+/// The owner a client of block-namespace tenant `tenant` has (Daemon::Impl::identify): the tenant
+/// itself, "uid:N" for a per-uid tenant ("uid:N/claimed" included), the admins' owner for "".
+std::string owner_of_tenant(const std::string& tenant);
+
 /// Who a session acts as, settled at its Hello from its credentials (never from the claim alone).
 struct Identity {
   std::string tenant;  ///< ClientChannel::tenant: the block namespace's tenant part

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <future>
@@ -252,7 +253,7 @@ TEST(RemoteDaemons, SendPrefillToDecode) {
 // its end, fail per block and say so.
 TEST(RemoteDaemons, SendLandsInThePeersRegion) {
   std::vector<int> ports;
-  auto d = start_cluster(2, "", &ports);
+  auto d = start_cluster(2, "    local_transfer: false\n", &ports);  // through both host pools
   auto &pa = d[0], &pb = d[1];
   ASSERT_TRUE(pa->ready() && pb->ready());
   auto a = connect(*pa), b = connect(*pb);
@@ -294,6 +295,158 @@ TEST(RemoteDaemons, SendLandsInThePeersRegion) {
   // The region's bytes are still the first send's.
   for (int64_t i = 0; i < n; ++i)
     EXPECT_EQ(std::memcmp(dst.block(n - 1 - i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+}
+
+// Daemons of one host (tiers.remote.local_transfer, the default): a send into the peer's region
+// goes region to region (B's region imported by A once, then copied into), byte for byte in
+// block-major and layer-major regions, stored on neither side; B's waiter sees the keys land. A
+// region of another format goes through the host pools and is converted there. Block ids past
+// the peer's region fail by name and touch nothing; a region B does not have is kNotFound.
+TEST(RemoteDaemons, SendRegionToRegionOnOneHost) {
+  std::vector<int> ports;
+  auto d = start_cluster(2, "", &ports);
+  auto &pa = d[0], &pb = d[1];
+  ASSERT_TRUE(pa->ready() && pb->ready());
+  auto a = connect(*pa), b = connect(*pb);
+  ASSERT_TRUE(a && b);
+  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  constexpr int64_t n = 24;
+  for (Layout layout : {Layout::kBlockMajor, Layout::kLayerMajor}) {
+    SCOPED_TRACE(layout == Layout::kBlockMajor ? "block-major" : "layer-major");
+    const std::string tag = layout == Layout::kBlockMajor ? "bm" : "lm";
+    KvCacheSpec spec = spec_of(EntryFormat::mla_fp8(), n);
+    spec.layout = layout;
+    Region src = create(*a, "prefill-" + tag, spec);
+    fill_mla(src, layout == Layout::kBlockMajor ? 21 : 22);
+    Region dst = create(*b, "decode-" + tag, spec);
+    std::memset(dst.base, 0, static_cast<size_t>(spec.region_bytes()));
+    const auto keys = kKeys.keys(n, layout == Layout::kBlockMajor ? 30 : 31);
+    std::vector<int64_t> theirs(n);
+    for (int64_t i = 0; i < n; ++i) theirs[size_t(i)] = n - 1 - i;
+    auto waiter = std::async(std::launch::async, [&] { return b->lookup_wait(dst.id, keys, 20000); });
+    auto sd = a->send_into(src.id, keys, iota_ids(n), peer_b, dst.id, theirs);
+    ASSERT_TRUE(sd.ok()) << sd.status().to_string();
+    EXPECT_EQ(sd->done, uint64_t(n)) << pa->log() << pb->log();
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t l = 0; l < spec.layers; ++l)
+        ASSERT_EQ(std::memcmp(dst.page(l, n - 1 - i), src.page(l, i), size_t(spec.page_bytes())), 0)
+            << "block " << i << " layer " << l;
+    ASSERT_EQ(waiter.wait_for(25s), std::future_status::ready);
+    auto w = waiter.get();
+    ASSERT_TRUE(w.ok());
+    EXPECT_EQ(w->done, uint64_t(n)) << pb->log();
+    // Region to region: neither daemon stored them (the host-pool path stores them on both).
+    for (Client* c : {a.get(), b.get()}) {
+      auto lk = c->lookup(c == a.get() ? src.id : dst.id, keys);
+      ASSERT_TRUE(lk.ok());
+      EXPECT_EQ(lk->done, 0u);
+    }
+  }
+  EXPECT_NE(pa->log().find("imported region"), std::string::npos) << pa->log();
+
+  // Another format on B: through the host pools, converted there as a load would.
+  Region src = create(*a, "prefill-fp8", spec_of(EntryFormat::mla_fp8(), n));
+  fill_mla(src, 23);
+  Region ds = create(*b, "decode-ds", spec_of(EntryFormat::mla_fp8_ds(), n));
+  std::vector<uint8_t> want(static_cast<size_t>(ds.spec.region_bytes()), 0);
+  ASSERT_TRUE(kernels::convert_blocks_cpu(src.base, src.spec, iota_ids(n), want.data(), ds.spec, iota_ids(n)).ok());
+  const auto ck = kKeys.keys(n, 32);
+  auto cv = a->send_into(src.id, ck, iota_ids(n), peer_b, ds.id, iota_ids(n));
+  ASSERT_TRUE(cv.ok());
+  EXPECT_EQ(cv->done, uint64_t(n)) << pa->log() << pb->log();
+  EXPECT_EQ(std::memcmp(ds.base, want.data(), want.size()), 0);
+  auto stored = b->lookup(ds.id, ck);
+  ASSERT_TRUE(stored.ok());
+  EXPECT_EQ(stored->done, uint64_t(n));  // this one went through B's pool
+
+  // Block ids past B's region: each block fails, naming the range; nothing is written.
+  Region dst = create(*b, "decode-oob", spec_of(EntryFormat::mla_fp8(), n));
+  std::memset(dst.base, 0x3c, static_cast<size_t>(dst.spec.region_bytes()));
+  std::vector<int64_t> past(n);
+  for (int64_t i = 0; i < n; ++i) past[size_t(i)] = i % 2 ? n + i : i;  // every other one past the end
+  auto oob = a->send_into(src.id, kKeys.keys(n, 33), iota_ids(n), peer_b, dst.id, past);
+  ASSERT_TRUE(oob.ok());
+  EXPECT_EQ(oob->done, uint64_t(n / 2));
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(oob->blocks[size_t(i)], i % 2 ? ErrorCode::kOutOfRange : ErrorCode::kOk) << i;
+    if (i % 2) continue;
+    EXPECT_EQ(std::memcmp(dst.block(i), src.block(i), size_t(dst.spec.block_bytes())), 0) << i;
+  }
+  for (int64_t i = 1; i < n; i += 2) {  // no valid entry names the odd blocks: untouched
+    EXPECT_EQ(dst.block(i)[0], 0x3c) << i;
+  }
+  auto none = a->send_into(src.id, kKeys.keys(n, 34), iota_ids(n), peer_b, 999, iota_ids(n));
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->done, 0u);
+  EXPECT_EQ(count(none->blocks, ErrorCode::kNotFound), n);
+  // A Hello with a token B never granted is refused by name; B serves on.
+  Client::Options forged;
+  forged.socket = pb->socket();
+  forged.name = "forged-peer";
+  forged.peer_token = "0123456789abcdef0123456789abcdef";
+  auto fc = Client::connect(forged);
+  ASSERT_FALSE(fc.ok());
+  EXPECT_EQ(fc.status().code(), ErrorCode::kPermissionDenied) << fc.status().to_string();
+  EXPECT_NE(fc.status().message().find("peer token"), std::string::npos) << fc.status().to_string();
+  // A and B go on serving.
+  auto again = a->send_into(src.id, kKeys.keys(n, 35), iota_ids(n), peer_b, dst.id, iota_ids(n));
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->done, uint64_t(n));
+}
+
+// A receiver killed (-9) while a sender keeps sending region to region: every send after it ends
+// within the remote tier's bound with the blocks failed (never a hang, never a false kOk), and
+// the sender goes on serving its own clients.
+TEST(RemoteDaemons, RegionToRegionReceiverKilledMidTransfer) {
+  std::vector<int> ports;
+  auto d = start_cluster(2, "", &ports);
+  auto &pa = d[0], &pb = d[1];
+  ASSERT_TRUE(pa->ready() && pb->ready());
+  auto a = connect(*pa), b = connect(*pb);
+  ASSERT_TRUE(a && b);
+  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  constexpr int64_t n = 64;
+  Region src = create(*a, "prefill", spec_of(EntryFormat::mla_bf16(), n));
+  fill_mla(src, 41);
+  Region dst = create(*b, "decode", spec_of(EntryFormat::mla_bf16(), n));
+  auto first = a->send_into(src.id, kKeys.keys(n, 40), iota_ids(n), peer_b, dst.id, iota_ids(n));
+  ASSERT_TRUE(first.ok());
+  ASSERT_EQ(first->done, uint64_t(n)) << pa->log() << pb->log();
+
+  std::atomic<bool> killed{false};
+  auto sender = std::async(std::launch::async, [&] {
+    std::vector<Client::OpResult> after;
+    for (int k = 0; k < 200; ++k) {
+      const bool dead = killed.load();
+      auto r = a->send_into(src.id, kKeys.keys(n, 41 + uint64_t(k)), iota_ids(n), peer_b, dst.id, iota_ids(n));
+      if (!r.ok()) break;
+      if (dead) after.push_back(*r);
+      if (after.size() >= 3) break;
+    }
+    return after;
+  });
+  std::this_thread::sleep_for(50ms);
+  pb->stop(SIGKILL);
+  killed = true;
+  const auto t0 = Clock::now();
+  ASSERT_EQ(sender.wait_for(60s), std::future_status::ready) << "a send hung after its receiver died";
+  const auto after = sender.get();
+  EXPECT_LT(Clock::now() - t0, 30s);
+  ASSERT_FALSE(after.empty());
+  for (const auto& r : after) {
+    EXPECT_EQ(r.done, 0u);
+    for (ErrorCode e : r.blocks) EXPECT_TRUE(e == ErrorCode::kUnavailable || e == ErrorCode::kTimeout) << int(e);
+  }
+  // A still serves: a save and a load round trip on its own.
+  const auto mine = kKeys.keys(8, 90);
+  auto sv = a->save(src.id, mine, iota_ids(8));
+  ASSERT_TRUE(sv.ok());
+  EXPECT_EQ(sv->done, 8u) << pa->log();
+  Region back = create(*a, "back", spec_of(EntryFormat::mla_bf16(), 8));
+  auto ld = a->load(back.id, mine, iota_ids(8));
+  ASSERT_TRUE(ld.ok());
+  EXPECT_EQ(ld->done, 8u);
+  EXPECT_EQ(equal_blocks(back, src, 8), 8);
 }
 
 // tiers.remote.write: on_evict: a save stays on its daemon; only when the host pool evicts a block

@@ -493,7 +493,8 @@ Config everything_changed() {
               2,
               std::chrono::milliseconds(1500),
               std::chrono::milliseconds(20),
-              RemoteWrite::kOnEvict};
+              RemoteWrite::kOnEvict,
+              false};
   c.integrity = {Checksum::kNone, false};
   c.limits = {3,
               16,
