@@ -1,120 +1,22 @@
-#include "kvferry/store/offload.h"
+#include "offload_impl.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
-#include <deque>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 
 #include "kvferry/layouts/geometry.h"
 #include "kvferry/kernels/convert.h"
 #include "kvferry/kernels/copy_blocks.h"
-#include "mover.h"
 
 namespace kvferry::store {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 uint64_t micros(double s) { return static_cast<uint64_t>(s * 1e6); }
-
-/// A fixed set of threads, created once, that help callers run parallel_for. Concurrent callers
-/// share them; each caller works on its own items too, so a busy pool only slows, never stalls.
-class TaskPool {
- public:
-  explicit TaskPool(int helpers) {
-    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { serve(); });
-  }
-  ~TaskPool() {
-    {
-      std::lock_guard lk(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  int helpers() const { return static_cast<int>(threads_.size()); }
-
-  /// Runs fn(i) for i in [0, n); returns when every item is done. Small jobs stay on the caller.
-  void parallel_for(size_t n, uint64_t bytes_per_item, const std::function<void(size_t)>& fn) {
-    if (n == 0) return;
-    const size_t want = std::min<size_t>(threads_.size(), n - 1);
-    if (want == 0 || n * bytes_per_item < (size_t{2} << 20)) {
-      for (size_t i = 0; i < n; ++i) fn(i);
-      return;
-    }
-    auto job = std::make_shared<Job>();
-    job->n = n;
-    job->fn = &fn;
-    {
-      std::lock_guard lk(mu_);
-      for (size_t t = 0; t < want; ++t) queue_.push_back(job);
-    }
-    if (want == threads_.size())
-      cv_.notify_all();
-    else
-      for (size_t t = 0; t < want; ++t) cv_.notify_one();
-    work(*job);
-    std::unique_lock lk(job->mu);
-    job->cv.wait(lk, [&] { return job->done.load() == n; });
-  }
-
- private:
-  struct Job {
-    size_t n = 0;
-    const std::function<void(size_t)>* fn = nullptr;  // valid until done == n
-    std::atomic<size_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  static void work(Job& j) {
-    for (size_t i = j.next.fetch_add(1); i < j.n; i = j.next.fetch_add(1)) {
-      (*j.fn)(i);
-      if (j.done.fetch_add(1) + 1 == j.n) {
-        std::lock_guard lk(j.mu);
-        j.cv.notify_all();
-      }
-    }
-  }
-  void serve() {
-    for (;;) {
-      std::shared_ptr<Job> j;
-      {
-        std::unique_lock lk(mu_);
-        cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        j = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      work(*j);
-    }
-  }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<Job>> queue_;
-  bool stop_ = false;
-  std::vector<std::thread> threads_;
-};
-
-/// Contiguous ranges [begin, end) of a batch's items of about `target` bytes each (>= 1 item).
-std::vector<std::pair<size_t, size_t>> split(size_t n, uint64_t item_bytes, int64_t target) {
-  std::vector<std::pair<size_t, size_t>> out;
-  const size_t per =
-      target <= 0
-          ? std::max<size_t>(n, 1)
-          : std::max<size_t>(1, static_cast<size_t>(static_cast<uint64_t>(target) / std::max<uint64_t>(item_bytes, 1)));
-  for (size_t b = 0; b < n; b += per) out.emplace_back(b, std::min(n, b + per));
-  return out;
-}
 
 bool convertible(FormatKind from, FormatKind to) {
   using K = FormatKind;
@@ -123,38 +25,6 @@ bool convertible(FormatKind from, FormatKind to) {
          // mla_fp4 (SGLang's FP4 layout) from and to every other MLA format, on the host.
          (from == K::kMlaFp4 && to != K::kMlaFp4 && (to == K::kMlaBf16 || to == K::kMlaFp8 || to == K::kMlaFp8Ds)) ||
          (to == K::kMlaFp4 && (from == K::kMlaBf16 || from == K::kMlaFp8 || from == K::kMlaFp8Ds));
-}
-
-// Appends the runs that move one block of `spec` (all layers) to/from a contiguous slot at
-// `slot_offset` (slot side block-major). `to_slot` picks the direction. The block's runs merge
-// among themselves, never with an earlier block's, so a mover can move one block alone (one that
-// moves a sub-batch at once merges across its blocks).
-void push_block_runs(std::vector<CopyRun>* runs, const KvCacheSpec& spec, int64_t block, int64_t slot_offset,
-                     bool to_slot) {
-  const size_t floor = runs->size();
-  auto merge_push = [runs, floor](int64_t s, int64_t d, int64_t n) {
-    if (runs->size() > floor && runs->back().src + runs->back().bytes == s &&
-        runs->back().dst + runs->back().bytes == d)
-      runs->back().bytes += n;
-    else
-      runs->push_back({s, d, n});
-  };
-  if (spec.layout == Layout::kBlockMajor) {
-    const int64_t off = spec.page_offset(0, block);
-    to_slot ? merge_push(off, slot_offset, spec.block_bytes()) : merge_push(slot_offset, off, spec.block_bytes());
-    return;
-  }
-  for (int64_t l = 0; l < spec.layers; ++l) {
-    const int64_t off = spec.page_offset(l, block), in_slot = slot_offset + l * spec.page_bytes();
-    to_slot ? merge_push(off, in_slot, spec.page_bytes()) : merge_push(in_slot, off, spec.page_bytes());
-  }
-}
-
-// Every block of a request whose key and block-id lists differ in length gets the same error.
-std::vector<Status> mismatched_lists(const char* op, size_t keys, size_t ids) {
-  return std::vector<Status>(
-      keys, Status(ErrorCode::kInvalidArgument,
-                   std::string(op) + ": " + std::to_string(keys) + " keys but " + std::to_string(ids) + " block ids"));
 }
 
 /// Marks every entry whose destination (a save's key, a load's target block) occurs more than
@@ -176,35 +46,42 @@ void refuse_duplicates(std::span<const T> dests, std::vector<Status>* res, const
 
 }  // namespace
 
-/// Copies into pinned staging that the copy engines read next: streaming stores where the
-/// destination is 16-byte aligned (no read of the destination's cache lines, nothing left in
-/// cache that the CPU does not read again), memcpy otherwise.
-void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) {
-#if defined(__SSE2__)
-  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0 && n >= 256) {
-    size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-    }
-    if (i < n) std::memcpy(dst + i, src + i, n - i);
-    return;
-  }
-#endif
-  std::memcpy(dst, src, n);
+std::vector<std::pair<size_t, size_t>> split(size_t n, uint64_t item_bytes, int64_t target) {
+  std::vector<std::pair<size_t, size_t>> out;
+  const size_t per =
+      target <= 0
+          ? std::max<size_t>(n, 1)
+          : std::max<size_t>(1, static_cast<size_t>(static_cast<uint64_t>(target) / std::max<uint64_t>(item_bytes, 1)));
+  for (size_t b = 0; b < n; b += per) out.emplace_back(b, std::min(n, b + per));
+  return out;
 }
 
-/// Mapped loads into device regions: runs averaging less than this go through host staging in
-/// sub-batches of kStageSubBatch (CopyEngine's own crossover is 256 KiB; a 16-token page of a
-/// layer is 9-18 KiB, a token's head slice 1 KiB).
-constexpr int64_t kStageBelowRun = int64_t{64} << 10;
-constexpr int64_t kStageSubBatch = int64_t{32} << 20;
+void push_block_runs(std::vector<CopyRun>* runs, const KvCacheSpec& spec, int64_t block, int64_t slot_offset,
+                     bool to_slot) {
+  const size_t floor = runs->size();
+  auto merge_push = [runs, floor](int64_t s, int64_t d, int64_t n) {
+    if (runs->size() > floor && runs->back().src + runs->back().bytes == s &&
+        runs->back().dst + runs->back().bytes == d)
+      runs->back().bytes += n;
+    else
+      runs->push_back({s, d, n});
+  };
+  if (spec.layout == Layout::kBlockMajor) {
+    const int64_t off = spec.page_offset(0, block);
+    to_slot ? merge_push(off, slot_offset, spec.block_bytes()) : merge_push(slot_offset, off, spec.block_bytes());
+    return;
+  }
+  for (int64_t l = 0; l < spec.layers; ++l) {
+    const int64_t off = spec.page_offset(l, block), in_slot = slot_offset + l * spec.page_bytes();
+    to_slot ? merge_push(off, in_slot, spec.page_bytes()) : merge_push(in_slot, off, spec.page_bytes());
+  }
+}
+
+std::vector<Status> mismatched_lists(const char* op, size_t keys, size_t ids) {
+  return std::vector<Status>(
+      keys, Status(ErrorCode::kInvalidArgument,
+                   std::string(op) + ": " + std::to_string(keys) + " keys but " + std::to_string(ids) + " block ids"));
+}
 
 std::string format_family(const EntryFormat& f) {
   if (f.is_mla()) return "mla";
@@ -249,90 +126,6 @@ Status check_mappable(const BlockShape& from, const BlockShape& to) {
     return {ErrorCode::kUnsupported, "page sizes that do not divide each other" + both()};
   return Status::Ok();
 }
-
-struct OffloadService::Impl {
-  /// Per-op phase totals (microseconds), for the timing breakdown of the bench and /metrics.
-  struct Phases {
-    Counter *prepare, *enqueue, *dma_wait, *hash, *total;
-    Phases(Registry& m, const char* op) {
-      auto c = [&](const char* phase) {
-        return &m.counter("kvferry_transfer_phase_microseconds_total",
-                          "Time data workers spent per phase of saves and loads (dma_wait: blocked on the copy "
-                          "engine; hash: checksums on the worker's critical path)",
-                          std::string("op=\"") + op + "\",phase=\"" + phase + "\"");
-      };
-      prepare = c("prepare");
-      enqueue = c("enqueue");
-      dma_wait = c("dma_wait");
-      hash = c("hash");
-      total = c("total");
-    }
-  };
-
-  Impl(BlockIndex& idx, Registry& m, Options o)
-      : index(idx),
-        opts(o),
-        verify_on_load(o.verify_on_load),
-        saved_blocks(m.counter("kvferry_blocks_saved_total", "Blocks saved", "tier=\"host\"")),
-        saved_bytes(m.counter("kvferry_bytes_saved_total", "Bytes saved", "tier=\"host\"")),
-        loaded_blocks(m.counter("kvferry_blocks_loaded_total", "Blocks loaded", "tier=\"host\"")),
-        loaded_bytes(m.counter("kvferry_bytes_loaded_total", "Bytes loaded", "tier=\"host\"")),
-        load_misses(m.counter("kvferry_load_misses_total", "Loads of blocks that were not stored")),
-        converted(m.counter("kvferry_blocks_converted_total", "Blocks converted to another format on load")),
-        remapped(m.counter("kvferry_blocks_remapped_total",
-                           "Region blocks loaded from stored blocks of another geometry (page size, head slice or "
-                           "head layout)")),
-        checksum_failures(m.counter("kvferry_checksum_failures_total", "Stored blocks whose checksum did not match")),
-        save_failures(m.counter("kvferry_save_failures_total", "Blocks that could not be saved")),
-        timeouts(m.counter("kvferry_transfer_timeouts_total", "Blocks failed because limits.request_timeout passed")),
-        save_seconds(m.histogram("kvferry_op_seconds", "Op latency in the daemon", "op=\"save\"")),
-        load_seconds(m.histogram("kvferry_op_seconds", "Op latency in the daemon", "op=\"load\"")),
-        save_phase(m, "save"),
-        load_phase(m, "load") {
-    if (opts.cpu_threads <= 0)
-      opts.cpu_threads = static_cast<int>(std::min(16u, std::max(1u, std::thread::hardware_concurrency())));
-    if (opts.hash_threads < 0) opts.hash_threads = opts.cpu_threads - 1;
-    hashers = std::make_unique<TaskPool>(opts.hash_threads);
-  }
-
-  BlockIndex& index;
-  Options opts;
-  std::atomic<bool> verify_on_load;
-  std::unique_ptr<TaskPool> hashers;
-  Counter &saved_blocks, &saved_bytes, &loaded_blocks, &loaded_bytes, &load_misses, &converted, &remapped,
-      &checksum_failures, &save_failures, &timeouts;
-  Histogram &save_seconds, &load_seconds;
-  Phases save_phase, load_phase;
-
-  void test_delay() const {
-    if (opts.test_delay.count() > 0) std::this_thread::sleep_for(opts.test_delay);
-  }
-  /// Bytes per sub-batch for blocks of `bb`: pipeline_bytes, but at least one block per hashing
-  /// thread (hashing is per block; fewer blocks would leave threads idle while the DMA waits).
-  int64_t sub_batch_bytes(uint64_t bb) const {
-    if (opts.pipeline_bytes <= 0) return 0;
-    return std::max<int64_t>(opts.pipeline_bytes, static_cast<int64_t>(bb) * (opts.hash_threads + 1));
-  }
-
-  static Status timed_out(const char* op) {
-    return op[0] == 's' ? Status(ErrorCode::kTimeout,
-                                 "limits.request_timeout passed before this block's save finished; it was not stored")
-                        : Status(ErrorCode::kTimeout,
-                                 "limits.request_timeout passed before this block's load started; its target block "
-                                 "was not written");
-  }
-
-  std::unique_ptr<Mover> host;    // host regions
-  std::unique_ptr<Mover> device;  // device regions; null when CUDA is not built
-  Status no_device;               // why device is null
-
-  /// An op of the mover for `region`'s memory.
-  Result<std::unique_ptr<MoveOp>> begin(const RegionAccess& region, bool to_pool) {
-    if (!region.device) return host->begin(region, to_pool);
-    if (!device) return Status(no_device.code(), "device region but " + no_device.message());
-    return device->begin(region, to_pool);
-  }
-};
 
 OffloadService::OffloadService(BlockIndex& index, std::unique_ptr<Impl> impl) : index_(index), impl_(std::move(impl)) {}
 OffloadService::~OffloadService() = default;
@@ -671,6 +464,36 @@ std::vector<Status> OffloadService::load(const RegionAccess& region, NamespaceId
   d.load_seconds.observe(total);
   return res;
 }
+
+/// Copies into pinned staging that the copy engines read next: streaming stores where the
+/// destination is 16-byte aligned (no read of the destination's cache lines, nothing left in
+/// cache that the CPU does not read again), memcpy otherwise.
+void stream_copy(uint8_t* dst, const uint8_t* src, size_t n) {
+#if defined(__SSE2__)
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0 && n >= 256) {
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    if (i < n) std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+/// Mapped loads into device regions: runs averaging less than this go through host staging in
+/// sub-batches of kStageSubBatch (CopyEngine's own crossover is 256 KiB; a 16-token page of a
+/// layer is 9-18 KiB, a token's head slice 1 KiB).
+constexpr int64_t kStageBelowRun = int64_t{64} << 10;
+constexpr int64_t kStageSubBatch = int64_t{32} << 20;
 
 std::vector<Status> OffloadService::load_mapped(const RegionAccess& region, NamespaceId ns,
                                                 std::span<const BlockKey> keys, std::span<const int64_t> block_ids,
