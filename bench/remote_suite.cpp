@@ -44,6 +44,8 @@
 
 #if defined(KVFERRY_WITH_CUDA)
 #include <cuda_runtime_api.h>
+
+#include "kvferry/kernels/copy_blocks.h"
 #endif
 
 namespace kvferry::bench {
@@ -505,6 +507,38 @@ double d2d_limit(uint64_t bytes, int rounds) {
   cudaFree(b);
   return median(bw);
 }
+
+/// The same block copies as a send (block i of a region to block `to[i]` of another, `size` bytes
+/// each) as batched DMA in this process on GPU 0 (kernels::BlockCopier, the daemon's copier): what
+/// the copy engines give such a batch without the daemons. GB/s, median of `rounds`; 0 when it
+/// cannot run.
+double batch_limit(uint64_t size, const std::vector<int64_t>& to, int rounds) {
+  const uint64_t n = to.size(), bytes = n * size;
+  void *a = nullptr, *b = nullptr;
+  cudaStream_t s = nullptr;
+  auto copier = kernels::BlockCopier::create(int64_t(n));
+  if (!copier.ok() || cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    if (a) cudaFree(a);
+    if (b) cudaFree(b);
+    return 0;
+  }
+  std::vector<CopyRun> runs(n);
+  for (uint64_t i = 0; i < n; ++i) runs[i] = {int64_t(i * size), to[i] * int64_t(size), int64_t(size)};
+  std::vector<double> bw;
+  for (int r = 0; r < rounds + 1; ++r) {
+    const auto t0 = Clock::now();
+    const Status st = (*copier)->copy(a, b, runs, kernels::CopyEngine::kDma, s);
+    cudaStreamSynchronize(s);
+    if (r && st.ok()) bw.push_back(double(bytes) / std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  copier->reset();
+  cudaStreamDestroy(s);
+  cudaFree(a);
+  cudaFree(b);
+  return bw.empty() ? 0 : median(bw);
+}
 #endif
 
 /// Memcpy of `bytes` between two buffers (the limit of a region-to-region send between daemons
@@ -569,11 +603,12 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
       if (!all_done(sd, n, "send A -> B region to region", rc)) return;
       if (r) bw.push_back(double(n * size) / sec);
     }
-    double limit = 0;
+    double limit = 0, batch = 0;
     std::string what = "memcpy of the same bytes";
     if (backend == "cuda") {
 #if defined(KVFERRY_WITH_CUDA)
       limit = d2d_limit(n * size, rounds);
+      batch = batch_limit(size, theirs, rounds);
       what = "one cudaMemcpyAsync D2D";
 #endif
     } else {
@@ -583,6 +618,11 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
                  std::to_string(n) + " " + backend,
              median(bw) / 1e9, "GB/s", limit / 1e9, what, true, backend == "cuda" && size >= (256u << 10) ? 0.9 : 0,
              "DMA from A's region into B's (imported), + B's check of the ids"});
+    if (batch > 0)
+      rep.add({"daemons, one host: the same, next to its copies batched in one process " + human_bytes(int64_t(size)) +
+                   " x" + std::to_string(n) + " " + backend,
+               median(bw) / 1e9, "GB/s", batch / 1e9, "the same runs, one cudaMemcpyBatchAsync", true, 0,
+               "what the daemons add to the copy engines' time"});
   }
   rep.note("region to region: two daemons on this host, " + backend +
            " regions; the first send of each size imports B's region and is not counted; one GPU here, so the "

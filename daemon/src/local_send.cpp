@@ -34,34 +34,61 @@ bool import_failure(ErrorCode c) {
          c == ErrorCode::kTimeout || c == ErrorCode::kProtocol;
 }
 
-#if defined(KVFERRY_WITH_CUDA)
-/// Device-to-device DMA of `runs` from `src` to `dst` on a stream of `device`, waited for.
-Status copy_on_device(int device, const uint8_t* src, uint8_t* dst, std::span<const CopyRun> runs) {
-  int prev = -1;
-  (void)cudaGetDevice(&prev);
-  struct Restore {
-    int d;
-    ~Restore() {
-      if (d >= 0) (void)cudaSetDevice(d);
-    }
-  } restore{prev};
-  KVFERRY_CUDA_TRY(cudaSetDevice(device));
-  KVFERRY_ASSIGN_OR_RETURN(auto copier, kernels::BlockCopier::create(kMaxRuns));
-  cudaStream_t stream = nullptr;
-  KVFERRY_CUDA_TRY(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Status st = Status::Ok();
-  for (size_t a = 0; a < runs.size() && st.ok(); a += static_cast<size_t>(kMaxRuns)) {
-    const size_t n = std::min(runs.size() - a, static_cast<size_t>(kMaxRuns));
-    st = copier->copy(src, dst, runs.subspan(a, n), kernels::CopyEngine::kDma, stream);
-  }
-  const Status sync = cuda_status(cudaStreamSynchronize(stream), "cudaStreamSynchronize", __FILE__, __LINE__);
-  copier.reset();
-  (void)cudaStreamDestroy(stream);
-  return st.ok() ? sync : st;
-}
-#endif
-
 }  // namespace
+
+/// A stream and a copier per device, made on the first send from it and kept (a copier's pinned
+/// run arrays and a stream cost milliseconds to make: more than a send of a few hundred MiB
+/// takes). Sends from one device take turns on its lane.
+struct LocalSender::Lanes {
+#if defined(KVFERRY_WITH_CUDA)
+  struct Lane {
+    std::mutex mu;
+    cudaStream_t stream = nullptr;
+    std::unique_ptr<kernels::BlockCopier> copier;
+    ~Lane() {
+      if (stream) {
+        (void)cudaStreamSynchronize(stream);
+        copier.reset();
+        (void)cudaStreamDestroy(stream);
+      }
+    }
+  };
+  std::mutex mu;
+  std::map<int, std::unique_ptr<Lane>> by_device;
+
+  /// Device-to-device DMA of `runs` from `src` to `dst` on `device`'s lane, waited for.
+  Status copy(int device, const uint8_t* src, uint8_t* dst, std::span<const CopyRun> runs) {
+    Lane* lane = nullptr;
+    {
+      std::lock_guard g(mu);
+      auto& l = by_device[device];
+      if (!l) l = std::make_unique<Lane>();
+      lane = l.get();
+    }
+    std::lock_guard g(lane->mu);
+    int prev = -1;
+    (void)cudaGetDevice(&prev);
+    struct Restore {
+      int d;
+      ~Restore() {
+        if (d >= 0) (void)cudaSetDevice(d);
+      }
+    } restore{prev};
+    KVFERRY_CUDA_TRY(cudaSetDevice(device));
+    if (!lane->stream) {
+      KVFERRY_ASSIGN_OR_RETURN(lane->copier, kernels::BlockCopier::create(kMaxRuns));
+      KVFERRY_CUDA_TRY(cudaStreamCreateWithFlags(&lane->stream, cudaStreamNonBlocking));
+    }
+    Status st = Status::Ok();
+    for (size_t a = 0; a < runs.size() && st.ok(); a += static_cast<size_t>(kMaxRuns)) {
+      const size_t n = std::min(runs.size() - a, static_cast<size_t>(kMaxRuns));
+      st = lane->copier->copy(src, dst, runs.subspan(a, n), kernels::CopyEngine::kDma, lane->stream);
+    }
+    const Status sync = cuda_status(cudaStreamSynchronize(lane->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+    return st.ok() ? sync : st;
+  }
+#endif
+};
 
 struct LocalSender::Import {
   std::unique_ptr<Client> client;  // the session on the peer's socket that maps the region
@@ -71,7 +98,8 @@ struct LocalSender::Import {
   bool device = false;
 };
 
-LocalSender::LocalSender(store::RemoteStore& remote, std::string name) : remote_(remote), name_(std::move(name)) {}
+LocalSender::LocalSender(store::RemoteStore& remote, std::string name)
+    : remote_(remote), name_(std::move(name)), lanes_(std::make_unique<Lanes>()) {}
 LocalSender::~LocalSender() = default;
 
 uint64_t LocalSender::blocks_sent() const {
@@ -190,7 +218,7 @@ std::optional<std::vector<Status>> LocalSender::send(const Region& src, const st
   Status copied = Status::Ok();
   if (src.on_device()) {
 #if defined(KVFERRY_WITH_CUDA)
-    copied = copy_on_device(src.desc().device, src.base(), (*imp)->base, runs);
+    copied = lanes_->copy(src.desc().device, src.base(), (*imp)->base, runs);
 #else
     copied = Status(ErrorCode::kUnavailable, "kvferry was built without CUDA");
 #endif

@@ -65,6 +65,8 @@ class LocalSender {
 
   store::RemoteStore& remote_;
   std::string name_;
+  struct Lanes;  // a stream and a copier per device, kept from send to send (local_send.cpp)
+  std::unique_ptr<Lanes> lanes_;
   mutable std::mutex mu_;
   std::map<std::tuple<std::string, std::string, uint32_t>, std::shared_ptr<Import>> imports_;
   std::map<std::string, Clock::time_point> elsewhere_;  // peers that cannot import: retried after this

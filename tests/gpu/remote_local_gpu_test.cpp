@@ -184,10 +184,12 @@ TEST_P(RemoteLocalGpu, ReceiverKilledMidTransfer) {
   ASSERT_EQ(first->done, uint64_t(n)) << p.a->log() << p.b->log();
   std::atomic<bool> killed{false};
   auto sender = std::async(std::launch::async, [&] {
+    // Sends back to back until three have started after the kill (bounded in time and count).
     std::vector<Client::OpResult> after;
-    for (int k = 0; k < 500 && after.size() < 3; ++k) {
+    const auto end = Clock::now() + 30s;
+    for (uint64_t k = 0; k < 1000000 && after.size() < 3 && Clock::now() < end; ++k) {
       const bool dead = killed.load();
-      auto r = a->send_into(src.id, keys(n, 11 + uint64_t(k)), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
+      auto r = a->send_into(src.id, keys(n, 11 + k % 64), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
       if (!r.ok()) break;
       if (dead) after.push_back(*r);
     }

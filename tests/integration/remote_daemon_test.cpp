@@ -415,13 +415,14 @@ TEST(RemoteDaemons, RegionToRegionReceiverKilledMidTransfer) {
 
   std::atomic<bool> killed{false};
   auto sender = std::async(std::launch::async, [&] {
+    // Sends back to back until three have started after the kill (bounded in time and count).
     std::vector<Client::OpResult> after;
-    for (int k = 0; k < 200; ++k) {
+    const auto end = Clock::now() + 30s;
+    for (uint64_t k = 0; k < 1000000 && after.size() < 3 && Clock::now() < end; ++k) {
       const bool dead = killed.load();
-      auto r = a->send_into(src.id, kKeys.keys(n, 41 + uint64_t(k)), iota_ids(n), peer_b, dst.id, iota_ids(n));
+      auto r = a->send_into(src.id, kKeys.keys(n, 41 + k % 64), iota_ids(n), peer_b, dst.id, iota_ids(n));
       if (!r.ok()) break;
       if (dead) after.push_back(*r);
-      if (after.size() >= 3) break;
     }
     return after;
   });
