@@ -17,11 +17,13 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "kvferry/config/host_port.h"
 #include "kvferry/store/membership.h"
 #include "kvferry/store/placement.h"
 #include "kvferry/store/remote_wire.h"
 #include "kvferry/store/tiered_store.h"
 #include "kvferry/store/ucx_transport.h"
+#include "task_pool.h"
 #endif
 
 namespace kvferry::store {
@@ -37,34 +39,18 @@ constexpr size_t kBatch = 4096;
 /// Bytes per one-sided get whose blocks are then checked while the next is on the wire.
 constexpr uint64_t kPieceBytes = uint64_t{32} << 20;
 
-/// fn(i) for i in [0, n) on up to `threads` threads (the caller's included) when the items hold
-/// at least 16 MiB; else on the caller.
-template <class F>
-void parallel_items(size_t n, uint64_t bytes_per_item, unsigned threads, F&& fn) {
-  const size_t t = n * bytes_per_item < (uint64_t{16} << 20) ? 1 : std::min<size_t>(threads, n);
-  if (t <= 1) {
-    for (size_t i = 0; i < n; ++i) fn(i);
-    return;
-  }
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
-  };
-  std::vector<std::future<void>> f;
-  for (size_t k = 1; k < t; ++k) f.push_back(std::async(std::launch::async, work));
-  work();
-  for (auto& x : f) x.get();
-}
+/// Threads that help hash the blocks of a large commit (the progress thread is the eighth).
+constexpr int kCommitHelpers = 7;
 
 Status split_host_port(const std::string& hp, std::string* host, uint16_t* port) {
-  const size_t colon = hp.rfind(':');
-  if (colon == std::string::npos || colon == 0) return {ErrorCode::kInvalidArgument, "'" + hp + "' is not host:port"};
-  *host = hp.substr(0, colon);
-  if (host->size() > 2 && host->front() == '[' && host->back() == ']') *host = host->substr(1, host->size() - 2);
-  char* end = nullptr;
-  const unsigned long p = std::strtoul(hp.c_str() + colon + 1, &end, 10);
-  if (*end != '\0' || p > 65535) return {ErrorCode::kInvalidArgument, "'" + hp + "' has a bad port"};
-  *port = static_cast<uint16_t>(p);
+  config::HostPort p;
+  switch (config::parse_host_port(hp, &p)) {
+    case config::HostPortFault::kOk: break;
+    case config::HostPortFault::kNotHostPort: return {ErrorCode::kInvalidArgument, "'" + hp + "' is not host:port"};
+    case config::HostPortFault::kBadPort: return {ErrorCode::kInvalidArgument, "'" + hp + "' has a bad port"};
+  }
+  *host = std::move(p.host);
+  *port = p.port;
   return Status::Ok();
 }
 
@@ -140,7 +126,8 @@ struct RemoteStore::Impl {
   Counter *served_lookups = nullptr, *served_blocks_in = nullptr, *torn_reads = nullptr, *refused = nullptr,
           *commit_mismatch = nullptr, *landing_failures = nullptr, *local_landed = nullptr;
 
-  std::string boot_id;  // this host's (/proc/sys/kernel/random/boot_id): peers with the same one share it
+  TaskPool hashers{kCommitHelpers};  // a large commit's blocks are hashed on these and the progress thread
+  std::string boot_id;               // this host's (/proc/sys/kernel/random/boot_id): peers with the same one share it
 
   // Keys peers on this host copied into this daemon's regions (region to region: not stored here),
   // by namespace name, for wait_for; guarded by commit_mu, the oldest dropped past kMaxLanded.
@@ -451,7 +438,7 @@ struct RemoteStore::Impl {
     // Each landed block is hashed before it is indexed: on a few threads for a large batch, so
     // the progress thread (which the peer's next puts need) is held as briefly as possible.
     std::atomic<uint64_t> committed{0};
-    parallel_items(q.items.size(), q.items.empty() ? 0 : bytes / q.items.size(), 8, [&](size_t i) {
+    hashers.parallel_for(q.items.size(), q.items.empty() ? 0 : bytes / q.items.size(), [&](size_t i) {
       if (!ps[i]) return;
       const Pending& p = *ps[i];
       if (p.held) {
