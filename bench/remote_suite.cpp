@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -45,6 +46,7 @@
 #if defined(KVFERRY_WITH_CUDA)
 #include <cuda_runtime_api.h>
 
+#include "copy_victim.h"
 #include "kvferry/kernels/copy_blocks.h"
 #endif
 
@@ -539,6 +541,25 @@ double batch_limit(uint64_t size, const std::vector<int64_t>& to, int rounds) {
   cudaFree(b);
   return bw.empty() ? 0 : median(bw);
 }
+
+/// Milliseconds per launch of a memory-bound kernel (copy_victim.h) on GPU 0 in this process,
+/// median of 7 x 40 launches; < 0 when it cannot run.
+double victim_ms(float* y, const float* x, int64_t n, cudaStream_t s) {
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  if (cudaEventCreate(&e0) != cudaSuccess || cudaEventCreate(&e1) != cudaSuccess) return -1;
+  std::vector<double> ms;
+  for (int r = 0; r < 7; ++r) {
+    cudaEventRecord(e0, s);
+    for (int k = 0; k < 40; ++k) launch_victim_stream(y, x, n, s);
+    cudaEventRecord(e1, s);
+    float t = 0;
+    if (cudaEventSynchronize(e1) != cudaSuccess || cudaEventElapsedTime(&t, e0, e1) != cudaSuccess) return -1;
+    ms.push_back(double(t) / 40);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return median(ms);
+}
 #endif
 
 /// Memcpy of `bytes` between two buffers (the limit of a region-to-region send between daemons
@@ -617,16 +638,69 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
     rep.add({"daemons, one host: send A -> B region to region " + human_bytes(int64_t(size)) + " x" +
                  std::to_string(n) + " " + backend,
              median(bw) / 1e9, "GB/s", limit / 1e9, what, true, backend == "cuda" && size >= (256u << 10) ? 0.9 : 0,
-             "DMA from A's region into B's (imported), + B's check of the ids"});
+             backend == "cuda" ? "DMA from A's region into B's (imported), + B's check of the ids"
+                               : "memcpy from A's region into B's (imported), + B's check of the ids"});
     if (batch > 0)
       rep.add({"daemons, one host: the same, next to its copies batched in one process " + human_bytes(int64_t(size)) +
                    " x" + std::to_string(n) + " " + backend,
                median(bw) / 1e9, "GB/s", batch / 1e9, "the same runs, one cudaMemcpyBatchAsync", true, 0,
                "what the daemons add to the copy engines' time"});
   }
+#if defined(KVFERRY_WITH_CUDA)
+  // What the sends cost an engine on the receiving GPU: a memory-bound kernel in this process (a
+  // third one), timed alone and while A sends 1 MiB blocks into B's region back to back.
+  if (backend == "cuda") {
+    const uint64_t size = 1u << 20, n = 1024;
+    const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
+                           Layout::kBlockMajor};
+    auto ra = ca->create_region("victim-src", spec);
+    auto rb = cb->create_region("victim-dst", spec);
+    float *x = nullptr, *y = nullptr;
+    cudaStream_t s = nullptr;
+    const int64_t elems = int64_t{64} << 20;  // 768 MB moved per launch
+    if (ra.ok() && rb.ok() && cudaSetDevice(0) == cudaSuccess &&
+        cudaMalloc(reinterpret_cast<void**>(&x), elems * 4) == cudaSuccess &&
+        cudaMalloc(reinterpret_cast<void**>(&y), elems * 4) == cudaSuccess &&
+        cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess) {
+      cudaMemset(x, 0, size_t(elems) * 4);
+      cudaMemset(y, 0, size_t(elems) * 4);
+      std::vector<int64_t> ids(n);
+      for (uint64_t i = 0; i < n; ++i) ids[i] = int64_t(i);
+      const double alone = victim_ms(y, x, elems, s);
+      std::atomic<bool> stop{false};
+      std::atomic<uint64_t> sent{0};
+      const auto t0 = Clock::now();
+      std::thread sender([&] {
+        for (uint64_t r = 0; r < 100000 && !stop.load(); ++r) {
+          const auto keys = keys_owned_by({a->id(), b->id()}, 0, n, (uint64_t{1} << 40) + r);
+          auto sd = ca->send_into(*ra, keys, ids, b->id(), *rb, ids);
+          if (!sd.ok() || sd->done != n) break;
+          sent += n * size;
+        }
+      });
+      std::this_thread::sleep_for(20ms);
+      const double with = victim_ms(y, x, elems, s);
+      stop = true;
+      sender.join();
+      const double gbs = double(sent.load()) / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
+      if (alone > 0 && with > 0)
+        rep.add({"another process's memory-bound kernel on the receiving GPU, region-to-region sends", with, "ms",
+                 alone, "same kernel alone", false, 0.97,
+                 "slowdown x" + std::to_string(with / alone).substr(0, 5) + " (limit 1.03); sends ran at " +
+                     std::to_string(gbs).substr(0, 6) + " GB/s"});
+    } else {
+      std::fprintf(stderr, "remote bench: the interference row cannot run\n");
+    }
+    if (s) cudaStreamDestroy(s);
+    if (x) cudaFree(x);
+    if (y) cudaFree(y);
+  }
+#endif
   rep.note("region to region: two daemons on this host, " + backend +
-           " regions; the first send of each size imports B's region and is not counted; one GPU here, so the "
-           "copies stay inside it (two GPUs of one host take the same path over NVLink)");
+           " regions; the first send of each size imports B's region and is not counted" +
+           (backend == "cuda" ? "; both daemons on GPU 0 here, so the copies stay inside it (daemons on two GPUs of "
+                                "one host take the same path over NVLink)"
+                              : std::string()));
 }
 
 struct Mode {
