@@ -29,6 +29,7 @@ struct Driver {
   decltype(&cuMemSetAccess) set_access = nullptr;
   decltype(&cuMemRelease) mem_release = nullptr;
   decltype(&cuDeviceGetAttribute) attribute = nullptr;
+  decltype(&cuMemGetAddressRange) address_range = nullptr;
   Status status;
 };
 
@@ -61,6 +62,7 @@ const Driver& driver() {
     load(d, "cuMemSetAccess", d.set_access);
     load(d, "cuMemRelease", d.mem_release);
     load(d, "cuDeviceGetAttribute", d.attribute);
+    load(d, "cuMemGetAddressRange", d.address_range);
   });
   return d;
 }
@@ -218,6 +220,27 @@ void ipc_close(void* p, int device) {
   cudaIpcCloseMemHandle(p);
 }
 
+Status grant_access(void* ptr, int owner_device, int device) {
+  if (owner_device == device) return Status::Ok();
+  int can = 0;
+  KVFERRY_TRY(rt(cudaDeviceCanAccessPeer(&can, device, owner_device), "cudaDeviceCanAccessPeer"));
+  if (!can)
+    return {ErrorCode::kUnavailable,
+            "GPU " + std::to_string(device) + " has no peer access to GPU " + std::to_string(owner_device)};
+  const Driver& d = driver();
+  KVFERRY_TRY(d.status);
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  KVFERRY_TRY(cu(d.address_range(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)), "cuMemGetAddressRange"));
+  CUmemAccessDesc a[2]{};
+  for (int i = 0; i < 2; ++i) {
+    a[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    a[i].location.id = i == 0 ? owner_device : device;
+    a[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  return cu(d.set_access(base, size, a, 2), "cuMemSetAccess");
+}
+
 Status copy_to_host(void* dst, const void* src, size_t n, int device) {
   KVFERRY_TRY(rt(cudaSetDevice(device), "cudaSetDevice"));
   return rt(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "cudaMemcpy(D2H)");
@@ -241,6 +264,7 @@ Result<void*> malloc_ipc(int, uint64_t, uint8_t*) { return no_cuda(); }
 void free_ipc(void*, int) {}
 Result<void*> ipc_open(int, const uint8_t*) { return no_cuda(); }
 void ipc_close(void*, int) {}
+Status grant_access(void*, int, int) { return no_cuda(); }
 Status copy_to_host(void*, const void*, size_t, int) { return no_cuda(); }
 Status copy_to_device(void*, const void*, size_t, int) { return no_cuda(); }
 

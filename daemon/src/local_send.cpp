@@ -4,9 +4,11 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <atomic>
 #include <tuple>
 
 #include "kvferry/connector/client.h"
+#include "kvferry/connector/cuda_vmm.h"
 #include "kvferry/kernels/copy_blocks.h"
 #include "kvferry/kernels/device.h"
 #include "kvferry/store/remote_store.h"
@@ -96,6 +98,7 @@ struct LocalSender::Import {
   proto::RegionDesc desc;
   std::string token;
   bool device = false;
+  std::atomic<int> reach{-1};  // the sending device granted access to this GPU mapping (another GPU's memory)
 };
 
 LocalSender::LocalSender(store::RemoteStore& remote, std::string name)
@@ -191,6 +194,19 @@ std::optional<std::vector<Status>> LocalSender::send(const Region& src, const st
       src.on_device() != (*imp)->device)
     return std::nullopt;
 
+  // Another GPU of this host: the sending GPU's copy engines write into it over NVLink, which a
+  // cuMem mapping must allow (an IPC mapping was opened with lazy peer access). GPUs without peer
+  // access go through the host pools.
+  if (src.on_device() && (*imp)->reach != src.desc().device) {
+    if ((*imp)->desc.backend == proto::Backend::kCudaVmm) {
+      if (Status st = cuda_vmm::grant_access((*imp)->base, (*imp)->desc.device, src.desc().device); !st.ok()) {
+        spdlog::info("remote tier: sends into region {} of {} go through the host pools: {}", peer_region, peer,
+                     st.to_string());
+        return std::nullopt;
+      }
+    }
+    (*imp)->reach = src.desc().device;
+  }
   std::vector<Status> out(n, Status::Ok());
   std::vector<CopyRun> runs;
   std::vector<size_t> go;

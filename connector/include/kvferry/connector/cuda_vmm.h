@@ -36,6 +36,12 @@ void free_ipc(void* p, int device);
 Result<void*> ipc_open(int device, const uint8_t handle[64]);
 void ipc_close(void* p, int device);
 
+/// Lets `device` read and write the mapping that holds `ptr` (imported on another device): what
+/// the copy engines of `device` need to write into it directly, over NVLink where the GPUs have
+/// peer access. A legacy IPC mapping needs nothing here (it was opened with lazy peer access).
+/// kUnavailable when the two devices cannot reach each other.
+Status grant_access(void* ptr, int owner_device, int device);
+
 /// Synchronous copies between host and device memory (cudaMemcpy).
 Status copy_to_host(void* dst, const void* src, size_t n, int device);
 Status copy_to_device(void* dst, const void* src, size_t n, int device);
