@@ -338,6 +338,49 @@ std::unique_ptr<Client> bench_client(const DaemonProc& d) {
   return c.ok() ? std::move(*c) : nullptr;
 }
 
+/// Two daemons A and B on free loopback ports (static peers of each other, `pool` bytes of host
+/// pool, regions on `backend`) and a client of each.
+struct TwoDaemons {
+  std::unique_ptr<DaemonProc> a, b;
+  std::unique_ptr<Client> ca, cb;
+};
+
+/// Starts them; false (with the reason printed and rc = 1) when they cannot start.
+bool start_two(uint64_t pool, const std::string& backend, TwoDaemons& t, int& rc) {
+  const int pa = free_port(), pb = free_port();
+  t.a = spawn_daemon(pa, {pa, pb}, pool, backend);
+  t.b = t.a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool, backend) : nullptr;
+  if (!t.a->error.empty() || !t.b->error.empty()) {
+    std::fprintf(stderr, "remote bench: %s\n", (t.a->error.empty() ? t.b->error : t.a->error).c_str());
+    rc = 1;
+    return false;
+  }
+  t.ca = bench_client(*t.a);
+  t.cb = bench_client(*t.b);
+  if (!t.ca || !t.cb) {
+    std::fprintf(stderr, "remote bench: cannot connect to the daemons\n");
+    rc = 1;
+    return false;
+  }
+  return true;
+}
+
+/// Region `name` of `n` blocks of `size` bytes (MHA 1x128 bf16, 512 B per token, x 64 tokens x
+/// size/32 KiB layers, block-major) on A and on B: their ids, or nullopt (printed, rc = 1).
+std::optional<std::pair<uint32_t, uint32_t>> two_regions(TwoDaemons& t, const std::string& name, uint64_t size,
+                                                         uint64_t n, int& rc) {
+  const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
+                         Layout::kBlockMajor};
+  auto ra = t.ca->create_region(name, spec);
+  auto rb = t.cb->create_region(name, spec);
+  if (!ra.ok() || !rb.ok()) {
+    std::fprintf(stderr, "remote bench: region: %s\n", (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
+    rc = 1;
+    return std::nullopt;
+  }
+  return std::make_pair(*ra, *rb);
+}
+
 /// `n` keys of round `round` whose rendezvous owner (over `ids`) is `ids[owner]`.
 std::vector<ops::Key> keys_owned_by(const std::vector<std::string>& ids, size_t owner, uint64_t n, uint64_t round) {
   const store::RendezvousPlacement pl(ids);
@@ -366,41 +409,25 @@ void daemon_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& 
   const uint64_t per_size = std::max(std::min<uint64_t>(cap, 4096 * max_size), max_size * 2);
   // A holds one size's blocks, B fetches them (and receives sends): room for both, and slack.
   const uint64_t pool = per_size * 2 + (uint64_t{128} << 20);
-  const int pa = free_port(), pb = free_port();
-  auto a = spawn_daemon(pa, {pa, pb}, pool);
-  auto b = a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool) : nullptr;
-  if (!a->error.empty() || !b->error.empty()) {
-    std::fprintf(stderr, "remote bench: %s\n", (a->error.empty() ? b->error : a->error).c_str());
-    rc = 1;
-    return;
-  }
-  auto ca = bench_client(*a), cb = bench_client(*b);
-  if (!ca || !cb) {
-    std::fprintf(stderr, "remote bench: cannot connect to the daemons\n");
-    rc = 1;
-    return;
-  }
+  TwoDaemons t;
+  if (!start_two(pool, "cpu", t, rc)) return;
+  auto &a = t.a, &b = t.b;
+  auto &ca = t.ca, &cb = t.cb;
   const std::vector<std::string> ids{a->id(), b->id()};
   std::vector<ops::Key> last_keys;
   uint32_t last_rb = 0;
   std::vector<int64_t> last_ids;
   for (uint64_t size : sizes) {
     const uint64_t n = std::min<uint64_t>(4096, per_size / size);
-    // Blocks of `size` bytes: MHA 1x128 bf16 (512 B per token) x 64 tokens x size/32 KiB layers.
-    const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
-                           Layout::kBlockMajor};
-    const std::string rname = "bench-" + std::to_string(size >> 10) + "k";
-    auto ra = ca->create_region(rname, spec);
-    auto rb = cb->create_region(rname, spec);
-    if (!ra.ok() || !rb.ok()) {
-      std::fprintf(stderr, "remote bench: region: %s\n", (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
-      rc = 1;
-      return;
-    }
+    const auto regions = two_regions(t, "bench-" + std::to_string(size >> 10) + "k", size, n, rc);
+    if (!regions) return;
+    const uint32_t* ra = &regions->first;
+    const uint32_t* rb = &regions->second;
+    const int64_t region_bytes = int64_t(n * size);
     auto base = ca->map_region(*ra);
     if (base.ok()) {
       auto* p = static_cast<uint8_t*>(*base);
-      for (int64_t i = 0; i < spec.region_bytes(); i += 4096) p[i] = uint8_t(i >> 12 | 1);
+      for (int64_t i = 0; i < region_bytes; i += 4096) p[i] = uint8_t(i >> 12 | 1);
     }
     std::vector<int64_t> bids(n);
     for (uint64_t i = 0; i < n; ++i) bids[i] = int64_t(i);
@@ -583,33 +610,16 @@ double memcpy_limit(uint64_t bytes, int rounds) {
 void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& sizes, int rounds, uint64_t cap,
                 const std::string& backend, int& rc) {
   (void)opts;
-  const int pa = free_port(), pb = free_port();
-  const uint64_t pool = uint64_t{256} << 20;  // nothing is stored on either side
-  auto a = spawn_daemon(pa, {pa, pb}, pool, backend);
-  auto b = a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool, backend) : nullptr;
-  if (!a->error.empty() || !b->error.empty()) {
-    std::fprintf(stderr, "remote bench: %s\n", (a->error.empty() ? b->error : a->error).c_str());
-    rc = 1;
-    return;
-  }
-  auto ca = bench_client(*a), cb = bench_client(*b);
-  if (!ca || !cb) {
-    std::fprintf(stderr, "remote bench: cannot connect to the daemons\n");
-    rc = 1;
-    return;
-  }
+  TwoDaemons t;
+  if (!start_two(uint64_t{256} << 20, backend, t, rc)) return;  // nothing is stored on either side
+  auto &a = t.a, &b = t.b;
+  auto& ca = t.ca;
   for (uint64_t size : sizes) {
     const uint64_t n = std::min<uint64_t>(4096, std::max<uint64_t>(1, cap / size));
-    const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
-                           Layout::kBlockMajor};
-    const std::string rname = "local-" + std::to_string(size >> 10) + "k";
-    auto ra = ca->create_region(rname, spec);
-    auto rb = cb->create_region(rname, spec);
-    if (!ra.ok() || !rb.ok()) {
-      std::fprintf(stderr, "remote bench: region: %s\n", (ra.ok() ? rb.status() : ra.status()).to_string().c_str());
-      rc = 1;
-      return;
-    }
+    const auto regions = two_regions(t, "local-" + std::to_string(size >> 10) + "k", size, n, rc);
+    if (!regions) return;
+    const uint32_t* ra = &regions->first;
+    const uint32_t* rb = &regions->second;
     std::vector<int64_t> mine(n), theirs(n);
     for (uint64_t i = 0; i < n; ++i) {
       mine[i] = int64_t(i);
@@ -651,15 +661,11 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
   // third one), timed alone and while A sends 1 MiB blocks into B's region back to back.
   if (backend == "cuda") {
     const uint64_t size = 1u << 20, n = 1024;
-    const KvCacheSpec spec{int64_t(size / (32u << 10)), int64_t(n), 64, EntryFormat::mha(1, 128, DType::kBF16),
-                           Layout::kBlockMajor};
-    auto ra = ca->create_region("victim-src", spec);
-    auto rb = cb->create_region("victim-dst", spec);
+    const auto vr = two_regions(t, "victim", size, n, rc);
     float *x = nullptr, *y = nullptr;
     cudaStream_t s = nullptr;
     const int64_t elems = int64_t{64} << 20;  // 768 MB moved per launch
-    if (ra.ok() && rb.ok() && cudaSetDevice(0) == cudaSuccess &&
-        cudaMalloc(reinterpret_cast<void**>(&x), elems * 4) == cudaSuccess &&
+    if (vr && cudaSetDevice(0) == cudaSuccess && cudaMalloc(reinterpret_cast<void**>(&x), elems * 4) == cudaSuccess &&
         cudaMalloc(reinterpret_cast<void**>(&y), elems * 4) == cudaSuccess &&
         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess) {
       cudaMemset(x, 0, size_t(elems) * 4);
@@ -673,7 +679,7 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
       std::thread sender([&] {
         for (uint64_t r = 0; r < 100000 && !stop.load(); ++r) {
           const auto keys = keys_owned_by({a->id(), b->id()}, 0, n, (uint64_t{1} << 40) + r);
-          auto sd = ca->send_into(*ra, keys, ids, b->id(), *rb, ids);
+          auto sd = ca->send_into(vr->first, keys, ids, b->id(), vr->second, ids);
           if (!sd.ok() || sd->done != n) break;
           sent += n * size;
         }

@@ -25,24 +25,9 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
-struct GpuRegion {
-  uint32_t id = 0;
-  KvCacheSpec spec;
-  uint8_t* base = nullptr;  // device pointer in this process
-};
-
-GpuRegion create(Client& c, const std::string& name, const KvCacheSpec& spec) {
-  GpuRegion r;
-  auto id = c.create_region(name, spec);
-  EXPECT_TRUE(id.ok()) << id.status().to_string();
-  if (!id.ok()) return r;
-  r.id = *id;
-  r.spec = spec;
-  auto b = c.map_region(*id);
-  EXPECT_TRUE(b.ok()) << b.status().to_string();
-  r.base = b.ok() ? static_cast<uint8_t*>(*b) : nullptr;
-  return r;
-}
+using testing::create;
+/// A region of GPU memory: `base` is a device pointer in this process.
+using GpuRegion = testing::Region;
 
 std::vector<uint8_t> read(const GpuRegion& r) {
   std::vector<uint8_t> h(static_cast<size_t>(r.spec.region_bytes()));
@@ -62,11 +47,7 @@ std::vector<uint8_t> fill(const GpuRegion& r, uint32_t seed) {
   return h;
 }
 
-std::vector<int64_t> iota_ids(int64_t n) {
-  std::vector<int64_t> v(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) v[size_t(i)] = i;
-  return v;
-}
+using testing::iota_ids;
 
 std::vector<ops::Key> keys(int64_t n, uint64_t salt) {
   std::vector<ops::Key> k(static_cast<size_t>(n));
@@ -78,8 +59,11 @@ std::vector<ops::Key> keys(int64_t n, uint64_t salt) {
 struct Pair {
   int port_a = 0, port_b = 0;
   std::unique_ptr<testing::DaemonProcess> a, b;
+  std::unique_ptr<Client> ca, cb;  // a client of each
   std::string peer_b() const { return "127.0.0.1:" + std::to_string(port_b); }
 };
+
+std::unique_ptr<Client> connect(const testing::DaemonProcess& d);
 
 /// Two daemons with the CUDA backend on GPU 0, static peers on loopback.
 Pair start_pair(bool force_ipc) {
@@ -96,6 +80,12 @@ Pair start_pair(bool force_ipc) {
   if (force_ipc) env.push_back("KVFERRY_CUDA_IPC=1");
   p.a = std::make_unique<testing::DaemonProcess>(yaml(p.port_a), env, "cuda");
   p.b = std::make_unique<testing::DaemonProcess>(yaml(p.port_b), env, "cuda");
+  EXPECT_TRUE(p.a->ready()) << p.a->log();
+  EXPECT_TRUE(p.b->ready()) << p.b->log();
+  if (p.a->ready() && p.b->ready()) {
+    p.ca = connect(*p.a);
+    p.cb = connect(*p.b);
+  }
   return p;
 }
 
@@ -114,10 +104,8 @@ class RemoteLocalGpu : public ::testing::TestWithParam<const char*> {};
 TEST_P(RemoteLocalGpu, SendsRegionToRegionOnOneGpu) {
   if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
   auto p = start_pair(std::string(GetParam()) == "cuda_ipc");
-  ASSERT_TRUE(p.a->ready()) << p.a->log();
-  ASSERT_TRUE(p.b->ready()) << p.b->log();
-  auto a = connect(*p.a), b = connect(*p.b);
-  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(p.ca && p.cb);
+  auto &a = p.ca, &b = p.cb;
   constexpr int64_t n = 40;
   for (Layout layout : {Layout::kBlockMajor, Layout::kLayerMajor}) {
     SCOPED_TRACE(layout == Layout::kBlockMajor ? "block-major" : "layer-major");
@@ -169,10 +157,8 @@ TEST_P(RemoteLocalGpu, SendsRegionToRegionOnOneGpu) {
 TEST_P(RemoteLocalGpu, ReceiverKilledMidTransfer) {
   if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
   auto p = start_pair(std::string(GetParam()) == "cuda_ipc");
-  ASSERT_TRUE(p.a->ready()) << p.a->log();
-  ASSERT_TRUE(p.b->ready()) << p.b->log();
-  auto a = connect(*p.a), b = connect(*p.b);
-  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(p.ca && p.cb);
+  auto &a = p.ca, &b = p.cb;
   constexpr int64_t n = 256;  // 256 blocks of 4 layers x 64 tokens x 1152 B: 72 MiB a send
   const KvCacheSpec spec{4, n, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor};
   GpuRegion src = create(*a, "prefill", spec);
@@ -184,16 +170,9 @@ TEST_P(RemoteLocalGpu, ReceiverKilledMidTransfer) {
   ASSERT_EQ(first->done, uint64_t(n)) << p.a->log() << p.b->log();
   std::atomic<bool> killed{false};
   auto sender = std::async(std::launch::async, [&] {
-    // Sends back to back until three have started after the kill (bounded in time and count).
-    std::vector<Client::OpResult> after;
-    const auto end = Clock::now() + 30s;
-    for (uint64_t k = 0; k < 1000000 && after.size() < 3 && Clock::now() < end; ++k) {
-      const bool dead = killed.load();
-      auto r = a->send_into(src.id, keys(n, 11 + k % 64), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
-      if (!r.ok()) break;
-      if (dead) after.push_back(*r);
-    }
-    return after;
+    return testing::sends_after_kill(killed, [&](uint64_t k) {
+      return a->send_into(src.id, keys(n, 11 + k % 64), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
+    });
   });
   std::this_thread::sleep_for(30ms);
   p.b->stop(SIGKILL);

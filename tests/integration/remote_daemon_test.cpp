@@ -83,6 +83,25 @@ std::vector<std::unique_ptr<DaemonProcess>> start_cluster(size_t n, const std::s
   return d;
 }
 
+/// Two daemons of the cluster (plus `more` under tiers.remote) and a client of each; `peer_b` is
+/// B's member id. The test fails (with the logs) where one does not come up.
+struct Two {
+  std::vector<std::unique_ptr<DaemonProcess>> d;
+  std::unique_ptr<Client> a, b;
+  std::string peer_b;
+  bool ok() const { return a && b; }
+};
+Two start_two(const std::string& more = "") {
+  Two t;
+  std::vector<int> ports;
+  t.d = start_cluster(2, more, &ports);
+  if (!t.d[0]->ready() || !t.d[1]->ready()) return t;
+  t.a = connect(*t.d[0]);
+  t.b = connect(*t.d[1]);
+  t.peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  return t;
+}
+
 // A client of A saves; clients of B and C look up and load every block, byte for byte, and C
 // loads them converted into another format; another model's namespace sees none of them.
 TEST(RemoteDaemons, SaveOnOneLoadOnAnother) {
@@ -252,12 +271,11 @@ TEST(RemoteDaemons, SendPrefillToDecode) {
 // second region) without B's client loading anything. A region B does not have, or block ids past
 // its end, fail per block and say so.
 TEST(RemoteDaemons, SendLandsInThePeersRegion) {
-  std::vector<int> ports;
-  auto d = start_cluster(2, "    local_transfer: false\n", &ports);  // through both host pools
-  auto &pa = d[0], &pb = d[1];
-  ASSERT_TRUE(pa->ready() && pb->ready());
-  auto a = connect(*pa), b = connect(*pb);
-  ASSERT_TRUE(a && b);
+  auto t = start_two("    local_transfer: false\n");  // through both host pools
+  ASSERT_TRUE(t.ok());
+  auto &pa = t.d[0], &pb = t.d[1];
+  auto &a = t.a, &b = t.b;
+  const std::string& peer_b = t.peer_b;
   constexpr int64_t n = 24;
   Region src = create(*a, "prefill", spec_of(EntryFormat::mla_fp8(), n));
   fill_mla(src, 13);
@@ -266,7 +284,6 @@ TEST(RemoteDaemons, SendLandsInThePeersRegion) {
   const auto keys = kKeys.keys(n, 10);
   std::vector<int64_t> theirs(n);
   for (int64_t i = 0; i < n; ++i) theirs[size_t(i)] = n - 1 - i;
-  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
   auto sd = a->send_into(src.id, keys, iota_ids(n), peer_b, dst.id, theirs);
   ASSERT_TRUE(sd.ok()) << sd.status().to_string();
   EXPECT_EQ(sd->done, uint64_t(n)) << pa->log() << pb->log();
@@ -303,13 +320,11 @@ TEST(RemoteDaemons, SendLandsInThePeersRegion) {
 // region of another format goes through the host pools and is converted there. Block ids past
 // the peer's region fail by name and touch nothing; a region B does not have is kNotFound.
 TEST(RemoteDaemons, SendRegionToRegionOnOneHost) {
-  std::vector<int> ports;
-  auto d = start_cluster(2, "", &ports);
-  auto &pa = d[0], &pb = d[1];
-  ASSERT_TRUE(pa->ready() && pb->ready());
-  auto a = connect(*pa), b = connect(*pb);
-  ASSERT_TRUE(a && b);
-  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  auto t = start_two();
+  ASSERT_TRUE(t.ok());
+  auto &pa = t.d[0], &pb = t.d[1];
+  auto &a = t.a, &b = t.b;
+  const std::string& peer_b = t.peer_b;
   constexpr int64_t n = 24;
   for (Layout layout : {Layout::kBlockMajor, Layout::kLayerMajor}) {
     SCOPED_TRACE(layout == Layout::kBlockMajor ? "block-major" : "layer-major");
@@ -398,13 +413,11 @@ TEST(RemoteDaemons, SendRegionToRegionOnOneHost) {
 // within the remote tier's bound with the blocks failed (never a hang, never a false kOk), and
 // the sender goes on serving its own clients.
 TEST(RemoteDaemons, RegionToRegionReceiverKilledMidTransfer) {
-  std::vector<int> ports;
-  auto d = start_cluster(2, "", &ports);
-  auto &pa = d[0], &pb = d[1];
-  ASSERT_TRUE(pa->ready() && pb->ready());
-  auto a = connect(*pa), b = connect(*pb);
-  ASSERT_TRUE(a && b);
-  const std::string peer_b = "127.0.0.1:" + std::to_string(ports[1]);
+  auto t = start_two();
+  ASSERT_TRUE(t.ok());
+  auto &pa = t.d[0], &pb = t.d[1];
+  auto &a = t.a, &b = t.b;
+  const std::string& peer_b = t.peer_b;
   constexpr int64_t n = 64;
   Region src = create(*a, "prefill", spec_of(EntryFormat::mla_bf16(), n));
   fill_mla(src, 41);
@@ -415,16 +428,9 @@ TEST(RemoteDaemons, RegionToRegionReceiverKilledMidTransfer) {
 
   std::atomic<bool> killed{false};
   auto sender = std::async(std::launch::async, [&] {
-    // Sends back to back until three have started after the kill (bounded in time and count).
-    std::vector<Client::OpResult> after;
-    const auto end = Clock::now() + 30s;
-    for (uint64_t k = 0; k < 1000000 && after.size() < 3 && Clock::now() < end; ++k) {
-      const bool dead = killed.load();
-      auto r = a->send_into(src.id, kKeys.keys(n, 41 + k % 64), iota_ids(n), peer_b, dst.id, iota_ids(n));
-      if (!r.ok()) break;
-      if (dead) after.push_back(*r);
-    }
-    return after;
+    return testing::sends_after_kill(killed, [&](uint64_t k) {
+      return a->send_into(src.id, kKeys.keys(n, 41 + k % 64), iota_ids(n), peer_b, dst.id, iota_ids(n));
+    });
   });
   std::this_thread::sleep_for(50ms);
   pb->stop(SIGKILL);

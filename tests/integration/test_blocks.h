@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -124,6 +127,22 @@ inline bool block_equal(const Region& r, int64_t b, const std::vector<uint8_t>& 
     if (std::memcmp(r.page(l, b), ref.data() + r.spec.page_offset(l, bref), static_cast<size_t>(r.spec.page_bytes())))
       return false;
   return true;
+}
+
+/// Calls send(k) for k = 0, 1, ... back to back until three calls have started after `killed`
+/// turned true (within 30 s, or until a call itself fails): their results. For tests that kill a
+/// receiver while sends go on.
+inline std::vector<Client::OpResult> sends_after_kill(const std::atomic<bool>& killed,
+                                                      const std::function<Result<Client::OpResult>(uint64_t)>& send) {
+  std::vector<Client::OpResult> after;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  for (uint64_t k = 0; k < 1000000 && after.size() < 3 && std::chrono::steady_clock::now() < end; ++k) {
+    const bool dead = killed.load();
+    auto r = send(k);
+    if (!r.ok()) break;
+    if (dead) after.push_back(*r);
+  }
+  return after;
 }
 
 /// How many of blocks 0 .. n-1 of `got` equal those of `want` (block-major regions of one spec).
