@@ -136,11 +136,16 @@ struct EntryWalk {
   }
 };
 
-template <int kKind>
-__global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2
-                                            : kKind == 2             ? 4
-                                                         : 3) convert_kernel(const ConvertParams p, const WalkStep ws) {
-  constexpr int kU = kKind == 2 ? 1 : 2;  // entries per item
+/// Entries per item of convert_kernel: one for bf16 -> 656 (issue-bound on its quantisation),
+/// two for the others.
+constexpr int convert_direct_entries(ConvertKind kind) { return kind == ConvertKind::kBf16ToDs ? 1 : 2; }
+
+template <ConvertKind kKind>
+__global__ void __launch_bounds__(kThreads, kKind == ConvertKind::kDsToFp8 || kKind == ConvertKind::kDsToBf16 ? 2
+                                            : kKind == ConvertKind::kBf16ToDs                                 ? 4
+                                                                                                              : 3)
+    convert_kernel(const ConvertParams p, const WalkStep ws) {
+  constexpr int kU = convert_direct_entries(kKind);
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.src.view.sizes[1];
   const Div dbs = make_div(bs);
@@ -153,8 +158,9 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2
     uint8_t* dst[kU];
     int64_t blk[kU];
   };
-  using E = std::conditional_t<kKind == 0, Fp8In,
-                               std::conditional_t<kKind == 1, Ds8In, std::conditional_t<kKind == 2, Bf16In, DsIn>>>;
+  using E = std::conditional_t<kKind == ConvertKind::kFp8ToDs, Fp8In,
+                               std::conditional_t<kKind == ConvertKind::kDsToFp8, Ds8In,
+                                                  std::conditional_t<kKind == ConvertKind::kBf16ToDs, Bf16In, DsIn>>>;
   struct In {
     E e[kU];
   };
@@ -186,11 +192,11 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           if (!a.src[u]) continue;
-          if constexpr (kKind == 0)
+          if constexpr (kKind == ConvertKind::kFp8ToDs)
             in.e[u] = load_fp8(a.src[u], lane);
-          else if constexpr (kKind == 1)
+          else if constexpr (kKind == ConvertKind::kDsToFp8)
             in.e[u] = load_ds8(a.src[u], lane);
-          else if constexpr (kKind == 2)
+          else if constexpr (kKind == ConvertKind::kBf16ToDs)
             in.e[u] = load_bf16(a.src[u], a.src[u] + kMlaRank * 2, lane);
           else
             in.e[u] = load_ds(a.src[u], lane);
@@ -201,12 +207,12 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
           if (!a.src[u]) continue;
-          if constexpr (kKind == 0) {
+          if constexpr (kKind == ConvertKind::kFp8ToDs) {
             store_fp8_as_ds(in.e[u], a.dst[u], lane, one);
-          } else if constexpr (kKind == 1) {
+          } else if constexpr (kKind == ConvertKind::kDsToFp8) {
             const bool ok = store_ds_as_fp8(in.e[u], a.dst[u], lane);
             if (!ok && lane == 0 && p.not_lossless) p.not_lossless[a.blk[u]] = 1;
-          } else if constexpr (kKind == 2) {
+          } else if constexpr (kKind == ConvertKind::kBf16ToDs) {
             store_bf16_as_ds<true>(in.e[u], a.dst[u], lane);
           } else {
             store_ds_as_bf16(in.e[u], a.dst[u], lane);
@@ -224,14 +230,16 @@ __global__ void __launch_bounds__(kThreads, kKind == 1 || kKind == 3 ? 2
 /// 0.764 -> 0.876 (with one not_lossless store per item and block), 656 -> bf16 0.843 -> 0.868
 /// (layer views 0.79 -> 0.81, 0.77 -> 0.83, 0.80 -> 0.82); 8 entries and 2 stages, or 4 and 3,
 /// measured between the two, and 2 or 4 entries for bf16 -> 656 lower than 1 (0.725, 0.685).
-constexpr int convert_entries(int kind) { return kind == 2 ? 1 : 4; }
-constexpr int convert_ring(int kind) { return kind == 0 ? 5 : kStages; }
+constexpr int convert_entries(ConvertKind kind) { return kind == ConvertKind::kBf16ToDs ? 1 : 4; }
+constexpr int convert_ring(ConvertKind kind) { return kind == ConvertKind::kFp8ToDs ? 5 : kStages; }
 
-template <int kKind>
+template <ConvertKind kKind>
 __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertParams p) {
   constexpr int kU = convert_entries(kKind);
   constexpr int kSt = convert_ring(kKind);
-  constexpr int kSrc = kKind == 0 ? kMlaFp8Bytes : kKind == 2 ? kMlaDim * 2 : kMlaDsBytes;
+  constexpr int kSrc = kKind == ConvertKind::kFp8ToDs    ? kMlaFp8Bytes
+                       : kKind == ConvertKind::kBf16ToDs ? kMlaDim * 2
+                                                         : kMlaDsBytes;
   constexpr int kHdr = 16 * kU;  // destination pointer and block index per entry
   constexpr int kBytes = kHdr + kU * kSrc;
   __shared__ __align__(16) uint8_t ring[kWarps][kSt][kBytes];
@@ -288,9 +296,9 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
           uint8_t* dst = reinterpret_cast<uint8_t* const*>(st)[2 * u];
           if (!dst) continue;
           const uint8_t* e = st + kHdr + u * kSrc;
-          if constexpr (kKind == 0) {
+          if constexpr (kKind == ConvertKind::kFp8ToDs) {
             store_fp8_as_ds(load_fp8(e, lane), dst, lane, one);
-          } else if constexpr (kKind == 1) {
+          } else if constexpr (kKind == ConvertKind::kDsToFp8) {
             const Ds8In in = load_ds8(e, lane);
             // One not_lossless store per item and block, not per entry: the flags of the blocks in
             // flight share a few L2 lines, which every warp's stores met (0.756 -> 0.814 of the
@@ -301,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
               if (lane == 0 && p.not_lossless) p.not_lossless[b] = 1;
               flagged = b;
             }
-          } else if constexpr (kKind == 2) {
+          } else if constexpr (kKind == ConvertKind::kBf16ToDs) {
             store_bf16_as_ds<true>(load_bf16(e, e + kMlaRank * 2, lane), dst, lane);
           } else {
             store_ds_as_bf16(load_ds(e, lane), dst, lane);
@@ -317,10 +325,14 @@ __global__ void __launch_bounds__(kThreads) convert_staged_kernel(const ConvertP
 // entries (kStrided: warp w entries w, w + kW, ...; else a run of consecutive ones each) and store
 // them: kStore: into the warp's shared-memory buffer (two, alternating) and then with one bulk
 // copy (the destination's entries are contiguous too), else directly.
-constexpr int conv_src_bytes(int kind) { return kind == 0 ? kMlaFp8Bytes : kind == 2 ? kMlaDim * 2 : kMlaDsBytes; }
-constexpr int conv_dst_bytes(int kind) { return kind == 1 ? kMlaFp8Bytes : kind == 3 ? kMlaDim * 2 : kMlaDsBytes; }
+constexpr int conv_src_bytes(ConvertKind kind) {
+  return kind == ConvertKind::kFp8ToDs ? kMlaFp8Bytes : kind == ConvertKind::kBf16ToDs ? kMlaDim * 2 : kMlaDsBytes;
+}
+constexpr int conv_dst_bytes(ConvertKind kind) {
+  return kind == ConvertKind::kDsToFp8 ? kMlaFp8Bytes : kind == ConvertKind::kDsToBf16 ? kMlaDim * 2 : kMlaDsBytes;
+}
 /// Dynamic shared memory of convert_bulk_kernel: the input ring, the output stages, the barriers.
-constexpr int conv_bulk_smem(int kind, bool store, int unit, int stages, int warps) {
+constexpr int conv_bulk_smem(ConvertKind kind, bool store, int unit, int stages, int warps) {
   return stages * unit * conv_src_bytes(kind) +
          (store ? 2 * warps * ((unit + warps - 1) / warps) * conv_dst_bytes(kind) : 0) + 8 * 2 * stages;
 }
@@ -335,7 +347,7 @@ __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t byt
 #endif
 }
 
-template <int kKind, bool kStore, int kConvUnit, int kSt, bool kStrided = false, int kW = kWarps>
+template <ConvertKind kKind, bool kStore, int kConvUnit, int kSt, bool kStrided = false, int kW = kWarps>
 __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertParams p, bool ranges) {
   static_assert(!(kStore && kStrided), "a warp's bulk store needs its entries consecutive");
   constexpr int kSrc = conv_src_bytes(kKind), kDst = conv_dst_bytes(kKind);
@@ -397,17 +409,17 @@ __global__ void __launch_bounds__(kW * 32, 2) convert_bulk_kernel(const ConvertP
         for (int e = e0; e < e1; e += kStrided ? kW : 1) {
           const uint8_t* src = st + e * kSrc;
           uint8_t* dst = kStore ? ob + (e - e0) * kDst : dst0 + (e - e0) * dstep;  // dst0: entry e0
-          if constexpr (kKind == 0) {
+          if constexpr (kKind == ConvertKind::kFp8ToDs) {
             store_fp8_as_ds(load_fp8(src, lane), dst, lane, one);
-          } else if constexpr (kKind == 1) {
+          } else if constexpr (kKind == ConvertKind::kDsToFp8) {
             lossless &= store_ds_as_fp8(load_ds8(src, lane), dst, lane);
-          } else if constexpr (kKind == 2) {
+          } else if constexpr (kKind == ConvertKind::kBf16ToDs) {
             store_bf16_as_ds<true>(load_bf16(src, src + kMlaRank * 2, lane), dst, lane);
           } else {
             store_ds_as_bf16(load_ds(src, lane), dst, lane);
           }
         }
-        if constexpr (kKind == 1) {
+        if constexpr (kKind == ConvertKind::kDsToFp8) {
           if (!lossless && lane == 0 && p.not_lossless) p.not_lossless[w.b] = 1;
         }
         if constexpr (kStore) {
@@ -463,6 +475,22 @@ cudaError_t go_walk(const ConvertParams& p, int64_t items, int64_t per_warp, cud
   return cudaGetLastError();
 }
 
+/// Kind kKind on the direct engine, or with `staged` on the staged one, over `n` entries.
+template <ConvertKind kKind>
+cudaError_t go_convert(const ConvertParams& p, int64_t n, bool staged, cudaStream_t stream) {
+  return staged ? go<convert_staged_kernel<kKind>>(p, n, convert_entries(kKind), stream)
+                : go_walk<convert_kernel<kKind>>(p, n, convert_direct_entries(kKind), stream);
+}
+
+/// Kind kKind on the bulk engine: units of kUnit entries, kSt stages, kW warps per CTA, stored by
+/// bulk copies with kStore, warp w taking entries w, w + kW, ... with kStrided (convert_bulk_kernel).
+template <ConvertKind kKind, bool kStore, int kUnit, int kSt, bool kStrided, int kW = kWarps>
+cudaError_t go_convert_bulk(const ConvertParams& p, bool ranges, cudaStream_t stream) {
+  const int64_t units = p.layers * p.count * (p.src.view.sizes[1] / kUnit);
+  return go_bulk<convert_bulk_kernel<kKind, kStore, kUnit, kSt, kStrided, kW>>(
+      p, units, conv_bulk_smem(kKind, kStore, kUnit, kSt, kW), stream, kW * 32, ranges);
+}
+
 }  // namespace
 
 cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
@@ -481,15 +509,14 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
     return c.view.strides[1] * eb == entry_bytes && aligned(c.entry(0, 0), 16) && (c.view.strides[0] * eb) % 16 == 0 &&
            layer_stride % 16 == 0;
   };
-  const int kind = static_cast<int>(p.kind);
+  const ConvertKind kind = p.kind;
   const int64_t bs = p.src.view.sizes[1];
   // (use_bulk's shared memory: the largest ring of the four, 576 -> 656's with its store buffers.)
-  if (kind >= 0 && kind <= 3 && bs % (kind == 2 ? 16 : 64) == 0 &&
-      use_bulk(p.engine, true, conv_bulk_smem(0, true, 64, 2, kWarps),
-               reinterpret_cast<const void*>(&convert_bulk_kernel<0, true, 64, 2>)) &&
+  if (kind <= ConvertKind::kDsToBf16 && bs % (kind == ConvertKind::kBf16ToDs ? 16 : 64) == 0 &&
+      use_bulk(p.engine, true, conv_bulk_smem(ConvertKind::kFp8ToDs, true, 64, 2, kWarps),
+               reinterpret_cast<const void*>(&convert_bulk_kernel<ConvertKind::kFp8ToDs, true, 64, 2>)) &&
       contiguous(p.src, conv_src_bytes(kind), p.src_layer_stride) &&
       contiguous(p.dst, conv_dst_bytes(kind), p.dst_layer_stride)) {
-    auto units = [&](int unit) { return p.layers * p.count * (bs / unit); };
     // Unit order: for a whole view whose blocks lie apart (a layer view of a block-major buffer,
     // no block list), one range of consecutive units per CTA; otherwise grid-stride, so the grid
     // sweeps a contiguous cache in order: ranges gain a little on layer views read in order and
@@ -502,33 +529,22 @@ cudaError_t launch_convert(const ConvertParams& p, cudaStream_t stream) {
                             ? p.unit_order == ConvertUnitOrder::kRanges
                             : !p.src_blocks && !p.dst_blocks &&
                                   (apart(p.src, conv_src_bytes(kind)) || apart(p.dst, conv_dst_bytes(kind)));
-#define KVF_CONV(K, S, U, ST, SD)                                                                                   \
-  go_bulk<convert_bulk_kernel<K, S, U, ST, SD>>(p, units(U), conv_bulk_smem(K, S, U, ST, kWarps), stream, kThreads, \
-                                                ranges)
-#define KVF_CONV16(K, S, U, ST, SD) \
-  go_bulk<convert_bulk_kernel<K, S, U, ST, SD, 16>>(p, units(U), conv_bulk_smem(K, S, U, ST, 16), stream, 512, ranges)
     switch (kind) {
-      case 0: return KVF_CONV(0, true, 64, 2, false);
-      case 1: return KVF_CONV(1, true, 64, 2, false);
-      case 2: return bs % 32 == 0 ? KVF_CONV16(2, false, 32, 3, true) : KVF_CONV16(2, false, 16, 6, true);
-      default: return KVF_CONV(3, false, 64, 2, false);
+      case ConvertKind::kFp8ToDs: return go_convert_bulk<ConvertKind::kFp8ToDs, true, 64, 2, false>(p, ranges, stream);
+      case ConvertKind::kDsToFp8: return go_convert_bulk<ConvertKind::kDsToFp8, true, 64, 2, false>(p, ranges, stream);
+      case ConvertKind::kBf16ToDs:
+        return bs % 32 == 0 ? go_convert_bulk<ConvertKind::kBf16ToDs, false, 32, 3, true, 16>(p, ranges, stream)
+                            : go_convert_bulk<ConvertKind::kBf16ToDs, false, 16, 6, true, 16>(p, ranges, stream);
+      case ConvertKind::kDsToBf16:
+        return go_convert_bulk<ConvertKind::kDsToBf16, false, 64, 2, false>(p, ranges, stream);
+      default: return cudaErrorInvalidValue;
     }
-#undef KVF_CONV
-#undef KVF_CONV16
   }
   switch (p.kind) {
-    case ConvertKind::kFp8ToDs:
-      return sg ? go<convert_staged_kernel<0>>(p, n, convert_entries(0), stream)
-                : go_walk<convert_kernel<0>>(p, n, 2, stream);
-    case ConvertKind::kDsToFp8:
-      return sg ? go<convert_staged_kernel<1>>(p, n, convert_entries(1), stream)
-                : go_walk<convert_kernel<1>>(p, n, 2, stream);
-    case ConvertKind::kBf16ToDs:
-      return sg ? go<convert_staged_kernel<2>>(p, n, convert_entries(2), stream)
-                : go_walk<convert_kernel<2>>(p, n, 1, stream);
-    case ConvertKind::kDsToBf16:
-      return sg ? go<convert_staged_kernel<3>>(p, n, convert_entries(3), stream)
-                : go_walk<convert_kernel<3>>(p, n, 2, stream);
+    case ConvertKind::kFp8ToDs: return go_convert<ConvertKind::kFp8ToDs>(p, n, sg, stream);
+    case ConvertKind::kDsToFp8: return go_convert<ConvertKind::kDsToFp8>(p, n, sg, stream);
+    case ConvertKind::kBf16ToDs: return go_convert<ConvertKind::kBf16ToDs>(p, n, sg, stream);
+    case ConvertKind::kDsToBf16: return go_convert<ConvertKind::kDsToBf16>(p, n, sg, stream);
     default: return cudaErrorInvalidValue;
   }
 }

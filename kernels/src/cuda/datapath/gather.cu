@@ -68,17 +68,17 @@ __device__ __forceinline__ Rows<kR> locate_rows(const GatherParams& p, const Div
 
 /// Raw copy (16-byte vectors) and fp8 -> bf16: an item is kR consecutive rows x up to 96 vectors
 /// of each (rows longer than that take several items).
-template <int kMode>
+template <GatherMode kMode>
 __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams p) {
-  constexpr int kR = kMode == 0 ? 2 : 4;  // rows per item
-  using Vec = std::conditional_t<kMode == 0, uint4, uint2>;
+  constexpr int kR = kMode == GatherMode::kCopy ? 2 : 4;  // rows per item
+  using Vec = std::conditional_t<kMode == GatherMode::kCopy, uint4, uint2>;
   const int lane = threadIdx.x & 31;
   const Div dbs = make_div(p.cache.view.sizes[1]);
   const TensorView& v = p.cache.view;
   const int64_t eb = dtype_size(v.dtype);
-  const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
+  const int64_t n = kMode == GatherMode::kCopy ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
   const int64_t chunks = (n + 95) / 96;
-  const int64_t dst_row = p.dst_stride * (kMode == 0 ? eb : 2);
+  const int64_t dst_row = p.dst_stride * (kMode == GatherMode::kCopy ? eb : 2);
   const int64_t items = (p.total_rows + kR - 1) / kR * chunks;
   const DqScale dq = make_dq_scale(p.scale);
   struct In {
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 2) gather_kernel(const GatherParams 
           for (int c = 0; c < 3; ++c) {
             const int64_t k = k0 + lane + 32 * c;
             if (!r.src[u] || k >= n) continue;
-            if constexpr (kMode == 0)
+            if constexpr (kMode == GatherMode::kCopy)
               st_v16(out + u * dst_row + 16 * k, in.x[u][c]);
             else
               st_v16(out + u * dst_row + 16 * k, dequant8(in.x[u][c], dq));
@@ -249,18 +249,18 @@ __global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const Dequan
 // ---- staged engine ----
 
 /// up to 72 vectors.
-template <int kMode>
+template <GatherMode kMode>
 __global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherParams p) {
-  constexpr int kVec = kMode == 0 ? 16 : 8;
+  constexpr int kVec = kMode == GatherMode::kCopy ? 16 : 8;
   constexpr int kBytes = 72 * kVec;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
   const int lane = threadIdx.x & 31;
   const Div dbs = make_div(p.cache.view.sizes[1]);
   const TensorView& v = p.cache.view;
   const int64_t eb = dtype_size(v.dtype);
-  const int64_t n = kMode == 0 ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
+  const int64_t n = kMode == GatherMode::kCopy ? v.sizes[2] * eb / 16 : v.sizes[2] / 8;  // vectors per row
   const int64_t chunks = (n + 71) / 72;
-  const int64_t dst_row = p.dst_stride * (kMode == 0 ? eb : 2);
+  const int64_t dst_row = p.dst_stride * (kMode == GatherMode::kCopy ? eb : 2);
   const int64_t items = p.total_rows * chunks;
   const DqScale dq = make_dq_scale(p.scale);
   staged(
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherPar
         const int64_t k0 = i % chunks * 72;
         const int64_t m = n - k0 < 72 ? n - k0 : 72;
         for (int k = lane; k < m; k += 32) {
-          if constexpr (kMode == 0)
+          if constexpr (kMode == GatherMode::kCopy)
             cp16(st + 16 * k, r.src[0] + 16 * (k0 + k));
           else
             cp8(st + 8 * k, r.src[0] + 8 * (k0 + k));
@@ -283,7 +283,7 @@ __global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherPar
         const int64_t m = n - k0 < 72 ? n - k0 : 72;
         uint8_t* const out = static_cast<uint8_t*>(p.dst) + j * dst_row + 16 * k0;
         for (int k = lane; k < m; k += 32) {
-          if constexpr (kMode == 0)
+          if constexpr (kMode == GatherMode::kCopy)
             st_v16(out + 16 * k, lds16(st + 16 * k));
           else
             st_v16(out + 16 * k, dequant8(lds8(st + 8 * k), dq));
@@ -367,14 +367,17 @@ cudaError_t launch_gather(const GatherParams& p, cudaStream_t stream) {
         return row % a == 0 && (v.strides[0] * eb) % a == 0 && (v.strides[1] * eb) % a == 0 && aligned(first, a) &&
                aligned(p.dst, a) && (p.dst_stride * eb) % a == 0;
       };
-      if (fits(16)) return sg ? go<gather_staged_kernel<0>>(p, n, 1, stream) : go<gather_kernel<0>>(p, n, 2, stream);
+      if (fits(16))
+        return sg ? go<gather_staged_kernel<GatherMode::kCopy>>(p, n, 1, stream)
+                  : go<gather_kernel<GatherMode::kCopy>>(p, n, 2, stream);
       if (fits(4)) return go<gather_copy_narrow_kernel<4>>(p, n, 4, stream);
       if (fits(2)) return go<gather_copy_narrow_kernel<2>>(p, n, 4, stream);
       return go<gather_copy_narrow_kernel<1>>(p, n, 4, stream);
     }
     case GatherMode::kDequantFp8:
       if (!sg && p.cache.view.sizes[2] == kMlaDim) return go<gather_fp8_576_kernel>(p, n, 2, stream);
-      return sg ? go<gather_staged_kernel<1>>(p, n, 1, stream) : go<gather_kernel<1>>(p, n, 4, stream);
+      return sg ? go<gather_staged_kernel<GatherMode::kDequantFp8>>(p, n, 1, stream)
+                : go<gather_kernel<GatherMode::kDequantFp8>>(p, n, 4, stream);
     case GatherMode::kDequantDs:
       return sg ? go<gather_ds_staged_kernel>(p, n, 2, stream) : go<gather_ds_kernel>(p, n, 2, stream);
     default: return cudaErrorInvalidValue;

@@ -22,9 +22,10 @@ using namespace detail;
 
 // ---- write_mla ----
 
-template <int kMode, bool kBf16 = true>
-__global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel(const WriteMlaParams p) {
-  constexpr int kU = kMode == 0 ? 2 : 1;  // tokens per item
+template <MlaWriteMode kMode, bool kBf16 = true>
+__global__ void __launch_bounds__(kThreads, kMode == MlaWriteMode::kCopy ? 2 : 3)
+    write_mla_kernel(const WriteMlaParams p) {
+  constexpr int kU = kMode == MlaWriteMode::kCopy ? 2 : 1;  // tokens per item
   const int lane = threadIdx.x & 31;
   const int64_t bs = p.cache.view.sizes[1];
   const Div dbs = make_div(bs);
@@ -45,7 +46,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
           if (n >= p.tokens) continue;
           const uint8_t* nope = static_cast<const uint8_t*>(p.kv_c) + n * p.kv_c_stride * 2;
           const uint8_t* rope = static_cast<const uint8_t*>(p.k_pe) + n * p.k_pe_stride * 2;
-          if constexpr (kMode == 2) {
+          if constexpr (kMode == MlaWriteMode::kFp8Ds) {
             const Bf16In b = load_bf16(nope, rope, lane);
             in.v[u][0] = b.a;
             in.v[u][1] = b.b;
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
           int64_t blk, off;
           divmod(sl.s[u], dbs, blk, off);
           uint8_t* dst = p.cache.entry(blk, off);
-          if constexpr (kMode == 2) {
+          if constexpr (kMode == MlaWriteMode::kFp8Ds) {
             Bf16In b;
             b.a = in.v[u][0];
             b.b = in.v[u][1];
@@ -78,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, kMode == 0 ? 2 : 3) write_mla_kernel
             for (int k = 0; k < 3; ++k) {
               const int g = lane + 32 * k;
               if (g >= 72) continue;
-              if constexpr (kMode == 0) {
+              if constexpr (kMode == MlaWriteMode::kCopy) {
                 st_v16(dst + 16 * g, in.v[u][k]);
               } else {
                 float x[8];
@@ -338,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, kBf16 ? 3 : 2) indexer_write_wide_ke
 // ---- staged engine ----
 
 // write_mla: one token per item; stage = slot (16 B header), then 1024 B nope + 128 B rope.
-template <int kMode, bool kBf16 = true>
+template <MlaWriteMode kMode, bool kBf16 = true>
 __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteMlaParams p) {
   constexpr int kBytes = 16 + 1152;
   __shared__ __align__(16) uint8_t ring[kWarps][kStages][kBytes];
@@ -366,14 +367,14 @@ __global__ void __launch_bounds__(kThreads) write_mla_staged_kernel(const WriteM
         divmod(s, dbs, blk, off);
         uint8_t* dst = p.cache.entry(blk, off);
         const uint8_t* d = st + 16;
-        if constexpr (kMode == 2) {
+        if constexpr (kMode == MlaWriteMode::kFp8Ds) {
           store_bf16_as_ds<false>(load_bf16(d, d + 1024, lane), dst, lane);
         } else {
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
             const int g = lane + 32 * k;
             if (g >= 72) continue;
-            if constexpr (kMode == 0) {
+            if constexpr (kMode == MlaWriteMode::kCopy) {
               st_v16(dst + 16 * g, lds16(d + 16 * g));
             } else {
               float x[8];
@@ -514,20 +515,20 @@ cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
   const bool bf16 = p.input_dtype == DType::kBF16;
   switch (p.mode) {
     case MlaWriteMode::kCopy:
-      return sg ? go<write_mla_staged_kernel<0>>(p, p.tokens, 1, stream)
-                : go<write_mla_kernel<0>>(p, p.tokens, 2, stream);
+      return sg ? go<write_mla_staged_kernel<MlaWriteMode::kCopy>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<MlaWriteMode::kCopy>>(p, p.tokens, 2, stream);
     case MlaWriteMode::kFp8:
       if (!bf16)
-        return sg ? go<write_mla_staged_kernel<1, false>>(p, p.tokens, 1, stream)
-                  : go<write_mla_kernel<1, false>>(p, p.tokens, 1, stream);
-      return sg ? go<write_mla_staged_kernel<1>>(p, p.tokens, 1, stream)
-                : go<write_mla_kernel<1>>(p, p.tokens, 1, stream);
+        return sg ? go<write_mla_staged_kernel<MlaWriteMode::kFp8, false>>(p, p.tokens, 1, stream)
+                  : go<write_mla_kernel<MlaWriteMode::kFp8, false>>(p, p.tokens, 1, stream);
+      return sg ? go<write_mla_staged_kernel<MlaWriteMode::kFp8>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<MlaWriteMode::kFp8>>(p, p.tokens, 1, stream);
     case MlaWriteMode::kFp8Ds:
       // Three CTAs per SM where four fit. With random slots each 656 B entry shares a sector with a
       // neighbour written at another time; since the quotient takes one correction (quot_ds), a
       // fourth CTA's stores in flight cost more than its warps gain (kernels/DESIGN.md §2.2).
-      return sg ? go<write_mla_staged_kernel<2>>(p, p.tokens, 1, stream)
-                : go<write_mla_kernel<2>>(p, p.tokens, 1, stream, 3);
+      return sg ? go<write_mla_staged_kernel<MlaWriteMode::kFp8Ds>>(p, p.tokens, 1, stream)
+                : go<write_mla_kernel<MlaWriteMode::kFp8Ds>>(p, p.tokens, 1, stream, 3);
     default: return cudaErrorInvalidValue;
   }
 }
