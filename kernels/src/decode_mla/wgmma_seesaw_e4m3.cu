@@ -1,5 +1,5 @@
 // Hopper MLA decode for mla_fp8 caches with fp8 tensor-core math (DecodeMlaParams::fp8_math; contract
-// in decode_mla.h): the seesaw schedule of decode_mla_seesaw.cu with both products in e4m3, so the
+// in decode_mla.h): the seesaw schedule of wgmma_seesaw.cu with both products in e4m3, so the
 // cache bytes are multiplied as they land and no pass converts them.
 //
 // One CTA per (64 heads, split, request), 64-token tiles, two math warpgroups and a producer
@@ -35,10 +35,10 @@
 
 #include <cmath>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_tma.cuh"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/seesaw.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -132,7 +132,7 @@ __device__ __forceinline__ float pow2_step(float m, float n) {
 
 template <bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_mla_f8_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap) {
+    wgmma_seesaw_e4m3_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
   uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
@@ -645,13 +645,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(row) * kRowBytes + c * 16) = v;
   }
 #else
-  __trap();  // built without sm_90a: launch_f8 is never chosen for such a build (see decode_mla.cu)
+  __trap();  // built without sm_90a: launch_wgmma_seesaw_e4m3 is never chosen for such a build (see launch.cu)
 #endif
 }
 
 template <bool SPLIT>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map) {
-  constexpr auto kernel = decode_mla_f8_kernel<SPLIT>;
+  constexpr auto kernel = wgmma_seesaw_e4m3_kernel<SPLIT>;
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
   kernel<<<dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch), kThreads, kSmem, stream>>>(k, map);
@@ -660,7 +660,7 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
 
 }  // namespace
 
-cudaError_t launch_f8(const KParams& k, int batch, cudaStream_t stream) {
+cudaError_t launch_wgmma_seesaw_e4m3(const KParams& k, int batch, cudaStream_t stream) {
   // The raw entries as bytes, [128 x min(page, 64)] boxes with the 128-byte swizzle; the rope's
   // box runs 64 bytes past the entry, which the copy fills with zeros.
   CUtensorMap map{};

@@ -1,7 +1,8 @@
-// CUDA MLA paged decode for fp8 caches (mla_fp8, mla_fp8_ds) on mma.sync, converting in registers.
+// CUDA MLA paged decode for fp8 caches (mla_fp8, mla_fp8_ds) on mma.sync, converting in registers
+// (contract in decode_mla.h; kernels/DESIGN.md §3.2).
 //
 // One CTA per (group of HB <= 64 heads, split, request), four warps per 16 heads, like the bf16
-// kernel of decode_mla.cu, but the 32-token K tiles stay in fp8 in shared memory: the bulk copies
+// kernel of mma_sync_bf16.cu, but the 32-token K tiles stay in fp8 in shared memory: the bulk copies
 // (the TMA engine) fill kStages stages of raw entries, and each warp converts the bytes it
 // multiplies straight from ldmatrix registers with the hardware e4m3x2 -> f16x2 conversion (exact)
 // into fp16 mma operands. No converted tile is written or synchronised on, and a tile is half the
@@ -45,9 +46,9 @@
 #include <cfloat>
 #include <cmath>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_shape.h"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/mma_sync_fp8_shape.h"
 #include "kvferry/layouts/entry_format.h"
 
 namespace kvferry::mla_detail {
@@ -142,7 +143,7 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
 
 template <int FMT, int HB, bool SPLIT, int ST>
 __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB, ST))
-    decode_mla_fp8_kernel(const KParams p) {
+    mma_sync_fp8_kernel(const KParams p) {
   constexpr int NC = HB * 8;   // consumer threads: four warps per 16 heads
   constexpr int NT = NC + 32;  // and a producer warp
   constexpr int RAW = Raw<FMT>::kBytes, PITCH = Raw<FMT>::kPitch;
@@ -534,10 +535,10 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
 template <int FMT, int HB, bool SPLIT, int ST>
 cudaError_t launch_st(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = fp8_smem_bytes(FMT == kFmtDs, HB, ST);
-  const cudaError_t attr = allow_dynamic_smem<decode_mla_fp8_kernel<FMT, HB, SPLIT, ST>>(smem);
+  const cudaError_t attr = allow_dynamic_smem<mma_sync_fp8_kernel<FMT, HB, SPLIT, ST>>(smem);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(k.heads / HB, k.splits, batch);
-  decode_mla_fp8_kernel<FMT, HB, SPLIT, ST><<<grid, HB * 8 + 32, smem, stream>>>(k);
+  mma_sync_fp8_kernel<FMT, HB, SPLIT, ST><<<grid, HB * 8 + 32, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
@@ -559,7 +560,7 @@ cudaError_t launch_heads(const KParams& k, int batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_fp8_regs(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_mma_sync_fp8(const KParams& k, int fmt, int batch, cudaStream_t stream) {
   const bool split = k.splits > 1;
   if (fmt == kFmtFp8)
     return split ? launch_heads<kFmtFp8, true>(k, batch, stream) : launch_heads<kFmtFp8, false>(k, batch, stream);

@@ -1,9 +1,9 @@
 #pragma once
-// Device code the MLA decode kernels share (decode_mla.cu, decode_mla_fp8.cu, decode_mla_wgmma.cu,
-// decode_mla_seesaw.cu): PTX wrappers (cp.async, mbarriers and bulk copies from common/mbarrier.cuh, named barriers,
-// ldmatrix, mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the split bookkeeping every kernel does
-// the same way (a split's token range, the output of an empty split, the o/lse stores), and the launchers'
-// shared-memory opt-in. Private to kernels/src.
+// Device code every MLA decode kernel shares (mma_sync_bf16.cu, mma_sync_fp8.cu,
+// wgmma_depth_split.cu, wgmma_seesaw.cu, wgmma_seesaw_e4m3.cu): PTX wrappers (cp.async, mbarriers and bulk copies from
+// common/mbarrier.cuh, named barriers, ldmatrix, mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the
+// split bookkeeping every kernel does the same way (a split's token range, the output of an empty split, the o/lse
+// stores), and the launchers' shared-memory opt-in. Private to kernels/src.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "common/mbarrier.cuh"
-#include "decode_mla_internal.h"
+#include "decode_mla/kernels.h"
 #include "kvferry/layouts/entry_format.h"
 
 namespace kvferry::mla_detail {

@@ -1,4 +1,5 @@
-// Hopper MLA decode split kernels (contract in decode_mla.h): warpgroup MMA (wgmma, sm_90a).
+// Hopper MLA decode, the depth-split kernel for every cache format (bf16, mla_fp8, mla_fp8_ds;
+// contract in decode_mla.h; kernels/DESIGN.md §3.4): warpgroup MMA (wgmma, sm_90a).
 //
 // One CTA per (64 heads, split, request); fewer heads are padded to 64 rows (zero Q rows, never
 // written out). Two consumer warpgroups do the math; Q (64 x 576 bf16) stays in shared memory and
@@ -38,9 +39,9 @@
 #include <cstdlib>
 #include <type_traits>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -174,7 +175,7 @@ __device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* dst, i
 }
 
 template <int FMT, bool SPLIT>
-__global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const KParams p) {
+__global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kBf = FMT == kFmtBf16;
   constexpr int NB = kBf ? kWsStages : 2, NR = kBf ? 0 : 2, RAW = entry_bytes<FMT>();
@@ -547,7 +548,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   store_out<SPLIT>(p, b, split, head0, hb, wg, wl * 16 + g, tq, acc, m0, m1, l0, l1);
 #else
-  __trap();  // built without sm_90a: launch_wgmma is never chosen for such a build (see decode_mla.cu)
+  __trap();  // built without sm_90a: launch_wgmma_depth_split is never chosen for such a build (see launch.cu)
 #endif
 }
 
@@ -555,9 +556,9 @@ template <int FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
   constexpr int smem = ws_smem_bytes<FMT>();
-  const cudaError_t attr = allow_dynamic_smem<decode_mla_wgmma_kernel<FMT, SPLIT>>(smem);
+  const cudaError_t attr = allow_dynamic_smem<wgmma_depth_split_kernel<FMT, SPLIT>>(smem);
   if (attr != cudaSuccess) return attr;
-  decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
+  wgmma_depth_split_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
@@ -568,7 +569,7 @@ cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_wgmma_depth_split(const KParams& k, int fmt, int batch, cudaStream_t stream) {
   if (k.conv_rows < 0 || k.conv_rows > kN) return cudaErrorInvalidValue;
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);

@@ -1,6 +1,6 @@
 // Hopper MLA decode split kernel (contract in decode_mla.h): warpgroup MMA with a "seesaw"
 // schedule over 64-token tiles, for bf16 caches and (tiles converted to fp16 in shared memory by
-// the producer warps; see the producer) fp8 caches.
+// the producer warps; see the producer) fp8 caches (kernels/DESIGN.md §3.3).
 //
 // fp8 caches compute in fp16 (F16), where e4m3 converts in one instruction per pair (bf16 took
 // four): the nope blocks of the tiles are fp16 (exact for mla_fp8; mla_fp8_ds: each value times
@@ -48,10 +48,10 @@
 #include <cstring>
 #include <type_traits>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_tma.cuh"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/seesaw.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -372,8 +372,8 @@ __device__ __forceinline__ void store_out_staged(const KParams& p, int b, int sp
 // barriers).
 template <int FMT, bool SPLIT, bool CL>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_mla_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
-                             const __grid_constant__ CUtensorMap map2, const int copy) {
+    wgmma_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
+                        const __grid_constant__ CUtensorMap map2, const int copy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
   // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
@@ -973,7 +973,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   l1 = sL[r1] + sL[kM + r1];
   store_out_staged<SPLIT>(p, b, split, head0, hb, wg, r0, tq, acc, m0, m1, l0, l1, k_u32, tid);
 #else
-  __trap();  // built without sm_90a: launch_seesaw is never chosen for such a build (see decode_mla.cu)
+  __trap();  // built without sm_90a: launch_wgmma_seesaw is never chosen for such a build (see launch.cu)
 #endif
 }
 
@@ -1014,7 +1014,7 @@ int make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* map2) {
 template <int FMT, bool SPLIT, bool CL>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map,
                           const CUtensorMap& map2, int copy) {
-  constexpr auto kernel = decode_mla_seesaw_kernel<FMT, SPLIT, CL>;
+  constexpr auto kernel = wgmma_seesaw_kernel<FMT, SPLIT, CL>;
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t cfg{};
@@ -1061,7 +1061,7 @@ cudaError_t launch_fmt(const KParams& k, int batch, bool tensor_copies, cudaStre
 
 }  // namespace
 
-cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream) {
+cudaError_t launch_wgmma_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream) {
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, tensor_copies, stream);
     case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, tensor_copies, stream);
