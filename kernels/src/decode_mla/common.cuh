@@ -175,6 +175,37 @@ __device__ __forceinline__ void write_empty_split(const KParams& p, int b, int s
           make_uint4(0, 0, 0, 0);
 }
 
+// The prologue every decode kernel opens with, once it has its parameters `p` and its thread index
+// `tid` (the wgmma kernels also their warpgroup index): declares the CTA's request b (blockIdx.z),
+// its split (blockIdx.y), the first of its NH heads head0 (head group blockIdx.x) and the split's
+// tokens [start, end) of the request in ntiles TILE-token tiles; a CTA with nothing to attend to
+// (an empty split, or a request of length 0) writes what write_empty_split writes (NT threads,
+// output per SPLIT) and returns.
+// A macro, as is KVFERRY_MLA_SMEM_ALIGN_1024, rather than inline functions: as functions the same
+// statements compiled to other instruction orders and register allocations in four of the five
+// kernels (their SASS compared kernel by kernel), and a prologue helper that changed the kernels'
+// code measured slower before (kernels/DESIGN.md §3.3); the macros keep every kernel's code as
+// measured.
+#define KVFERRY_MLA_CTA_PROLOGUE(TILE, NH, NT, SPLIT)            \
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z; \
+  const int2 range = split_tokens<TILE>(p, b, split);            \
+  const int start = range.x, end = range.y;                      \
+  const int head0 = hg * NH;                                     \
+  if (start >= end) { /* nothing to attend to */                 \
+    write_empty_split<SPLIT, NT>(p, b, split, head0, NH, tid);   \
+    return;                                                      \
+  }                                                              \
+  const int ntiles = (end - start + TILE - 1) / TILE
+
+// The dynamic shared memory `smem_dyn` from its first 1024-byte boundary: the 128-byte swizzle of
+// the tensor copies and of the wgmma operands repeats every 1024 bytes of the shared address.
+#define KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn) ((smem_dyn) + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023))
+
+/// The grid of a decode kernel whose CTAs take `hb` heads each: head groups, splits, requests.
+inline dim3 cta_grid(const KParams& k, int hb, int batch) {
+  return dim3(k.heads > hb ? k.heads / hb : 1, k.splits, batch);
+}
+
 /// Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device
 /// (the attribute belongs to the device's context, so a second GPU needs its own call); a failure
 /// is returned, cleared rather than left for the next launch's error check, and tried again on the

@@ -65,17 +65,8 @@ __global__ void __launch_bounds__(threads<HB, NW>(), min_ctas<HB, NW>()) mma_syn
   float4* sS = reinterpret_cast<float4*>(sK + 2 * kTileBytes);
   const uint32_t bar0 = smem_u32(smem);
 
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int2 range = split_tokens<kTileN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * HB;
-
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
-    return;
-  }
-  const int ntiles = (end - start + kTileN - 1) / kTileN;
+  KVFERRY_MLA_CTA_PROLOGUE(kTileN, HB, NT, SPLIT);
 
   {  // Q rows of this head group
     const uint8_t* qsrc = reinterpret_cast<const uint8_t*>(p.q + (static_cast<int64_t>(b) * p.heads + head0) * kMlaDim);
@@ -317,7 +308,7 @@ cudaError_t launch_split(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = smem_bytes<HB, NW>();
   const cudaError_t attr = allow_dynamic_smem<mma_sync_bf16_kernel<HB, NW, SPLIT, BULK>>(smem);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(k.heads / HB, k.splits, batch);
+  const dim3 grid = cta_grid(k, HB, batch);
   mma_sync_bf16_kernel<HB, NW, SPLIT, BULK><<<grid, NT, smem, stream>>>(k);
   return cudaGetLastError();
 }

@@ -155,17 +155,8 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   uint8_t* sX = sRaw + ST * kStageBytes;
   const uint32_t bar0 = smem_u32(smem);
 
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int2 range = split_tokens<kTileN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * HB;
-
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
-    return;
-  }
-  const int ntiles = (end - start + kTileN - 1) / kTileN;
+  KVFERRY_MLA_CTA_PROLOGUE(kTileN, HB, NT, SPLIT);
 
   // Stage s: full[s] at bar0 + 8 s (the producer's expect_tx and the copies' bytes), empty[s] at
   // bar0 + 32 + 8 s (one arrival per consumer warp once it is done with the tile).
@@ -537,7 +528,7 @@ cudaError_t launch_st(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = fp8_smem_bytes(FMT == kFmtDs, HB, ST);
   const cudaError_t attr = allow_dynamic_smem<mma_sync_fp8_kernel<FMT, HB, SPLIT, ST>>(smem);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(k.heads / HB, k.splits, batch);
+  const dim3 grid = cta_grid(k, HB, batch);
   mma_sync_fp8_kernel<FMT, HB, SPLIT, ST><<<grid, HB * 8 + 32, smem, stream>>>(k);
   return cudaGetLastError();
 }

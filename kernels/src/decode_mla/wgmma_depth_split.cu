@@ -181,8 +181,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const 
   constexpr int NB = kBf ? kWsStages : 2, NR = kBf ? 0 : 2, RAW = entry_bytes<FMT>();
   constexpr int NRS = NR > 0 ? NR : 1;  // raw stages as a divisor (unused for bf16)
   extern __shared__ uint8_t smem_dyn[];
-  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* smem = KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn);
   uint8_t* sQ = smem;
   uint8_t* sK = sQ + kQBytes;
   uint8_t* sRaw = sK + NB * kTileBytes;                          // fp8: raw stages
@@ -195,20 +194,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const 
   const int conv_rows = kBf ? 0 : p.conv_rows;
 
   const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform and keeps
   // the wgmma descriptors derived from it in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int2 range = split_tokens<kN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * hb;
-
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, kWsThreads>(p, b, split, head0, hb, tid);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
+  KVFERRY_MLA_CTA_PROLOGUE(kN, hb, kWsThreads, SPLIT);
 
   if (tid == 0) {
     for (int i = 0; i < (kBf ? NB : NR); ++i) {  // fp8: full/empty of the raw stages
@@ -554,7 +544,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const 
 
 template <int FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
-  const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
+  const dim3 grid = cta_grid(k, kM, batch);
   constexpr int smem = ws_smem_bytes<FMT>();
   const cudaError_t attr = allow_dynamic_smem<wgmma_depth_split_kernel<FMT, SPLIT>>(smem);
   if (attr != cudaSuccess) return attr;

@@ -376,8 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                         const __grid_constant__ CUtensorMap map2, const int copy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
-  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* smem = KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn);
   const uint32_t q_u32 = smem_u32(smem), k_u32 = q_u32 + kOffK, p_u32 = q_u32 + kOffP;
   float* sM = reinterpret_cast<float*>(smem + kOffM);  // [warpgroup][row]: m0 (WG0), m1 (WG1)
   float* sL = reinterpret_cast<float*>(smem + kOffL);  // [warpgroup][row]: final row sums
@@ -393,18 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const CUtensorMap& rope = map2;
 
   const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform.
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int2 range = split_tokens<kN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * hb;
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, kThreads>(p, b, split, head0, hb, tid);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
+  KVFERRY_MLA_CTA_PROLOGUE(kN, hb, kThreads, SPLIT);
   const int bp = min(p.page, kN);  // rows per tensor-copy box
   // fp8 caches: issues the tensor copies of part `part` of tile t into buffer t & 1 (ids: the
   // tile's block ids in shared memory, read as they are used: the math warps issue this between
@@ -1018,7 +1009,7 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
+  cfg.gridDim = cta_grid(k, kM, batch);
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;

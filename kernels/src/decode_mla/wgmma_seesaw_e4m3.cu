@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     wgmma_seesaw_e4m3_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* smem = KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn);
   const uint32_t q_u32 = smem_u32(smem), t_u32 = q_u32 + kOffT, p_u32 = q_u32 + kOffP;
   const uint32_t pa_u32 = p_u32, pa2_u32 = p_u32 + kBlk, pb_u32 = p_u32 + 2 * kBlk;
   // [pair parity][warpgroup][row]: m0, m1. The parity is what keeps warpgroup 0's next m0 from
@@ -149,17 +149,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty_bar = [&](int buf, int part) { return bars + 8 * (2 * kNb + buf * 2 + part); };
 
   const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int2 range = split_tokens<kN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * hb;
-  if (start >= end) {
-    write_empty_split<SPLIT, kThreads>(p, b, split, head0, hb, tid);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
+  KVFERRY_MLA_CTA_PROLOGUE(kN, hb, kThreads, SPLIT);
   const int bp = min(p.page, kN);  // rows per tensor-copy box
 
   if (tid == 0) {
@@ -654,7 +646,7 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
   constexpr auto kernel = wgmma_seesaw_e4m3_kernel<SPLIT>;
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
-  kernel<<<dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch), kThreads, kSmem, stream>>>(k, map);
+  kernel<<<cta_grid(k, kM, batch), kThreads, kSmem, stream>>>(k, map);
   return cudaGetLastError();
 }
 
