@@ -7,7 +7,8 @@
 
 namespace kvferry::mla_detail {
 
-enum : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
+/// The cache format a decode kernel is built for (its FMT template argument).
+enum CacheFormat : int { kFmtBf16 = 0, kFmtFp8 = 1, kFmtDs = 2 };
 
 struct KParams {
   const uint8_t* cache;  // region base + view offset
@@ -35,7 +36,7 @@ struct KParams {
 /// a producer warpgroup per request, split and 64 heads; fewer heads are padded to 64 rows) for cache format `fmt`.
 /// Writes o/lse with one split, the fp32 partials otherwise (the caller merges). Needs a device of compute
 /// capability 9.0 and code built for sm_90a.
-cudaError_t launch_wgmma_depth_split(const KParams& k, int fmt, int batch, cudaStream_t stream);
+cudaError_t launch_wgmma_depth_split(const KParams& k, CacheFormat fmt, int batch, cudaStream_t stream);
 
 /// Launches the seesaw wgmma split kernel (wgmma_seesaw.cu): one CTA of two math warpgroups
 /// and a producer warpgroup per request, split and 64 heads, over 64-token tiles, for cache format
@@ -44,7 +45,7 @@ cudaError_t launch_wgmma_depth_split(const KParams& k, int fmt, int batch, cudaS
 /// producer copy with cp.async (DecodeMlaParams::seesaw_loader = 2). fp8 caches need tensor copies
 /// (a page that is a power of two >= 16, and `tensor_copies`): otherwise it returns
 /// cudaErrorNotSupported having launched nothing, and the caller takes launch_wgmma_depth_split.
-cudaError_t launch_wgmma_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream);
+cudaError_t launch_wgmma_seesaw(const KParams& k, CacheFormat fmt, int batch, bool tensor_copies, cudaStream_t stream);
 
 /// Launches the seesaw kernel's fp8 tensor-core variant (wgmma_seesaw_e4m3.cu) for an mla_fp8 cache
 /// (DecodeMlaParams::fp8_math): Q and P rounded to e4m3, the tiles multiplied as they land. Same
@@ -55,7 +56,7 @@ cudaError_t launch_wgmma_seesaw_e4m3(const KParams& k, int batch, cudaStream_t s
 /// Launches the mma.sync kernel for fp8 caches (fmt kFmtFp8 or kFmtDs) that converts the fp8 tile
 /// in registers (mma_sync_fp8.cu): one CTA per request, split and group of up to 64 heads. Writes
 /// o/lse with one split, the fp32 partials otherwise (the caller merges).
-cudaError_t launch_mma_sync_fp8(const KParams& k, int fmt, int batch, cudaStream_t stream);
+cudaError_t launch_mma_sync_fp8(const KParams& k, CacheFormat fmt, int batch, cudaStream_t stream);
 
 /// Launches the mma.sync kernel for bf16 caches (mma_sync_bf16.cu): one CTA per request, split and
 /// group of up to 64 heads, `nw` (2 or 4) warps per 16 heads, its K tiles by bulk copies (`bulk`)

@@ -139,11 +139,13 @@ cudaError_t launch_decode_mla(const DecodeMlaParams& p, cudaStream_t stream) {
   if (p.group_warps != 0 && p.group_warps != 2 && p.group_warps != 4) return cudaErrorInvalidValue;
   const int nw = decode_mla_resolved_group_warps(p);
   if (p.mma < 0 || p.mma > 2) return cudaErrorInvalidValue;
-  const int fmt = p.format.kind == FormatKind::kMlaBf16    ? kFmtBf16
-                  : p.format.kind == FormatKind::kMlaFp8   ? kFmtFp8
-                  : p.format.kind == FormatKind::kMlaFp8Ds ? kFmtDs
-                                                           : -1;
-  if (fmt < 0) return cudaErrorInvalidValue;
+  mla_detail::CacheFormat fmt;
+  switch (p.format.kind) {
+    case FormatKind::kMlaBf16: fmt = kFmtBf16; break;
+    case FormatKind::kMlaFp8: fmt = kFmtFp8; break;
+    case FormatKind::kMlaFp8Ds: fmt = kFmtDs; break;
+    default: return cudaErrorInvalidValue;
+  }
   cudaError_t err;
   const int mma = p.mma == 0 && !wgmma_available() ? 1 : decode_mla_resolved_mma(p);
   if (mma == 2) {

@@ -58,7 +58,7 @@ constexpr int kTileN = kFp8TileN;
 constexpr int kQOff = kFp8QOff;
 constexpr float kLazyExp = 8.0f;  // P <= 2^8 against a row's reference (fp16 holds up to 65504)
 
-template <int FMT>
+template <CacheFormat FMT>
 struct Raw;
 template <>
 struct Raw<kFmtFp8> {
@@ -141,7 +141,7 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <int FMT, int HB, bool SPLIT, int ST>
+template <CacheFormat FMT, int HB, bool SPLIT, int ST>
 __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB, ST))
     mma_sync_fp8_kernel(const KParams p) {
   constexpr int NC = HB * 8;   // consumer threads: four warps per 16 heads
@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   }
 }
 
-template <int FMT, int HB, bool SPLIT, int ST>
+template <CacheFormat FMT, int HB, bool SPLIT, int ST>
 cudaError_t launch_st(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = fp8_smem_bytes(FMT == kFmtDs, HB, ST);
   const cudaError_t attr = allow_dynamic_smem<mma_sync_fp8_kernel<FMT, HB, SPLIT, ST>>(smem);
@@ -533,12 +533,12 @@ cudaError_t launch_st(const KParams& k, int batch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int FMT, int HB, bool SPLIT>
+template <CacheFormat FMT, int HB, bool SPLIT>
 cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
   return launch_st<FMT, HB, SPLIT, fp8_stages(HB)>(k, batch, stream);
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 cudaError_t launch_heads(const KParams& k, int batch, cudaStream_t stream) {
   switch (k.heads) {
     case 16: return launch_hb<FMT, 16, SPLIT>(k, batch, stream);
@@ -551,7 +551,7 @@ cudaError_t launch_heads(const KParams& k, int batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_mma_sync_fp8(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_mma_sync_fp8(const KParams& k, CacheFormat fmt, int batch, cudaStream_t stream) {
   const bool split = k.splits > 1;
   if (fmt == kFmtFp8)
     return split ? launch_heads<kFmtFp8, true>(k, batch, stream) : launch_heads<kFmtFp8, false>(k, batch, stream);

@@ -62,11 +62,11 @@ constexpr int kQkSteps = kMlaDim / 16 / 2;    // k16 steps of S per warpgroup (1
 constexpr int kProducerThreads = 128;
 constexpr int kWsThreads = 2 * 128 + kProducerThreads;
 constexpr int kWsStages = 3;
-template <int FMT>
+template <CacheFormat FMT>
 constexpr int entry_bytes() {
   return FMT == kFmtBf16 ? kMlaBf16Bytes : FMT == kFmtFp8 ? kMlaFp8Bytes : kMlaDsBytes;
 }
-template <int FMT>
+template <CacheFormat FMT>
 constexpr int ws_smem_bytes() {
   return FMT == kFmtBf16 ? 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 128
                          : 1024 + kQBytes + 2 * kTileBytes + 2 * kN * entry_bytes<FMT>() + 2 * kSBytes + 128;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0,
 // Converts rows [r0, r1) of a raw fp8 tile into the swizzled bf16 tile `dst`, chunk `ct` + NT i
 // per thread (ct < NT), the (row, chunk) pair stepped without division. Rows >= nvalid are zero.
 // The math threads' loop is unrolled; the producer's is not (it runs under 56 registers).
-template <int FMT, int NT>
+template <CacheFormat FMT, int NT>
 __device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* dst, int nvalid, int r0, int r1, int ct) {
   constexpr int kUnroll = NT >= 256 ? 8 : 1;
   constexpr int RAW = entry_bytes<FMT>();
@@ -174,7 +174,7 @@ __device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* dst, i
   }
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 __global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kBf = FMT == kFmtBf16;
@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const 
 #endif
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   const dim3 grid = cta_grid(k, kM, batch);
   constexpr int smem = ws_smem_bytes<FMT>();
@@ -552,14 +552,14 @@ cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <int FMT>
+template <CacheFormat FMT>
 cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
   return k.splits > 1 ? launch_one<FMT, true>(k, batch, stream) : launch_one<FMT, false>(k, batch, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_wgmma_depth_split(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_wgmma_depth_split(const KParams& k, CacheFormat fmt, int batch, cudaStream_t stream) {
   if (k.conv_rows < 0 || k.conv_rows > kN) return cudaErrorInvalidValue;
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);

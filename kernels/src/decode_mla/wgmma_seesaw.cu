@@ -285,7 +285,7 @@ __device__ __forceinline__ void convert_rope_half(uint32_t slot, int lane, int c
 // both blocks' stores, then the caller publishes both: a fence per block held S(a)'s first block
 // less long but cost the converters more (H200, 128 heads, three alternating runs: mla_fp8
 // 186.2-187.7 -> 184.6-185.0 us, mla_fp8_ds 202.3-202.7 -> 197.8-199.1).
-template <int FMT>
+template <CacheFormat FMT>
 __device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float (&sc)[4], int lane, int cw,
                                             int bar_id) {
   const int rr = lane >> 2, c = lane & 3;
@@ -370,7 +370,7 @@ __device__ __forceinline__ void store_out_staged(const KParams& p, int b, int sp
 // shared memory (multicast), each CTA expects all of a tile's bytes on its own barriers, and a
 // part is refilled once both CTAs released it (each releasing warp arrives on both CTAs' empty
 // barriers).
-template <int FMT, bool SPLIT, bool CL>
+template <CacheFormat FMT, bool SPLIT, bool CL>
 __global__ void __launch_bounds__(kThreads, 1)
     wgmma_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
                         const __grid_constant__ CUtensorMap map2, const int copy) {
@@ -987,7 +987,7 @@ bool make_pair_map(const KParams& k, CUtensorMap* map) {
 // The kernel's tensor maps and how it copies (kCopy*): bf16, the whole 576 values swizzled (and
 // the pair map when it applies); fp8 caches, the raw entries as bytes and (mla_fp8_ds) the bf16
 // rope swizzled. kCopyAsync when no tensor map can be made.
-template <int FMT>
+template <CacheFormat FMT>
 int make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* map2) {
   if constexpr (FMT == kFmtBf16) {
     if (!make_map(k, map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, k.cache, kMlaDim, CU_TENSOR_MAP_SWIZZLE_128B))
@@ -1002,7 +1002,7 @@ int make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* map2) {
              : kCopyAsync;
 }
 
-template <int FMT, bool SPLIT, bool CL>
+template <CacheFormat FMT, bool SPLIT, bool CL>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map,
                           const CUtensorMap& map2, int copy) {
   constexpr auto kernel = wgmma_seesaw_kernel<FMT, SPLIT, CL>;
@@ -1025,7 +1025,7 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
   return cudaLaunchKernelEx(&cfg, kernel, k, map, map2, copy);
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, bool tensor_copies, cudaStream_t stream) {
   // Without tensor copies (DecodeMlaParams::seesaw_loader = 2) the producer uses cp.async; fp8
   // caches need tensor copies.
@@ -1044,7 +1044,7 @@ cudaError_t launch_one(const KParams& k, int batch, bool tensor_copies, cudaStre
   return launch_kernel<FMT, SPLIT, false>(k, batch, stream, map, map2, copy);
 }
 
-template <int FMT>
+template <CacheFormat FMT>
 cudaError_t launch_fmt(const KParams& k, int batch, bool tensor_copies, cudaStream_t stream) {
   return k.splits > 1 ? launch_one<FMT, true>(k, batch, tensor_copies, stream)
                       : launch_one<FMT, false>(k, batch, tensor_copies, stream);
@@ -1052,7 +1052,7 @@ cudaError_t launch_fmt(const KParams& k, int batch, bool tensor_copies, cudaStre
 
 }  // namespace
 
-cudaError_t launch_wgmma_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream) {
+cudaError_t launch_wgmma_seesaw(const KParams& k, CacheFormat fmt, int batch, bool tensor_copies, cudaStream_t stream) {
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, tensor_copies, stream);
     case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, tensor_copies, stream);
