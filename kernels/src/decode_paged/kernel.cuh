@@ -1,6 +1,6 @@
 #pragma once
 // CUDA paged MHA/GQA decode over strided K/V views (kernel templates; instantiated per cache
-// dtype in decode_paged_inst_*.cu, launched from decode_paged.cu).
+// dtype in inst_*.cu, launched from launch.cu).
 //
 // One CTA (4 warps) per (request, kv head, chunk of up to 8 query heads, split); each K/V row is
 // read from HBM once for the whole chunk. The warps work independently on interleaved 16-token
