@@ -827,7 +827,7 @@ KernelFn pick_dk_dv(int dk, int dv) {
   }
 }
 
-// One per cache/query dtype pair, each in its own translation unit (decode_paged_inst_*.cu).
+// One per cache/query dtype pair, each in its own translation unit (inst_*.cu).
 KernelFn pick_bf16(int dk, int dv);
 KernelFn pick_fp16(int dk, int dv);
 KernelFn pick_fp8_bf16q(int dk, int dv);
