@@ -248,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, 3) dequant_paged_kernel(const Dequan
 
 // ---- staged engine ----
 
+/// Raw copy (16-byte vectors) and fp8 -> bf16 (8-byte vectors) gathers: an item is one row's run of
 /// up to 72 vectors.
 template <GatherMode kMode>
 __global__ void __launch_bounds__(kThreads) gather_staged_kernel(const GatherParams p) {

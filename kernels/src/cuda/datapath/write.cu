@@ -505,8 +505,6 @@ __global__ void __launch_bounds__(kThreads) indexer_write_staged_kernel(const In
       });
 }
 
-/// Raw copy (16-byte vectors) and fp8 -> bf16 (8-byte vectors) gathers: an item is one row's run of
-
 }  // namespace
 
 cudaError_t launch_write_mla(const WriteMlaParams& p, cudaStream_t stream) {
