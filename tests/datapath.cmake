@@ -8,17 +8,10 @@ kvferry_add_gtest(kernels_fp4_test LABEL unit
   SOURCES unit/kernels_fp4_test.cpp
   LIBS kvferry::kernels)
 if(KVFERRY_WITH_CUDA)
+  # Every test runs with the default engine and with direct and staged forced (a test parameter).
   kvferry_add_gtest(kernels_datapath_gpu_test LABEL gpu TIMEOUT 300
     SOURCES gpu/kernels_datapath_gpu_test.cpp
     LIBS kvferry::kernels)
-  # The same tests with every engine forced (the default picks one per kernel), so each engine's
-  # kernels stay bit-identical to the CPU twins whichever one a launcher picks.
-  foreach(engine direct staged)
-    gtest_discover_tests(kernels_datapath_gpu_test
-      TEST_SUFFIX .${engine}
-      DISCOVERY_TIMEOUT 60
-      PROPERTIES LABELS gpu TIMEOUT 300 ENVIRONMENT KVFERRY_DATAPATH_ENGINE=${engine})
-  endforeach()
   kvferry_add_gtest(kernels_fp4_gpu_test LABEL gpu
     SOURCES gpu/kernels_fp4_gpu_test.cpp
     LIBS kvferry::kernels)

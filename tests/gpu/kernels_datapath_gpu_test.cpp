@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 
-#include <cstdlib>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "../unit/kernels_test_util.h"
 #include "kvferry/kernels/convert.h"
@@ -24,18 +24,6 @@ using namespace kernels;
 constexpr uint32_t detail_one = 0x3f800000u;  // fp32 1.0
 
 #define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
-
-/// The engine the launches are run with: the default, or the one this test variant names in
-/// KVFERRY_DATAPATH_ENGINE (direct, staged, bulk; set by the test registration, so every engine's
-/// kernels stay bit-identical to the CPU twins whichever one a launcher picks).
-DatapathEngine engine_under_test() {
-  const char* v = std::getenv("KVFERRY_DATAPATH_ENGINE");
-  const std::string e = v ? v : "";
-  return e == "direct"   ? DatapathEngine::kDirect
-         : e == "staged" ? DatapathEngine::kStaged
-         : e == "bulk"   ? DatapathEngine::kBulk
-                         : DatapathEngine::kAuto;
-}
 
 /// A region mirrored on host (lazily zeroed mmap) and device (zeroed); blocks [lo_block, NB) are
 /// the active range: filled with the same random bytes on both sides and compared afterwards.
@@ -108,13 +96,39 @@ struct DevVec {
   }
 };
 
+/// A view (layers, the layer under test, whether it passes 4 GB) and the engine the launches are
+/// run with: the default, which picks one per kernel, or one forced, so every engine's kernels stay
+/// bit-identical to the CPU twins whichever one a launcher picks.
 struct Case {
   int64_t layers, layer;
   bool big;
+  DatapathEngine engine = DatapathEngine::kAuto;
 };
 
+/// Every view with the default engine and with direct and staged forced. (kBulk forces nothing
+/// the default does not pick: the bulk engine where a conversion's views allow it, each kernel's
+/// default elsewhere.)
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  for (DatapathEngine e : {DatapathEngine::kAuto, DatapathEngine::kDirect, DatapathEngine::kStaged})
+    for (Case c : {Case{1, 0, false}, Case{3, 1, false}, Case{61, 60, false}, Case{61, 60, true}}) {
+      c.engine = e;
+      v.push_back(c);
+    }
+  return v;
+}
+
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << "layers " << c.layers << ", layer " << c.layer << (c.big ? ", 4 GB" : "") << ", engine "
+      << static_cast<int>(c.engine);
+}
+
 std::string case_name(const ::testing::TestParamInfo<Case>& i) {
-  return "L" + std::to_string(i.param.layers) + "_layer" + std::to_string(i.param.layer) + (i.param.big ? "_4GB" : "");
+  const DatapathEngine e = i.param.engine;
+  return "L" + std::to_string(i.param.layers) + "_layer" + std::to_string(i.param.layer) + (i.param.big ? "_4GB" : "") +
+         (e == DatapathEngine::kDirect   ? "_direct"
+          : e == DatapathEngine::kStaged ? "_staged"
+                                         : "");
 }
 
 class KernelsGpu : public ::testing::TestWithParam<Case> {
@@ -189,7 +203,7 @@ TEST_P(KernelsGpu, WriteMla) {
       p.slots = dsl.p;
       p.cache = m.dev(c.layer);
       ASSERT_TRUE(validate_write_mla(p).ok());
-      p.engine = engine_under_test();
+      p.engine = GetParam().engine;
       CUDA_OK(launch_write_mla(p, stream_));
       sync();
       expect_same(m, "write_mla");
@@ -228,7 +242,7 @@ TEST_P(KernelsGpu, WriteMha) {
     p.slots = dsl.p;
     p.k_cache = m.dev_plane(c.layer, false);
     p.v_cache = m.dev_plane(c.layer, true);
-    p.engine = engine_under_test();
+    p.engine = GetParam().engine;
     CUDA_OK(launch_write_mha(p, stream_));
     sync();
     expect_same(m, "write_mha");
@@ -263,7 +277,7 @@ TEST_P(KernelsGpu, IndexerWrite) {
     p.k = dk.p;
     p.slots = dsl.p;
     p.cache = m.dev(c.layer);
-    p.engine = engine_under_test();
+    p.engine = GetParam().engine;
     CUDA_OK(launch_indexer_write(p, stream_));
     sync();
     expect_same(m, "indexer_write");
@@ -314,7 +328,7 @@ TEST_P(KernelsGpu, Gathers) {
     p.block_table = dbt.p;
     p.cu_seq_lens = dcu.p;
     p.seq_starts = dstarts.p;
-    p.engine = engine_under_test();
+    p.engine = GetParam().engine;
     CUDA_OK(launch_gather(p, stream_));
     sync();
     const auto back = dout.get();
@@ -344,7 +358,7 @@ TEST_P(KernelsGpu, DequantPaged) {
   p.cache = m.dev(c.layer);
   p.slots = dsl.p;
   p.dst = dout.p;
-  p.engine = engine_under_test();
+  p.engine = GetParam().engine;
   CUDA_OK(launch_dequant_paged(p, stream_));
   sync();
   const auto back = dout.get();
@@ -412,7 +426,7 @@ TEST_P(KernelsGpu, Conversions) {
       p.dst_blocks = ddb.p;
       p.not_lossless = dflags.p;
       ASSERT_TRUE(validate_convert(p).ok());
-      p.engine = engine_under_test();
+      p.engine = GetParam().engine;
       CUDA_OK(launch_convert(p, stream_));
       sync();
       expect_same(dst, "convert");
@@ -434,7 +448,7 @@ TEST_P(KernelsGpu, Conversions) {
         hall->src_blocks = sb.data();
         hall->dst_blocks = db.data();
         ASSERT_TRUE(convert_cpu(*hall).ok());
-        all->engine = engine_under_test();
+        all->engine = GetParam().engine;
         CUDA_OK(launch_convert(*all, stream_));
         sync();
         expect_same(dst, "convert all layers");
@@ -442,10 +456,7 @@ TEST_P(KernelsGpu, Conversions) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Views, KernelsGpu,
-                         ::testing::Values(Case{1, 0, false}, Case{3, 1, false}, Case{61, 60, false},
-                                           Case{61, 60, true}),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Views, KernelsGpu, ::testing::ValuesIn(cases()), case_name);
 
 // copy_blocks: region (device) <-> pinned host pool with each engine, compared with memcpy.
 TEST(KernelsGpuCopy, EnginesMatchMemcpy) {

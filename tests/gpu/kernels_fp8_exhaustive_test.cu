@@ -4,7 +4,7 @@
 // quantisation (quant2_fast) against e4m3 of __fdiv_rn for every float dividend and a set of
 // divisors, the mla_fp8_ds tile quotient (quot_ds) for every bf16 tile maximum and value, and the hardware e4m3x2 ->
 // f16x2 conversion against e4m3_to_float for every byte pair; and the MLA decode's e4m3 -> bf16 and e4m3 -> fp16 tile
-// conversions (convert16_words and convert16_f16, decode_mla_wgmma.cuh) against the host's rounding of e4m3_to_float
+// conversions (convert16_words and convert16_f16, decode_mla/wgmma.cuh) against the host's rounding of e4m3_to_float
 // for every byte pair.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -15,7 +15,7 @@
 #include <cstdint>
 
 #include "common/datapath_math.h"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/device.h"
 
 namespace kvferry {

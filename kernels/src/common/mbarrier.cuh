@@ -1,8 +1,8 @@
 #pragma once
 // PTX wrappers for shared-memory mbarriers and bulk copies (the TMA engine), shared by the MLA
-// decode kernels (decode_mla_ptx.cuh) and the data path's bulk engine (cuda/datapath.cu). Bulk
-// copies need sm_90; built for an older architecture they trap (the launchers do not pick them
-// there). Private to kernels/src.
+// decode kernels (decode_mla/common.cuh) and the data path's bulk engine
+// (cuda/datapath/engines.cuh). Bulk copies need sm_90; built for an older architecture they trap
+// (the launchers do not pick them there). Private to kernels/src.
 #include <cstdint>
 
 namespace kvferry::kernels::ptx {

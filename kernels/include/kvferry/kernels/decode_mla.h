@@ -42,34 +42,34 @@
 //    each tile (the fp32 accumulators of 128 heads x 512 columns, 256 KiB, exceed an SM's
 //    registers): adjacent in the grid, so the second read of a tile is an L2 hit, and for bf16
 //    caches in the seesaw kernel a cluster of two that copies each tile once into both. Two kernels:
-//    - seesaw (decode_mla_seesaw.cu): 64-token tiles; warpgroup 0 computes S of the even tiles,
-//      warpgroup 1 of the odd ones, over the whole depth, sharing one running row maximum, and
-//      each owns 256 output columns, so one's softmax runs while the other's products keep the
+//    - seesaw (decode_mla/wgmma_seesaw.cu): 64-token tiles; warpgroup 0 computes S of the even
+//      tiles, warpgroup 1 of the odd ones, over the whole depth, sharing one running row maximum,
+//      and each owns 256 output columns, so one's softmax runs while the other's products keep the
 //      tensor cores busy. Tiles come by tensor copies (cp.async where the page is not a power of
 //      two >= 16, bf16 only); fp8 tiles land raw in the slots they fill (copies issued by the math
 //      warp that frees the slots) and producer warps convert them in place to fp16 (mla_fp8
 //      exactly, mla_fp8_ds as the fp16 rounding of each product), and the fp8 formats compute in
 //      fp16: Q's nope part is fp16 scaled per head by a power of two (exact), P is fp16, and the
 //      rope part (Q and tile) stays bf16.
-//    - fp8 math (decode_mla_f8.cu; mla_fp8 with fp8_math = 1): the seesaw schedule with both
-//      products in e4m3 on the raw tile, P V transposed (V^T from registers, by ldmatrix.trans
-//      from the raw rows; P^T through shared memory), a producer lane per buffer issuing each
-//      part's copies.
-//    - depth-split (decode_mla_wgmma.cu; fp8 caches whose pages tensor copies cannot take, or
-//      wgmma_kernel = 2): 32-token tiles; each warpgroup computes the partial S over half the
-//      depth, the halves are exchanged through shared memory and added (in either order the same
-//      bits), and both run the same softmax. fp8 tiles are bulk-copied raw and converted by three
-//      producer warps and the math warpgroups.
+//    - fp8 math (decode_mla/wgmma_seesaw_e4m3.cu; mla_fp8 with fp8_math = 1): the seesaw
+//      schedule with both products in e4m3 on the raw tile, P V transposed (V^T from registers,
+//      by ldmatrix.trans from the raw rows; P^T through shared memory), a producer lane per buffer
+//      issuing each part's copies.
+//    - depth-split (decode_mla/wgmma_depth_split.cu; fp8 caches whose pages tensor copies cannot
+//      take, or wgmma_kernel = 2): 32-token tiles; each warpgroup computes the partial S over half
+//      the depth, the halves are exchanged through shared memory and added (in either order the
+//      same bits), and both run the same softmax. fp8 tiles are bulk-copied raw and converted by
+//      three producer warps and the math warpgroups.
 //  - mma.sync (m16n8k16; chosen for the fp8 caches at 16 heads, and where wgmma is unavailable),
 //    two kernels:
-//    - bf16 caches: one CTA per (request, split, group of <= 64 heads) that brings each 32-token
-//      K tile into shared memory (bulk copies or cp.async, double-buffered); 2 or 4 warps share
-//      16 heads, splitting the QK depth (partial S tiles added in a fixed order) and the output
-//      columns.
-//    - fp8 caches (decode_mla_fp8.cu): the same CTA shape with four warps per 16 heads and a
-//      producer warp that bulk-copies the raw fp8 tiles (full/empty mbarriers). The tiles stay
-//      fp8 in shared memory: each warp converts the bytes it multiplies from ldmatrix registers
-//      (exact e4m3 -> fp16) into fp16 mma operands. Q's nope part is fp16, scaled per head by a
+//    - bf16 caches (decode_mla/mma_sync_bf16.cu): one CTA per (request, split, group of <= 64
+//      heads) that brings each 32-token K tile into shared memory (bulk copies or cp.async,
+//      double-buffered); 2 or 4 warps share 16 heads, splitting the QK depth (partial S tiles
+//      added in a fixed order) and the output columns.
+//    - fp8 caches (decode_mla/mma_sync_fp8.cu): the same CTA shape with four warps per 16 heads
+//      and a producer warp that bulk-copies the raw fp8 tiles (full/empty mbarriers). The tiles
+//      stay fp8 in shared memory: each warp converts the bytes it multiplies from ldmatrix
+//      registers (exact e4m3 -> fp16) into fp16 mma operands. Q's nope part is fp16, scaled per head by a
 //      power of two (exact); the rope part stays bf16 (a bf16 mma). The tile scales of
 //      mla_fp8_ds are applied to each warp's partial S (a warp owns one 128-wide tile of the QK
 //      depth) and to P for the warp's 128 output columns (the same tile), so no value is
@@ -140,8 +140,9 @@ struct DecodeMlaParams {
   /// hold). The GPU stays within 3e-2 of decode_mla_cpu with fp8_math = 1 (measured 0.7-1.5e-2: a
   /// logit that differs in its last bits, from the fp8 tensor cores' accumulation, can round a P
   /// to the neighbouring e4m3 value). The GPU runs it at 64 and 128 heads with the wgmma path and
-  /// tensor-copy pages (decode_mla_f8.cu); elsewhere it computes as with 0 (exact 16-bit
-  /// operands). Opt-in, for engines that accept fp8 attention math; 0 = exact operands (default).
+  /// tensor-copy pages (decode_mla/wgmma_seesaw_e4m3.cu); elsewhere it computes as with 0 (exact
+  /// 16-bit operands). Opt-in, for engines that accept fp8 attention math; 0 = exact operands
+  /// (default).
   int32_t fp8_math = 0;
   /// wgmma path only: which split kernel runs. 0 = auto and 1 = the seesaw kernel where it can run
   /// (bf16 caches; fp8 caches whose pages tensor copies take), the depth-split kernel otherwise;

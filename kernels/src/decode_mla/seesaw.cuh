@@ -1,5 +1,5 @@
 #pragma once
-// What the two Hopper seesaw decode kernels share (decode_mla_seesaw.cu; decode_mla_f8.cu, the fp8
+// What the two Hopper seesaw decode kernels share (wgmma_seesaw.cu; wgmma_seesaw_e4m3.cu, the fp8
 // tensor-core variant): tensor copies and their maps, mbarrier arrives, named barriers of the two
 // math warpgroups, the seesaw kernel's lazy softmax reference and a tile's softmax steps. Private
 // to kernels/src.
@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
 
 namespace kvferry::mla_detail {
 

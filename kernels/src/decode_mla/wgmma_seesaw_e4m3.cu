@@ -1,5 +1,5 @@
 // Hopper MLA decode for mla_fp8 caches with fp8 tensor-core math (DecodeMlaParams::fp8_math; contract
-// in decode_mla.h): the seesaw schedule of decode_mla_seesaw.cu with both products in e4m3, so the
+// in decode_mla.h): the seesaw schedule of wgmma_seesaw.cu with both products in e4m3, so the
 // cache bytes are multiplied as they land and no pass converts them.
 //
 // One CTA per (64 heads, split, request), 64-token tiles, two math warpgroups and a producer
@@ -35,10 +35,10 @@
 
 #include <cmath>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_tma.cuh"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/seesaw.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -132,10 +132,10 @@ __device__ __forceinline__ float pow2_step(float m, float n) {
 
 template <bool SPLIT>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_mla_f8_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap) {
+    wgmma_seesaw_e4m3_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* smem = KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn);
   const uint32_t q_u32 = smem_u32(smem), t_u32 = q_u32 + kOffT, p_u32 = q_u32 + kOffP;
   const uint32_t pa_u32 = p_u32, pa2_u32 = p_u32 + kBlk, pb_u32 = p_u32 + 2 * kBlk;
   // [pair parity][warpgroup][row]: m0, m1. The parity is what keeps warpgroup 0's next m0 from
@@ -149,17 +149,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto empty_bar = [&](int buf, int part) { return bars + 8 * (2 * kNb + buf * 2 + part); };
 
   const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int2 range = split_tokens<kN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * hb;
-  if (start >= end) {
-    write_empty_split<SPLIT, kThreads>(p, b, split, head0, hb, tid);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
+  KVFERRY_MLA_CTA_PROLOGUE(kN, hb, kThreads, SPLIT);
   const int bp = min(p.page, kN);  // rows per tensor-copy box
 
   if (tid == 0) {
@@ -645,22 +637,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(row) * kRowBytes + c * 16) = v;
   }
 #else
-  __trap();  // built without sm_90a: launch_f8 is never chosen for such a build (see decode_mla.cu)
+  __trap();  // built without sm_90a: launch_wgmma_seesaw_e4m3 is never chosen for such a build (see launch.cu)
 #endif
 }
 
 template <bool SPLIT>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map) {
-  constexpr auto kernel = decode_mla_f8_kernel<SPLIT>;
+  constexpr auto kernel = wgmma_seesaw_e4m3_kernel<SPLIT>;
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
-  kernel<<<dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch), kThreads, kSmem, stream>>>(k, map);
+  kernel<<<cta_grid(k, kM, batch), kThreads, kSmem, stream>>>(k, map);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_f8(const KParams& k, int batch, cudaStream_t stream) {
+cudaError_t launch_wgmma_seesaw_e4m3(const KParams& k, int batch, cudaStream_t stream) {
   // The raw entries as bytes, [128 x min(page, 64)] boxes with the 128-byte swizzle; the rope's
   // box runs 64 bytes past the entry, which the copy fills with zeros.
   CUtensorMap map{};

@@ -1,9 +1,9 @@
 #pragma once
-// Device code the MLA decode kernels share (decode_mla.cu, decode_mla_fp8.cu, decode_mla_wgmma.cu,
-// decode_mla_seesaw.cu): PTX wrappers (cp.async, mbarriers and bulk copies from common/mbarrier.cuh, named barriers,
-// ldmatrix, mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the split bookkeeping every kernel does
-// the same way (a split's token range, the output of an empty split, the o/lse stores), and the launchers'
-// shared-memory opt-in. Private to kernels/src.
+// Device code every MLA decode kernel shares (mma_sync_bf16.cu, mma_sync_fp8.cu,
+// wgmma_depth_split.cu, wgmma_seesaw.cu, wgmma_seesaw_e4m3.cu): PTX wrappers (cp.async, mbarriers and bulk copies from
+// common/mbarrier.cuh, named barriers, ldmatrix, mma.sync), the fp8 caches' conversions of e4m3 and of Q rows, and the
+// split bookkeeping every kernel does the same way (a split's token range, the output of an empty split, the o/lse
+// stores), and the launchers' shared-memory opt-in. Private to kernels/src.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "common/mbarrier.cuh"
-#include "decode_mla_internal.h"
+#include "decode_mla/kernels.h"
 #include "kvferry/layouts/entry_format.h"
 
 namespace kvferry::mla_detail {
@@ -173,6 +173,37 @@ __device__ __forceinline__ void write_empty_split(const KParams& p, int b, int s
     for (int i = tid; i < nh * kMlaRank / 8; i += NT)
       reinterpret_cast<uint4*>(p.o + (static_cast<int64_t>(b) * p.heads + head0) * kMlaRank)[i] =
           make_uint4(0, 0, 0, 0);
+}
+
+// The prologue every decode kernel opens with, once it has its parameters `p` and its thread index
+// `tid` (the wgmma kernels also their warpgroup index): declares the CTA's request b (blockIdx.z),
+// its split (blockIdx.y), the first of its NH heads head0 (head group blockIdx.x) and the split's
+// tokens [start, end) of the request in ntiles TILE-token tiles; a CTA with nothing to attend to
+// (an empty split, or a request of length 0) writes what write_empty_split writes (NT threads,
+// output per SPLIT) and returns.
+// A macro, as is KVFERRY_MLA_SMEM_ALIGN_1024, rather than inline functions: as functions the same
+// statements compiled to other instruction orders and register allocations in four of the five
+// kernels (their SASS compared kernel by kernel), and a prologue helper that changed the kernels'
+// code measured slower before (kernels/DESIGN.md §3.3); the macros keep every kernel's code as
+// measured.
+#define KVFERRY_MLA_CTA_PROLOGUE(TILE, NH, NT, SPLIT)            \
+  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z; \
+  const int2 range = split_tokens<TILE>(p, b, split);            \
+  const int start = range.x, end = range.y;                      \
+  const int head0 = hg * NH;                                     \
+  if (start >= end) { /* nothing to attend to */                 \
+    write_empty_split<SPLIT, NT>(p, b, split, head0, NH, tid);   \
+    return;                                                      \
+  }                                                              \
+  const int ntiles = (end - start + TILE - 1) / TILE
+
+// The dynamic shared memory `smem_dyn` from its first 1024-byte boundary: the 128-byte swizzle of
+// the tensor copies and of the wgmma operands repeats every 1024 bytes of the shared address.
+#define KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn) ((smem_dyn) + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023))
+
+/// The grid of a decode kernel whose CTAs take `hb` heads each: head groups, splits, requests.
+inline dim3 cta_grid(const KParams& k, int hb, int batch) {
+  return dim3(k.heads > hb ? k.heads / hb : 1, k.splits, batch);
 }
 
 /// Raises kKernel's dynamic shared-memory cap to `bytes` on the current device, once per device

@@ -1,6 +1,6 @@
 // Launcher of the CUDA paged MHA/GQA decode: dispatch on dtypes and head dims,
 // split choice, and the LSE merge of split partials.
-#include "decode_paged_kernel.cuh"
+#include "decode_paged/kernel.cuh"
 
 namespace kvferry {
 namespace {

@@ -1,6 +1,6 @@
 #pragma once
-// Shapes of the mma.sync kernel for fp8 caches (decode_mla_fp8.cu) that the host-side split
-// search (decode_mla.cpp, compiled without CUDA) needs: its shared memory and CTAs per SM.
+// Shapes of the mma.sync kernel for fp8 caches (mma_sync_fp8.cu) that the host-side split
+// search (cpu.cpp, compiled without CUDA) needs: its shared memory and CTAs per SM.
 #include "kvferry/layouts/entry_format.h"
 
 #if defined(__CUDACC__)

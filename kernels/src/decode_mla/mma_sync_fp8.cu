@@ -1,7 +1,8 @@
-// CUDA MLA paged decode for fp8 caches (mla_fp8, mla_fp8_ds) on mma.sync, converting in registers.
+// CUDA MLA paged decode for fp8 caches (mla_fp8, mla_fp8_ds) on mma.sync, converting in registers
+// (contract in decode_mla.h; kernels/DESIGN.md §3.2).
 //
 // One CTA per (group of HB <= 64 heads, split, request), four warps per 16 heads, like the bf16
-// kernel of decode_mla.cu, but the 32-token K tiles stay in fp8 in shared memory: the bulk copies
+// kernel of mma_sync_bf16.cu, but the 32-token K tiles stay in fp8 in shared memory: the bulk copies
 // (the TMA engine) fill kStages stages of raw entries, and each warp converts the bytes it
 // multiplies straight from ldmatrix registers with the hardware e4m3x2 -> f16x2 conversion (exact)
 // into fp16 mma operands. No converted tile is written or synchronised on, and a tile is half the
@@ -45,9 +46,9 @@
 #include <cfloat>
 #include <cmath>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_shape.h"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/mma_sync_fp8_shape.h"
 #include "kvferry/layouts/entry_format.h"
 
 namespace kvferry::mla_detail {
@@ -57,7 +58,7 @@ constexpr int kTileN = kFp8TileN;
 constexpr int kQOff = kFp8QOff;
 constexpr float kLazyExp = 8.0f;  // P <= 2^8 against a row's reference (fp16 holds up to 65504)
 
-template <int FMT>
+template <CacheFormat FMT>
 struct Raw;
 template <>
 struct Raw<kFmtFp8> {
@@ -140,9 +141,9 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-template <int FMT, int HB, bool SPLIT, int ST>
+template <CacheFormat FMT, int HB, bool SPLIT, int ST>
 __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB, ST))
-    decode_mla_fp8_kernel(const KParams p) {
+    mma_sync_fp8_kernel(const KParams p) {
   constexpr int NC = HB * 8;   // consumer threads: four warps per 16 heads
   constexpr int NT = NC + 32;  // and a producer warp
   constexpr int RAW = Raw<FMT>::kBytes, PITCH = Raw<FMT>::kPitch;
@@ -154,17 +155,8 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   uint8_t* sX = sRaw + ST * kStageBytes;
   const uint32_t bar0 = smem_u32(smem);
 
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int2 range = split_tokens<kTileN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * HB;
-
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, NT>(p, b, split, head0, HB, tid);
-    return;
-  }
-  const int ntiles = (end - start + kTileN - 1) / kTileN;
+  KVFERRY_MLA_CTA_PROLOGUE(kTileN, HB, NT, SPLIT);
 
   // Stage s: full[s] at bar0 + 8 s (the producer's expect_tx and the copies' bytes), empty[s] at
   // bar0 + 32 + 8 s (one arrival per consumer warp once it is done with the tile).
@@ -531,22 +523,22 @@ __global__ void __launch_bounds__(HB * 8 + 32, fp8_ctas_per_sm(FMT == kFmtDs, HB
   }
 }
 
-template <int FMT, int HB, bool SPLIT, int ST>
+template <CacheFormat FMT, int HB, bool SPLIT, int ST>
 cudaError_t launch_st(const KParams& k, int batch, cudaStream_t stream) {
   constexpr int smem = fp8_smem_bytes(FMT == kFmtDs, HB, ST);
-  const cudaError_t attr = allow_dynamic_smem<decode_mla_fp8_kernel<FMT, HB, SPLIT, ST>>(smem);
+  const cudaError_t attr = allow_dynamic_smem<mma_sync_fp8_kernel<FMT, HB, SPLIT, ST>>(smem);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(k.heads / HB, k.splits, batch);
-  decode_mla_fp8_kernel<FMT, HB, SPLIT, ST><<<grid, HB * 8 + 32, smem, stream>>>(k);
+  const dim3 grid = cta_grid(k, HB, batch);
+  mma_sync_fp8_kernel<FMT, HB, SPLIT, ST><<<grid, HB * 8 + 32, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
-template <int FMT, int HB, bool SPLIT>
+template <CacheFormat FMT, int HB, bool SPLIT>
 cudaError_t launch_hb(const KParams& k, int batch, cudaStream_t stream) {
   return launch_st<FMT, HB, SPLIT, fp8_stages(HB)>(k, batch, stream);
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 cudaError_t launch_heads(const KParams& k, int batch, cudaStream_t stream) {
   switch (k.heads) {
     case 16: return launch_hb<FMT, 16, SPLIT>(k, batch, stream);
@@ -559,7 +551,7 @@ cudaError_t launch_heads(const KParams& k, int batch, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_fp8_regs(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_mma_sync_fp8(const KParams& k, CacheFormat fmt, int batch, cudaStream_t stream) {
   const bool split = k.splits > 1;
   if (fmt == kFmtFp8)
     return split ? launch_heads<kFmtFp8, true>(k, batch, stream) : launch_heads<kFmtFp8, false>(k, batch, stream);

@@ -1,14 +1,14 @@
 #pragma once
-// What the two wgmma decode kernels share (decode_mla_wgmma.cu, decode_mla_seesaw.cu): shared-memory
-// matrix descriptors for the 128-byte swizzle, the wgmma fence / commit / wait wrappers, and the
-// operand lists of their accumulator registers. Private to kernels/src.
+// What the wgmma decode kernels share (wgmma_depth_split.cu, wgmma_seesaw.cu, and in part
+// wgmma_seesaw_e4m3.cu): shared-memory matrix descriptors for the 128-byte swizzle, the wgmma fence / commit / wait
+// wrappers, and the operand lists of their accumulator registers. Private to kernels/src.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
 
-#include "decode_mla_ptx.cuh"
+#include "decode_mla/common.cuh"
 
 namespace kvferry::mla_detail {
 
@@ -85,7 +85,7 @@ __device__ __forceinline__ uint32_t ds_scale_f16x2(float s) {
 /// The epilogue both wgmma kernels share: this thread's rows r0 = 16 w + g and r1 = r0 + 8 (rows
 /// >= hb are padding) of the output half [256 wg, +256) from the m64n256 accumulators, times
 /// inv0 / inv1, and (warpgroup 0, tq 0) their lse from the log2-domain maxima m0 / m1 and sums
-/// l0 / l1. Needs decode_mla_ptx.cuh.
+/// l0 / l1. Needs decode_mla/common.cuh.
 template <bool SPLIT>
 __device__ __forceinline__ void store_out(const KParams& p, int b, int split, int head0, int hb, int wg, int r0, int tq,
                                           const float (&acc)[128], float m0, float m1, float l0, float l1) {

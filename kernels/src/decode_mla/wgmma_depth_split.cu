@@ -1,4 +1,5 @@
-// Hopper MLA decode split kernels (contract in decode_mla.h): warpgroup MMA (wgmma, sm_90a).
+// Hopper MLA decode, the depth-split kernel for every cache format (bf16, mla_fp8, mla_fp8_ds;
+// contract in decode_mla.h; kernels/DESIGN.md §3.4): warpgroup MMA (wgmma, sm_90a).
 //
 // One CTA per (64 heads, split, request); fewer heads are padded to 64 rows (zero Q rows, never
 // written out). Two consumer warpgroups do the math; Q (64 x 576 bf16) stays in shared memory and
@@ -38,9 +39,9 @@
 #include <cstdlib>
 #include <type_traits>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -61,11 +62,11 @@ constexpr int kQkSteps = kMlaDim / 16 / 2;    // k16 steps of S per warpgroup (1
 constexpr int kProducerThreads = 128;
 constexpr int kWsThreads = 2 * 128 + kProducerThreads;
 constexpr int kWsStages = 3;
-template <int FMT>
+template <CacheFormat FMT>
 constexpr int entry_bytes() {
   return FMT == kFmtBf16 ? kMlaBf16Bytes : FMT == kFmtFp8 ? kMlaFp8Bytes : kMlaDsBytes;
 }
-template <int FMT>
+template <CacheFormat FMT>
 constexpr int ws_smem_bytes() {
   return FMT == kFmtBf16 ? 1024 + kQBytes + kWsStages * kTileBytes + 2 * kSBytes + 128
                          : 1024 + kQBytes + 2 * kTileBytes + 2 * kN * entry_bytes<FMT>() + 2 * kSBytes + 128;
@@ -119,7 +120,7 @@ __device__ __forceinline__ void convert16(const uint4 raw, float s, uint8_t* d0,
 // Converts rows [r0, r1) of a raw fp8 tile into the swizzled bf16 tile `dst`, chunk `ct` + NT i
 // per thread (ct < NT), the (row, chunk) pair stepped without division. Rows >= nvalid are zero.
 // The math threads' loop is unrolled; the producer's is not (it runs under 56 registers).
-template <int FMT, int NT>
+template <CacheFormat FMT, int NT>
 __device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* dst, int nvalid, int r0, int r1, int ct) {
   constexpr int kUnroll = NT >= 256 ? 8 : 1;
   constexpr int RAW = entry_bytes<FMT>();
@@ -173,15 +174,14 @@ __device__ __forceinline__ void convert_rows(const uint8_t* raw, uint8_t* dst, i
   }
 }
 
-template <int FMT, bool SPLIT>
-__global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const KParams p) {
+template <CacheFormat FMT, bool SPLIT>
+__global__ void __launch_bounds__(kWsThreads, 1) wgmma_depth_split_kernel(const KParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool kBf = FMT == kFmtBf16;
   constexpr int NB = kBf ? kWsStages : 2, NR = kBf ? 0 : 2, RAW = entry_bytes<FMT>();
   constexpr int NRS = NR > 0 ? NR : 1;  // raw stages as a divisor (unused for bf16)
   extern __shared__ uint8_t smem_dyn[];
-  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* smem = KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn);
   uint8_t* sQ = smem;
   uint8_t* sK = sQ + kQBytes;
   uint8_t* sRaw = sK + NB * kTileBytes;                          // fp8: raw stages
@@ -194,20 +194,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   const int conv_rows = kBf ? 0 : p.conv_rows;
 
   const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform and keeps
   // the wgmma descriptors derived from it in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int2 range = split_tokens<kN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * hb;
-
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, kWsThreads>(p, b, split, head0, hb, tid);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
+  KVFERRY_MLA_CTA_PROLOGUE(kN, hb, kWsThreads, SPLIT);
 
   if (tid == 0) {
     for (int i = 0; i < (kBf ? NB : NR); ++i) {  // fp8: full/empty of the raw stages
@@ -547,28 +538,28 @@ __global__ void __launch_bounds__(kWsThreads, 1) decode_mla_wgmma_kernel(const K
   l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
   store_out<SPLIT>(p, b, split, head0, hb, wg, wl * 16 + g, tq, acc, m0, m1, l0, l1);
 #else
-  __trap();  // built without sm_90a: launch_wgmma is never chosen for such a build (see decode_mla.cu)
+  __trap();  // built without sm_90a: launch_wgmma_depth_split is never chosen for such a build (see launch.cu)
 #endif
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, cudaStream_t stream) {
-  const dim3 grid(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
+  const dim3 grid = cta_grid(k, kM, batch);
   constexpr int smem = ws_smem_bytes<FMT>();
-  const cudaError_t attr = allow_dynamic_smem<decode_mla_wgmma_kernel<FMT, SPLIT>>(smem);
+  const cudaError_t attr = allow_dynamic_smem<wgmma_depth_split_kernel<FMT, SPLIT>>(smem);
   if (attr != cudaSuccess) return attr;
-  decode_mla_wgmma_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
+  wgmma_depth_split_kernel<FMT, SPLIT><<<grid, kWsThreads, smem, stream>>>(k);
   return cudaGetLastError();
 }
 
-template <int FMT>
+template <CacheFormat FMT>
 cudaError_t launch_fmt(const KParams& k, int batch, cudaStream_t stream) {
   return k.splits > 1 ? launch_one<FMT, true>(k, batch, stream) : launch_one<FMT, false>(k, batch, stream);
 }
 
 }  // namespace
 
-cudaError_t launch_wgmma(const KParams& k, int fmt, int batch, cudaStream_t stream) {
+cudaError_t launch_wgmma_depth_split(const KParams& k, CacheFormat fmt, int batch, cudaStream_t stream) {
   if (k.conv_rows < 0 || k.conv_rows > kN) return cudaErrorInvalidValue;
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, stream);

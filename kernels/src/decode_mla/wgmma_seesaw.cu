@@ -1,6 +1,6 @@
 // Hopper MLA decode split kernel (contract in decode_mla.h): warpgroup MMA with a "seesaw"
 // schedule over 64-token tiles, for bf16 caches and (tiles converted to fp16 in shared memory by
-// the producer warps; see the producer) fp8 caches.
+// the producer warps; see the producer) fp8 caches (kernels/DESIGN.md §3.3).
 //
 // fp8 caches compute in fp16 (F16), where e4m3 converts in one instruction per pair (bf16 took
 // four): the nope blocks of the tiles are fp16 (exact for mla_fp8; mla_fp8_ds: each value times
@@ -48,10 +48,10 @@
 #include <cstring>
 #include <type_traits>
 
-#include "decode_mla_internal.h"
-#include "decode_mla_ptx.cuh"
-#include "decode_mla_tma.cuh"
-#include "decode_mla_wgmma.cuh"
+#include "decode_mla/kernels.h"
+#include "decode_mla/common.cuh"
+#include "decode_mla/seesaw.cuh"
+#include "decode_mla/wgmma.cuh"
 #include "kvferry/kernels/decode_mla.h"
 
 namespace kvferry::mla_detail {
@@ -285,7 +285,7 @@ __device__ __forceinline__ void convert_rope_half(uint32_t slot, int lane, int c
 // both blocks' stores, then the caller publishes both: a fence per block held S(a)'s first block
 // less long but cost the converters more (H200, 128 heads, three alternating runs: mla_fp8
 // 186.2-187.7 -> 184.6-185.0 us, mla_fp8_ds 202.3-202.7 -> 197.8-199.1).
-template <int FMT>
+template <CacheFormat FMT>
 __device__ __forceinline__ void convert_two(uint32_t a, uint32_t b, const float (&sc)[4], int lane, int cw,
                                             int bar_id) {
   const int rr = lane >> 2, c = lane & 3;
@@ -370,14 +370,13 @@ __device__ __forceinline__ void store_out_staged(const KParams& p, int b, int sp
 // shared memory (multicast), each CTA expects all of a tile's bytes on its own barriers, and a
 // part is refilled once both CTAs released it (each releasing warp arrives on both CTAs' empty
 // barriers).
-template <int FMT, bool SPLIT, bool CL>
+template <CacheFormat FMT, bool SPLIT, bool CL>
 __global__ void __launch_bounds__(kThreads, 1)
-    decode_mla_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
-                             const __grid_constant__ CUtensorMap map2, const int copy) {
+    wgmma_seesaw_kernel(const KParams p, const __grid_constant__ CUtensorMap tmap,
+                        const __grid_constant__ CUtensorMap map2, const int copy) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ uint8_t smem_dyn[];
-  // The swizzle pattern repeats every 1024 bytes of the shared address: align the tiles to it.
-  uint8_t* smem = smem_dyn + ((1024 - (smem_u32(smem_dyn) & 1023)) & 1023);
+  uint8_t* smem = KVFERRY_MLA_SMEM_ALIGN_1024(smem_dyn);
   const uint32_t q_u32 = smem_u32(smem), k_u32 = q_u32 + kOffK, p_u32 = q_u32 + kOffP;
   float* sM = reinterpret_cast<float*>(smem + kOffM);  // [warpgroup][row]: m0 (WG0), m1 (WG1)
   float* sL = reinterpret_cast<float*>(smem + kOffL);  // [warpgroup][row]: final row sums
@@ -393,18 +392,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const CUtensorMap& rope = map2;
 
   const int hb = min(p.heads, kM);
-  const int hg = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // The warpgroup index broadcast from lane 0, so the compiler knows it is warp-uniform.
   const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0), wl = warp & 3, g = lane >> 2, tq = lane & 3;
-  const int2 range = split_tokens<kN>(p, b, split);
-  const int start = range.x, end = range.y;
-  const int head0 = hg * hb;
-  if (start >= end) {  // nothing to attend to: an empty split, or a request of length 0
-    write_empty_split<SPLIT, kThreads>(p, b, split, head0, hb, tid);
-    return;
-  }
-  const int ntiles = (end - start + kN - 1) / kN;
+  KVFERRY_MLA_CTA_PROLOGUE(kN, hb, kThreads, SPLIT);
   const int bp = min(p.page, kN);  // rows per tensor-copy box
   // fp8 caches: issues the tensor copies of part `part` of tile t into buffer t & 1 (ids: the
   // tile's block ids in shared memory, read as they are used: the math warps issue this between
@@ -973,7 +964,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   l1 = sL[r1] + sL[kM + r1];
   store_out_staged<SPLIT>(p, b, split, head0, hb, wg, r0, tq, acc, m0, m1, l0, l1, k_u32, tid);
 #else
-  __trap();  // built without sm_90a: launch_seesaw is never chosen for such a build (see decode_mla.cu)
+  __trap();  // built without sm_90a: launch_wgmma_seesaw is never chosen for such a build (see launch.cu)
 #endif
 }
 
@@ -996,7 +987,7 @@ bool make_pair_map(const KParams& k, CUtensorMap* map) {
 // The kernel's tensor maps and how it copies (kCopy*): bf16, the whole 576 values swizzled (and
 // the pair map when it applies); fp8 caches, the raw entries as bytes and (mla_fp8_ds) the bf16
 // rope swizzled. kCopyAsync when no tensor map can be made.
-template <int FMT>
+template <CacheFormat FMT>
 int make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* map2) {
   if constexpr (FMT == kFmtBf16) {
     if (!make_map(k, map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, k.cache, kMlaDim, CU_TENSOR_MAP_SWIZZLE_128B))
@@ -1011,14 +1002,14 @@ int make_maps(const KParams& k, CUtensorMap* map, CUtensorMap* map2) {
              : kCopyAsync;
 }
 
-template <int FMT, bool SPLIT, bool CL>
+template <CacheFormat FMT, bool SPLIT, bool CL>
 cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, const CUtensorMap& map,
                           const CUtensorMap& map2, int copy) {
-  constexpr auto kernel = decode_mla_seesaw_kernel<FMT, SPLIT, CL>;
+  constexpr auto kernel = wgmma_seesaw_kernel<FMT, SPLIT, CL>;
   const cudaError_t attr = allow_dynamic_smem<kernel>(kSmem);
   if (attr != cudaSuccess) return attr;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(k.heads > kM ? k.heads / kM : 1, k.splits, batch);
+  cfg.gridDim = cta_grid(k, kM, batch);
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
@@ -1034,7 +1025,7 @@ cudaError_t launch_kernel(const KParams& k, int batch, cudaStream_t stream, cons
   return cudaLaunchKernelEx(&cfg, kernel, k, map, map2, copy);
 }
 
-template <int FMT, bool SPLIT>
+template <CacheFormat FMT, bool SPLIT>
 cudaError_t launch_one(const KParams& k, int batch, bool tensor_copies, cudaStream_t stream) {
   // Without tensor copies (DecodeMlaParams::seesaw_loader = 2) the producer uses cp.async; fp8
   // caches need tensor copies.
@@ -1053,7 +1044,7 @@ cudaError_t launch_one(const KParams& k, int batch, bool tensor_copies, cudaStre
   return launch_kernel<FMT, SPLIT, false>(k, batch, stream, map, map2, copy);
 }
 
-template <int FMT>
+template <CacheFormat FMT>
 cudaError_t launch_fmt(const KParams& k, int batch, bool tensor_copies, cudaStream_t stream) {
   return k.splits > 1 ? launch_one<FMT, true>(k, batch, tensor_copies, stream)
                       : launch_one<FMT, false>(k, batch, tensor_copies, stream);
@@ -1061,7 +1052,7 @@ cudaError_t launch_fmt(const KParams& k, int batch, bool tensor_copies, cudaStre
 
 }  // namespace
 
-cudaError_t launch_seesaw(const KParams& k, int fmt, int batch, bool tensor_copies, cudaStream_t stream) {
+cudaError_t launch_wgmma_seesaw(const KParams& k, CacheFormat fmt, int batch, bool tensor_copies, cudaStream_t stream) {
   switch (fmt) {
     case kFmtBf16: return launch_fmt<kFmtBf16>(k, batch, tensor_copies, stream);
     case kFmtFp8: return launch_fmt<kFmtFp8>(k, batch, tensor_copies, stream);

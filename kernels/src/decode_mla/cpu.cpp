@@ -1,8 +1,9 @@
-// CPU implementation of the MLA paged decode (see decode_mla.h for the contract) and the
-// request-boundary validation shared with the CUDA launcher.
+// CPU implementation of the MLA paged decode (the CUDA kernels' twin; contract in decode_mla.h),
+// the request-boundary validation shared with the CUDA launcher (launch.cu), and the choices of
+// kernel and split count that launcher makes (built without CUDA too).
 #include "kvferry/kernels/decode_mla.h"
 
-#include "decode_mla_shape.h"
+#include "decode_mla/mma_sync_fp8_shape.h"
 
 #include <algorithm>
 #include <cmath>
@@ -270,11 +271,11 @@ int32_t decode_mla_auto_splits(const DecodeMlaParams& p, int sm_count) {
   const int groups = p.heads / hb;
   int per_sm = 1;  // wgmma: one CTA per SM (~200-220 KiB of shared memory: Q, K tile stages, S exchange)
   if (decode_mla_resolved_mma(p) != 2 && p.format.kind != FormatKind::kMlaBf16) {
-    // The fp8 kernel (decode_mla_fp8.cu): its shared memory, threads and registers.
+    // The fp8 kernel (mma_sync_fp8.cu): its shared memory, threads and registers.
     const bool ds = p.format.kind == FormatKind::kMlaFp8Ds;
     per_sm = std::max(1, mla_detail::fp8_ctas_per_sm(ds, hb, mla_detail::fp8_stages(hb)));
   } else if (decode_mla_resolved_mma(p) != 2) {
-    // The bf16 kernel (decode_mla.cu): 128 registers per thread with four warps per 16 heads, ~240
+    // The bf16 kernel (mma_sync_bf16.cu): 128 registers per thread with four warps per 16 heads, ~240
     // with two, and its shared memory (Q rows, two K tile stages, S exchange of NW * 2 KiB per 16
     // heads; 228 KiB per SM).
     const int nw = decode_mla_resolved_group_warps(p);

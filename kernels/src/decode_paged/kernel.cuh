@@ -1,6 +1,6 @@
 #pragma once
 // CUDA paged MHA/GQA decode over strided K/V views (kernel templates; instantiated per cache
-// dtype in decode_paged_inst_*.cu, launched from decode_paged.cu).
+// dtype in inst_*.cu, launched from launch.cu).
 //
 // One CTA (4 warps) per (request, kv head, chunk of up to 8 query heads, split); each K/V row is
 // read from HBM once for the whole chunk. The warps work independently on interleaved 16-token
@@ -827,7 +827,7 @@ KernelFn pick_dk_dv(int dk, int dv) {
   }
 }
 
-// One per cache/query dtype pair, each in its own translation unit (decode_paged_inst_*.cu).
+// One per cache/query dtype pair, each in its own translation unit (inst_*.cu).
 KernelFn pick_bf16(int dk, int dv);
 KernelFn pick_fp16(int dk, int dv);
 KernelFn pick_fp8_bf16q(int dk, int dv);
