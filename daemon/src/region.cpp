@@ -41,13 +41,26 @@ class MemfdRegion final : public Region {
 
 }  // namespace
 
-Result<std::shared_ptr<Region>> create_memfd_region(uint32_t id, const std::string& name, const KvCacheSpec& spec) {
-  KVFERRY_TRY(spec.validate().with_context("region '" + name + "'"));
+proto::RegionDesc describe_region(uint32_t id, const std::string& name, const KvCacheSpec& spec) {
   proto::RegionDesc d;
   d.id = id;
   d.name = name;
   d.spec = spec;
   d.bytes = static_cast<uint64_t>(spec.region_bytes());
+  return d;
+}
+
+proto::RegionDesc describe_registered(uint32_t id, const proto::RegisterRegion& m) {
+  proto::RegionDesc d = describe_region(id, m.name, m.spec);
+  d.alloc_bytes = m.alloc_bytes;
+  d.backend = m.backend;
+  d.device = m.device;
+  return d;
+}
+
+Result<std::shared_ptr<Region>> create_memfd_region(uint32_t id, const std::string& name, const KvCacheSpec& spec) {
+  KVFERRY_TRY(spec.validate().with_context("region '" + name + "'"));
+  proto::RegionDesc d = describe_region(id, name, spec);
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   d.alloc_bytes = std::max<uint64_t>(page, (d.bytes + page - 1) / page * page);
   d.backend = proto::Backend::kMemfd;
@@ -82,12 +95,7 @@ Result<std::shared_ptr<Region>> import_region(uint32_t id, const proto::Register
                       "fcntl(F_ADD_SEALS, F_SEAL_SHRINK))");
   void* base = ::mmap(nullptr, m.alloc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (base == MAP_FAILED) return errno_status("mmap(registered memfd)", errno);
-  proto::RegionDesc d;
-  d.id = id;
-  d.name = m.name;
-  d.spec = m.spec;
-  d.bytes = static_cast<uint64_t>(m.spec.region_bytes());
-  d.alloc_bytes = m.alloc_bytes;
+  proto::RegionDesc d = describe_registered(id, m);
   d.backend = proto::Backend::kMemfd;
   d.device = -1;
   return std::shared_ptr<Region>(std::make_shared<MemfdRegion>(std::move(d), std::move(fd), base, m.offset));

@@ -80,14 +80,7 @@ class IpcRegion final : public Region {
 }  // namespace
 
 Result<std::shared_ptr<Region>> import_cuda_region(uint32_t id, const proto::RegisterRegion& m, UniqueFd fd) {
-  proto::RegionDesc d;
-  d.id = id;
-  d.name = m.name;
-  d.spec = m.spec;
-  d.bytes = static_cast<uint64_t>(m.spec.region_bytes());
-  d.alloc_bytes = m.alloc_bytes;
-  d.backend = m.backend;
-  d.device = m.device;
+  proto::RegionDesc d = describe_registered(id, m);
   if (m.backend == proto::Backend::kCudaVmm) {
     if (!fd) return Status(ErrorCode::kInvalidArgument, "registered region '" + m.name + "' came without its fd");
     auto vm = cuda_vmm::import_fd(m.device, fd.get(), m.alloc_bytes);
@@ -103,11 +96,7 @@ Result<std::shared_ptr<Region>> import_cuda_region(uint32_t id, const proto::Reg
 Result<std::shared_ptr<Region>> create_cuda_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,
                                                    int gpu) {
   KVFERRY_TRY(spec.validate().with_context("region '" + name + "'"));
-  proto::RegionDesc d;
-  d.id = id;
-  d.name = name;
-  d.spec = spec;
-  d.bytes = static_cast<uint64_t>(spec.region_bytes());
+  proto::RegionDesc d = describe_region(id, name, spec);
   d.device = gpu;
   // KVFERRY_CUDA_IPC=1 forces the legacy IPC fallback (to test it on machines with VMM).
   const char* force_ipc = std::getenv("KVFERRY_CUDA_IPC");

@@ -19,6 +19,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "daemon_harness.h"
+#include "etcd_harness.h"
 #include "kvferry/connector/client.h"
 
 namespace kvferry {
@@ -204,18 +205,7 @@ TEST(OperatorMetrics, PromqlNamesAreFoundAndChecked) {
 /// Blocks of 4 layers x 64 tokens of mla_bf16 (288 KiB each), block-major.
 KvCacheSpec spec_of(int64_t blocks) { return {4, blocks, 64, EntryFormat::mla_bf16(), Layout::kBlockMajor}; }
 
-int free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0)
-    std::abort();
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using testing::etcd::free_port;
 
 TEST(OperatorMetrics, DashboardAndAlertsReadOnlyExportedMetrics) {
   const std::string src = KVFERRY_SOURCE_DIR;

@@ -46,6 +46,12 @@ class Region {
   uint64_t offset_ = 0;
 };
 
+/// The descriptor of region `id` named `name` of `spec` (its bytes from the spec); the backend's
+/// fields (alloc_bytes, backend, device) are for the caller to fill.
+proto::RegionDesc describe_region(uint32_t id, const std::string& name, const KvCacheSpec& spec);
+/// The descriptor of a buffer an engine registered (RegisterRegion), as region `id`.
+proto::RegionDesc describe_registered(uint32_t id, const proto::RegisterRegion& m);
+
 /// Creates a region of `spec` named `name` with id `id` on `backend` (`gpu`: CUDA device).
 Result<std::shared_ptr<Region>> create_region(uint32_t id, const std::string& name, const KvCacheSpec& spec,
                                               RegionBackend backend, int gpu);
