@@ -2,6 +2,8 @@
 // fallback.
 #include "kvferry/connector/cuda_vmm.h"
 
+#include "kvferry/kernels/device.h"
+
 #if defined(KVFERRY_WITH_CUDA)
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -72,14 +74,9 @@ Status cu(CUresult r, const char* call) {
   return {ErrorCode::kCuda, std::string(call) + " failed with CUresult " + std::to_string(static_cast<int>(r))};
 }
 
-Status rt(cudaError_t e, const char* call) {
-  if (e == cudaSuccess) return Status::Ok();
-  return {ErrorCode::kCuda, std::string(call) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")"};
-}
-
 Status init_device(int device) {
-  KVFERRY_TRY(rt(cudaSetDevice(device), "cudaSetDevice"));
-  return rt(cudaFree(nullptr), "cudaFree(0) (context init)");
+  KVFERRY_CUDA_TRY(cudaSetDevice(device));
+  return KVFERRY_CUDA_STATUS(cudaFree(nullptr));
 }
 
 CUmemAllocationProp props(int device) {
@@ -188,9 +185,9 @@ void release(Mapping& m) {
 Result<void*> malloc_ipc(int device, uint64_t bytes, uint8_t handle[64]) {
   KVFERRY_TRY(init_device(device));
   void* p = nullptr;
-  KVFERRY_TRY(rt(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc"));
+  KVFERRY_CUDA_TRY(cudaMalloc(&p, bytes ? bytes : 1));
   cudaIpcMemHandle_t h{};
-  if (Status st = rt(cudaIpcGetMemHandle(&h, p), "cudaIpcGetMemHandle"); !st.ok()) {
+  if (Status st = KVFERRY_CUDA_STATUS(cudaIpcGetMemHandle(&h, p)); !st.ok()) {
     cudaFree(p);
     return st;
   }
@@ -210,7 +207,7 @@ Result<void*> ipc_open(int device, const uint8_t handle[64]) {
   cudaIpcMemHandle_t h{};
   std::memcpy(&h, handle, 64);
   void* p = nullptr;
-  KVFERRY_TRY(rt(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"));
+  KVFERRY_CUDA_TRY(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess));
   return p;
 }
 
@@ -223,7 +220,7 @@ void ipc_close(void* p, int device) {
 Status grant_access(void* ptr, int owner_device, int device) {
   if (owner_device == device) return Status::Ok();
   int can = 0;
-  KVFERRY_TRY(rt(cudaDeviceCanAccessPeer(&can, device, owner_device), "cudaDeviceCanAccessPeer"));
+  KVFERRY_CUDA_TRY(cudaDeviceCanAccessPeer(&can, device, owner_device));
   if (!can)
     return {ErrorCode::kUnavailable,
             "GPU " + std::to_string(device) + " has no peer access to GPU " + std::to_string(owner_device)};
@@ -242,13 +239,13 @@ Status grant_access(void* ptr, int owner_device, int device) {
 }
 
 Status copy_to_host(void* dst, const void* src, size_t n, int device) {
-  KVFERRY_TRY(rt(cudaSetDevice(device), "cudaSetDevice"));
-  return rt(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "cudaMemcpy(D2H)");
+  KVFERRY_CUDA_TRY(cudaSetDevice(device));
+  return KVFERRY_CUDA_STATUS(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost));
 }
 
 Status copy_to_device(void* dst, const void* src, size_t n, int device) {
-  KVFERRY_TRY(rt(cudaSetDevice(device), "cudaSetDevice"));
-  return rt(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), "cudaMemcpy(H2D)");
+  KVFERRY_CUDA_TRY(cudaSetDevice(device));
+  return KVFERRY_CUDA_STATUS(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
 }
 
 #else  // !KVFERRY_WITH_CUDA

@@ -86,7 +86,7 @@ struct LocalSender::Lanes {
       const size_t n = std::min(runs.size() - a, static_cast<size_t>(kMaxRuns));
       st = lane->copier->copy(src, dst, runs.subspan(a, n), kernels::CopyEngine::kDma, lane->stream);
     }
-    const Status sync = cuda_status(cudaStreamSynchronize(lane->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+    const Status sync = KVFERRY_CUDA_STATUS(cudaStreamSynchronize(lane->stream));
     return st.ok() ? sync : st;
   }
 #endif

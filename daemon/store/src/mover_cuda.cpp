@@ -126,10 +126,7 @@ class CudaOp final : public MoveOp {
     return Status::Ok();
   }
 
-  Status wait(size_t k) override {
-    return cuda_status(cudaEventSynchronize(lane_->events[k % Lane::kDepth]), "cudaEventSynchronize", __FILE__,
-                       __LINE__);
-  }
+  Status wait(size_t k) override { return KVFERRY_CUDA_STATUS(cudaEventSynchronize(lane_->events[k % Lane::kDepth])); }
 
   Status move_block(std::span<const CopyRun>) override { return Status::Ok(); }  // moves with its sub-batch
 
@@ -205,9 +202,7 @@ class CudaOp final : public MoveOp {
     return Status::Ok();
   }
 
-  Status finish() override {
-    return cuda_status(cudaStreamSynchronize(lane_->stream), "cudaStreamSynchronize", __FILE__, __LINE__);
-  }
+  Status finish() override { return KVFERRY_CUDA_STATUS(cudaStreamSynchronize(lane_->stream)); }
 
  private:
   /// The lane's pinned staging, at least `bytes` (regrown after the stream is idle).

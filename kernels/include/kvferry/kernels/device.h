@@ -28,5 +28,8 @@ Status cuda_status(int err, const char* call, const char* file, int line);
 
 }  // namespace kvferry
 
+/// KVFERRY_CUDA_STATUS(cudaMemcpy(...)): the call's Status (kCuda naming the call and this line).
+#define KVFERRY_CUDA_STATUS(call) ::kvferry::cuda_status(static_cast<int>(call), #call, __FILE__, __LINE__)
+
 /// KVFERRY_CUDA_TRY(cudaMemcpyAsync(...)); returns a kCuda Status naming the call on failure.
 #define KVFERRY_CUDA_TRY(call) KVFERRY_TRY(::kvferry::cuda_status(static_cast<int>(call), #call, __FILE__, __LINE__))
