@@ -2,17 +2,7 @@
 // rate measured in the same run, contiguous vs cross-layer (a layer view of a block-major buffer).
 // `kvferry-bench decode --mha` reaches this suite too.
 //
-// Measured on an H200 (2026-11-22, d2d 4239 GB/s read+write, floor = K+V bytes / that rate;
-// B 64, 4096 tokens, page 16, Hq 32, Hkv 8, splits chosen by the launcher; kernel and copy each
-// timed as 8 calls back to back, median of 20 (sweep) or 40 such samples):
-//   llama3-8b d128 bf16   S=3 contiguous 272.2-273.0 us (0.928-0.930 of 253.3 us)
-//   dk192/dv128 bf16      S=1 contiguous 330.3-330.4 us (0.958 of 316.6 us)
-//   llama3-8b d128 fp8    S=3 contiguous 158.7-158.9 us (0.797 of 126.6 us)
-// (split sweep rows of two runs; the balanced schedule: 277.9 / 342.2 / 162.9 us = 0.911 /
-// 0.925 / 0.777, its cross-layer rows within 0.9 % of contiguous).
-// Earlier, each call timed alone between its own events (host launch cost inside the time):
-// 0.92 / 0.945 / 0.72-0.77; one bulk copy per row with a 108 KB pipeline: 0.906 / 0.946 / 0.468;
-// the scalar kernel before it: 0.503 / 0.459 / 0.288.
+// What it measured on an H200, and what that chose: kernels/DESIGN.md §4.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>

@@ -1,24 +1,7 @@
 // CPU backend of copy_blocks (memcpy of byte runs) and the engine choice shared with CUDA.
 //
-// Engine choice of kAuto, from `kvferry-bench copy` on an H200 (2026-11-22; 4096 blocks scattered
-// over a 16384-block region, pool slots consecutive; ratio to a 1 GiB pinned copy d2h / h2d, and
-// to the both-ways pinned copy for both at once; median of 5 after a warm-up):
-//   block     kernel              staged              dma (4 streams)     auto
-//   16 KiB    0.93 / 0.91 / 0.64  0.94 / 0.95 / 0.95  0.64 / 0.08 / 0.10  0.93 / 0.93 / 0.94 staged
-//   64 KiB    0.95 / 0.92 / 0.66  0.96 / 0.96 / 0.98  0.92 / 0.91 / 0.75  0.95 / 0.96 / 0.96 staged
-//   256 KiB   0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.92  0.98 / 0.98 / 0.88  0.98 / 0.98 / 0.85 dma
-//   1 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.80  1.00 / 1.00 / 1.02  1.00 / 1.00 / 1.02 dma
-//   4 MiB     0.95 / 0.93 / 0.66  0.96 / 0.96 / 0.98  1.00 / 1.00 / 0.99  1.00 / 1.00 / 1.02 dma
-// Since the staged engine overlaps its kernels with its DMA (kCopyStagePiece; H200, 2026-11-25,
-// d2h / h2d / both): staged 0.93 / 0.93 / 0.86 at 16 KiB, 0.97 / 0.97 / 0.87 at 64 KiB,
-// 0.99 / 0.98 / 0.96 at 256 KiB, 0.99 / 0.99 / 0.97 at 1 MiB (both ways varies by 0.05 run to
-// run). From 256 KiB batched DMA is within a few hundredths and leaves the SMs to the engine
-// (another process's kernel slows x1.01 under it, x1.2 under staged), so kAuto switches to it
-// there (kCopyAutoThreshold). Below, DMA pays a per-copy overhead (h2d worst), so kAuto stages
-// when the pool side merges into copies of at least the threshold, else uses the SM kernel.
-// The kernel's CTA count (8..64) changed nothing one way; both ways at once the kernel stays
-// near 0.65-0.80 whatever its CTAs (reads and writes of mapped memory share the link badly).
-// Per-block cudaMemcpyAsync: 0.12 / 0.11 at 16 KiB.
+// kAuto's engine choice (kCopyAutoThreshold, staged below it where the pool side merges) and the
+// measurements that chose it: kernels/DESIGN.md §5.
 #include <cstring>
 #include <string>
 
