@@ -54,8 +54,8 @@ class DataOps {
 
   /// Creates the host pool (populated and pinned now, progress logged), the index, the offload
   /// service and, with tiers.disk.path set, the disk tier (recovered before this returns, its
-  /// block count and time logged) from `cfg` (tiers.host, tiers.disk, integrity). Refuses
-  /// tiers.remote.listen: the remote tier is not built yet.
+  /// block count and time logged) from `cfg` (tiers.host, tiers.disk, integrity) and, with
+  /// tiers.remote.listen set, the remote tier (joined to its cluster before this returns).
   static Result<std::unique_ptr<DataOps>> create(const config::Config& cfg, Options opts);
   ~DataOps();
 
