@@ -267,7 +267,7 @@ struct DaemonProc {
 };
 
 std::unique_ptr<DaemonProc> spawn_daemon(int port, const std::vector<int>& peers, uint64_t pool_bytes,
-                                         const std::string& backend = "cpu") {
+                                         const std::string& backend = "cpu", int gpu = 0) {
   auto d = std::make_unique<DaemonProc>();
   char exe[4096];
   const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
@@ -296,7 +296,7 @@ std::unique_ptr<DaemonProc> spawn_daemon(int port, const std::vector<int>& peers
   {
     std::ofstream f(cfg);
     f << "daemon:\n  socket: " << d->socket << "\n  log_level: warn\n  metrics_listen: \"\"\n"
-      << "device:\n  backend: " << backend << "\n"
+      << "device:\n  backend: " << backend << "\n  gpu: " << gpu << "\n"
       << "tiers:\n  host:\n    capacity: " << pool_bytes << "\n  remote:\n    listen: 127.0.0.1:" << port
       << "\n    peers: [" << peer_list << "]\n    transport: tcp\n    timeout: 60s\n"
       << "limits:\n  request_timeout: 120s\n";
@@ -346,10 +346,10 @@ struct TwoDaemons {
 };
 
 /// Starts them; false (with the reason printed and rc = 1) when they cannot start.
-bool start_two(uint64_t pool, const std::string& backend, TwoDaemons& t, int& rc) {
+bool start_two(uint64_t pool, const std::string& backend, TwoDaemons& t, int& rc, int gpu_a = 0, int gpu_b = 0) {
   const int pa = free_port(), pb = free_port();
-  t.a = spawn_daemon(pa, {pa, pb}, pool, backend);
-  t.b = t.a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool, backend) : nullptr;
+  t.a = spawn_daemon(pa, {pa, pb}, pool, backend, gpu_a);
+  t.b = t.a->error.empty() ? spawn_daemon(pb, {pa, pb}, pool, backend, gpu_b) : nullptr;
   if (!t.a->error.empty() || !t.b->error.empty()) {
     std::fprintf(stderr, "remote bench: %s\n", (t.a->error.empty() ? t.b->error : t.a->error).c_str());
     rc = 1;
@@ -512,13 +512,34 @@ void daemon_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& 
 }
 
 #if defined(KVFERRY_WITH_CUDA)
-/// One device-to-device copy of `bytes` on device 0 (the limit of a region-to-region send between
-/// daemons on one GPU): GB/s, median of `rounds`; 0 when it cannot run.
-double d2d_limit(uint64_t bytes, int rounds) {
+/// Device buffers of `bytes` on `da` and `db` (peer access enabled between them where they differ)
+/// and a stream on `da`; false (nothing left allocated) when they cannot be had.
+bool two_buffers(uint64_t bytes, int da, int db, void** a, void** b, cudaStream_t* s) {
+  *a = *b = nullptr;
+  *s = nullptr;
+  bool ok = cudaSetDevice(db) == cudaSuccess && cudaMalloc(b, bytes) == cudaSuccess;
+  ok = ok && cudaSetDevice(da) == cudaSuccess && cudaMalloc(a, bytes) == cudaSuccess;
+  if (ok && da != db) {
+    const cudaError_t e = cudaDeviceEnablePeerAccess(db, 0);
+    ok = e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled;
+  }
+  ok = ok && cudaStreamCreateWithFlags(s, cudaStreamNonBlocking) == cudaSuccess;
+  if (!ok) {
+    (void)cudaGetLastError();
+    if (*a) cudaFree(*a);
+    if (*b) cudaFree(*b);
+    *a = *b = nullptr;
+  }
+  return ok;
+}
+
+/// One copy of `bytes` from device `da` to device `db` (the limit of a region-to-region send
+/// between daemons on those GPUs: a device-to-device copy on one, cudaMemcpyPeerAsync over NVLink
+/// between two): GB/s, median of `rounds`; 0 when it cannot run.
+double d2d_limit(uint64_t bytes, int rounds, int da, int db) {
   void *a = nullptr, *b = nullptr;
   cudaStream_t s = nullptr;
-  if (cudaSetDevice(0) != cudaSuccess || cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+  if (!two_buffers(bytes, da, db, &a, &b, &s)) {
     (void)cudaGetLastError();
     if (a) cudaFree(a);
     if (b) cudaFree(b);
@@ -527,7 +548,10 @@ double d2d_limit(uint64_t bytes, int rounds) {
   std::vector<double> bw;
   for (int r = 0; r < rounds + 1; ++r) {
     const auto t0 = Clock::now();
-    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s);
+    if (da == db)
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s);
+    else
+      cudaMemcpyPeerAsync(b, db, a, da, bytes, s);
     cudaStreamSynchronize(s);
     if (r) bw.push_back(double(bytes) / std::chrono::duration<double>(Clock::now() - t0).count());
   }
@@ -538,19 +562,19 @@ double d2d_limit(uint64_t bytes, int rounds) {
 }
 
 /// The same block copies as a send (block i of a region to block `to[i]` of another, `size` bytes
-/// each) as batched DMA in this process on GPU 0 (kernels::BlockCopier, the daemon's copier): what
-/// the copy engines give such a batch without the daemons. GB/s, median of `rounds`; 0 when it
-/// cannot run.
-double batch_limit(uint64_t size, const std::vector<int64_t>& to, int rounds) {
+/// each) as batched DMA in this process from device `da` to `db` (kernels::BlockCopier, the
+/// daemon's copier): what the copy engines give such a batch without the daemons. GB/s, median of
+/// `rounds`; 0 when it cannot run.
+double batch_limit(uint64_t size, const std::vector<int64_t>& to, int rounds, int da, int db) {
   const uint64_t n = to.size(), bytes = n * size;
   void *a = nullptr, *b = nullptr;
   cudaStream_t s = nullptr;
+  if (!two_buffers(bytes, da, db, &a, &b, &s)) return 0;
   auto copier = kernels::BlockCopier::create(int64_t(n));
-  if (!copier.ok() || cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
-    (void)cudaGetLastError();
-    if (a) cudaFree(a);
-    if (b) cudaFree(b);
+  if (!copier.ok()) {
+    cudaStreamDestroy(s);
+    cudaFree(a);
+    cudaFree(b);
     return 0;
   }
   std::vector<CopyRun> runs(n);
@@ -608,10 +632,11 @@ double memcpy_limit(uint64_t bytes, int rounds) {
 /// with `backend` cuda (both daemons on one GPU: the path two GPUs of one host take, without
 /// NVLink), memcpy with host regions.
 void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& sizes, int rounds, uint64_t cap,
-                const std::string& backend, int& rc) {
+                const std::string& backend, int& rc, int gpu_a = 0, int gpu_b = 0) {
   (void)opts;
   TwoDaemons t;
-  if (!start_two(uint64_t{256} << 20, backend, t, rc)) return;  // nothing is stored on either side
+  if (!start_two(uint64_t{256} << 20, backend, t, rc, gpu_a, gpu_b)) return;  // nothing is stored on either side
+  const std::string where = backend == "cuda" ? " gpu " + std::to_string(gpu_a) + "->" + std::to_string(gpu_b) : "";
   auto &a = t.a, &b = t.b;
   auto& ca = t.ca;
   for (uint64_t size : sizes) {
@@ -638,21 +663,21 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
     std::string what = "memcpy of the same bytes";
     if (backend == "cuda") {
 #if defined(KVFERRY_WITH_CUDA)
-      limit = d2d_limit(n * size, rounds);
-      batch = batch_limit(size, theirs, rounds);
-      what = "one cudaMemcpyAsync D2D";
+      limit = d2d_limit(n * size, rounds, gpu_a, gpu_b);
+      batch = batch_limit(size, theirs, rounds, gpu_a, gpu_b);
+      what = gpu_a == gpu_b ? "one cudaMemcpyAsync D2D" : "one cudaMemcpyPeerAsync";
 #endif
     } else {
       limit = memcpy_limit(n * size, rounds);
     }
     rep.add({"daemons, one host: send A -> B region to region " + human_bytes(int64_t(size)) + " x" +
-                 std::to_string(n) + " " + backend,
+                 std::to_string(n) + " " + backend + where,
              median(bw) / 1e9, "GB/s", limit / 1e9, what, true, backend == "cuda" && size >= (256u << 10) ? 0.9 : 0,
              backend == "cuda" ? "DMA from A's region into B's (imported), + B's check of the ids"
                                : "memcpy from A's region into B's (imported), + B's check of the ids"});
     if (batch > 0)
       rep.add({"daemons, one host: the same, next to its copies batched in one process " + human_bytes(int64_t(size)) +
-                   " x" + std::to_string(n) + " " + backend,
+                   " x" + std::to_string(n) + " " + backend + where,
                median(bw) / 1e9, "GB/s", batch / 1e9, "the same runs, one cudaMemcpyBatchAsync", true, 0,
                "what the daemons add to the copy engines' time"});
   }
@@ -665,7 +690,8 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
     float *x = nullptr, *y = nullptr;
     cudaStream_t s = nullptr;
     const int64_t elems = int64_t{64} << 20;  // 768 MB moved per launch
-    if (vr && cudaSetDevice(0) == cudaSuccess && cudaMalloc(reinterpret_cast<void**>(&x), elems * 4) == cudaSuccess &&
+    if (vr && cudaSetDevice(gpu_b) == cudaSuccess &&
+        cudaMalloc(reinterpret_cast<void**>(&x), elems * 4) == cudaSuccess &&
         cudaMalloc(reinterpret_cast<void**>(&y), elems * 4) == cudaSuccess &&
         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess) {
       cudaMemset(x, 0, size_t(elems) * 4);
@@ -690,8 +716,8 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
       sender.join();
       const double gbs = double(sent.load()) / std::chrono::duration<double>(Clock::now() - t0).count() / 1e9;
       if (alone > 0 && with > 0)
-        rep.add({"another process's memory-bound kernel on the receiving GPU, region-to-region sends", with, "ms",
-                 alone, "same kernel alone", false, 0.97,
+        rep.add({"another process's memory-bound kernel on the receiving GPU, region-to-region sends" + where, with,
+                 "ms", alone, "same kernel alone", false, 0.97,
                  "slowdown x" + std::to_string(with / alone).substr(0, 5) + " (limit 1.03); sends ran at " +
                      std::to_string(gbs).substr(0, 6) + " GB/s"});
     } else {
@@ -704,9 +730,12 @@ void local_rows(Report& rep, const Options& opts, const std::vector<uint64_t>& s
 #endif
   rep.note("region to region: two daemons on this host, " + backend +
            " regions; the first send of each size imports B's region and is not counted" +
-           (backend == "cuda" ? "; both daemons on GPU 0 here, so the copies stay inside it (daemons on two GPUs of "
-                                "one host take the same path over NVLink)"
-                              : std::string()));
+           (backend != "cuda" ? std::string()
+            : gpu_a == gpu_b  ? "; both daemons on GPU " + std::to_string(gpu_a) +
+                                   ", so the copies stay inside it (daemons on two GPUs of one host take the same "
+                                   "path over NVLink: --gpus=0,1)"
+                             : "; A on GPU " + std::to_string(gpu_a) + ", B on GPU " + std::to_string(gpu_b) +
+                                   ": A's copy engines write into B's GPU over the link between them"));
 }
 
 struct Mode {
@@ -721,6 +750,7 @@ int run_remote(const Options& opts) {
   int rounds = opts.quick ? 1 : 3;
   bool daemons = true, local_only = false;
   std::string backend = "cpu";
+  int gpus[2] = {0, 0};  // A's and B's GPU in the region-to-region rows
   uint64_t cap = opts.quick ? (uint64_t{256} << 20) : (uint64_t{1} << 30);
   for (const std::string& a : opts.args) {
     if (a == "--tls=tcp")
@@ -734,7 +764,9 @@ int run_remote(const Options& opts) {
       local_only = true;
     else if (a.rfind("--backend=", 0) == 0)
       backend = a.substr(10);
-    else if (a.rfind("--rounds=", 0) == 0)
+    else if (a.rfind("--gpus=", 0) == 0 && std::sscanf(a.c_str() + 7, "%d,%d", &gpus[0], &gpus[1]) == 2 &&
+             gpus[0] >= 0 && gpus[1] >= 0) {
+    } else if (a.rfind("--rounds=", 0) == 0)
       rounds = std::max(1, std::atoi(a.c_str() + 9));
     else if (a.rfind("--cap=", 0) == 0)
       cap = std::strtoull(a.c_str() + 6, nullptr, 10) << 20;
@@ -748,7 +780,7 @@ int run_remote(const Options& opts) {
     } else {
       std::fprintf(stderr,
                    "remote bench: unknown argument %s (--tls=tcp|shm|both --sizes=KiB,.. --rounds=N --cap=MiB "
-                   "--no-daemons --local --backend=cpu|cuda)\n",
+                   "--no-daemons --local --backend=cpu|cuda --gpus=A,B)\n",
                    a.c_str());
       return 2;
     }
@@ -760,7 +792,7 @@ int run_remote(const Options& opts) {
   if (local_only) {
     Report rep("remote");
     int rc = 0;
-    local_rows(rep, opts, sizes, rounds, cap, backend, rc);
+    local_rows(rep, opts, sizes, rounds, cap, backend, rc, gpus[0], gpus[1]);
     const int frc = rep.finish(opts);
     return rc ? rc : frc;
   }
@@ -904,7 +936,7 @@ int run_remote(const Options& opts) {
       "operations in flight; without it ucp_get waits for each get)");
   ::munmap(pool, pool_bytes);
   if (daemons) daemon_rows(rep, opts, sizes, rounds, cap, rc);
-  if (daemons) local_rows(rep, opts, sizes, rounds, cap, backend, rc);
+  if (daemons) local_rows(rep, opts, sizes, rounds, cap, backend, rc, gpus[0], gpus[1]);
   const int frc = rep.finish(opts);
   return rc ? rc : frc;
 }
@@ -919,6 +951,7 @@ KVFERRY_BENCH_SUITE_WITH_OPTIONS(
     "  --cap=MiB            bytes moved per row at most (default 1024, 256 with --quick)\n"
     "  --no-daemons         leave out the rows through two daemons\n"
     "  --local              only the rows of region-to-region sends between two daemons of this host\n"
-    "  --backend=cpu|cuda   the regions of those rows (default cpu; cuda: GPU 0, next to a D2D copy)\n");
+    "  --backend=cpu|cuda   the regions of those rows (default cpu; cuda: next to a D2D or peer copy)\n"
+    "  --gpus=A,B           with cuda: daemon A's and daemon B's GPU (default 0,0; 0,1 for NVLink)\n");
 
 }  // namespace kvferry::bench

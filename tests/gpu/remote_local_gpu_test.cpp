@@ -65,8 +65,8 @@ struct Pair {
 
 std::unique_ptr<Client> connect(const testing::DaemonProcess& d);
 
-/// Two daemons with the CUDA backend on GPU 0, static peers on loopback.
-Pair start_pair(bool force_ipc) {
+/// Two daemons with the CUDA backend, A on GPU 0 and B on GPU `gpu_b`, static peers on loopback.
+Pair start_pair(bool force_ipc, int gpu_b = 0) {
   Pair p;
   p.port_a = testing::etcd::free_port();
   p.port_b = testing::etcd::free_port();
@@ -79,7 +79,8 @@ Pair start_pair(bool force_ipc) {
   std::vector<std::string> env;
   if (force_ipc) env.push_back("KVFERRY_CUDA_IPC=1");
   p.a = std::make_unique<testing::DaemonProcess>(yaml(p.port_a), env, "cuda");
-  p.b = std::make_unique<testing::DaemonProcess>(yaml(p.port_b), env, "cuda");
+  // The harness writes "device:\n  backend: <this>": B's GPU index goes in the same section.
+  p.b = std::make_unique<testing::DaemonProcess>(yaml(p.port_b), env, "cuda\n  gpu: " + std::to_string(gpu_b));
   EXPECT_TRUE(p.a->ready()) << p.a->log();
   EXPECT_TRUE(p.b->ready()) << p.b->log();
   if (p.a->ready() && p.b->ready()) {
@@ -101,10 +102,10 @@ std::unique_ptr<Client> connect(const testing::DaemonProcess& d) {
 
 class RemoteLocalGpu : public ::testing::TestWithParam<const char*> {};
 
-TEST_P(RemoteLocalGpu, SendsRegionToRegionOnOneGpu) {
-  if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
-  auto p = start_pair(std::string(GetParam()) == "cuda_ipc");
-  ASSERT_TRUE(p.ca && p.cb);
+/// Sends from A's regions into B's, byte for byte (block-major and layer-major, B's blocks
+/// permuted), seen by B's lookup_wait and stored on neither side, and a send that needs a
+/// conversion (through the host pools, converted on B's host).
+void sends_region_to_region(Pair& p) {
   auto &a = p.ca, &b = p.cb;
   constexpr int64_t n = 40;
   for (Layout layout : {Layout::kBlockMajor, Layout::kLayerMajor}) {
@@ -115,7 +116,8 @@ TEST_P(RemoteLocalGpu, SendsRegionToRegionOnOneGpu) {
     GpuRegion dst = create(*b, "decode-" + tag, spec);
     ASSERT_TRUE(src.base && dst.base);
     const auto want = fill(src, layout == Layout::kBlockMajor ? 5 : 6);
-    ASSERT_EQ(cudaMemset(dst.base, 0, size_t(spec.region_bytes())), cudaSuccess);
+    const std::vector<uint8_t> zeros(size_t(spec.region_bytes()), 0);
+    ASSERT_EQ(cudaMemcpy(dst.base, zeros.data(), zeros.size(), cudaMemcpyHostToDevice), cudaSuccess);
     std::vector<int64_t> theirs(n);
     for (int64_t i = 0; i < n; ++i) theirs[size_t(i)] = (i * 7) % n;  // a permutation (7 and 40 are coprime)
     const auto k = keys(n, layout == Layout::kBlockMajor ? 1 : 2);
@@ -152,6 +154,23 @@ TEST_P(RemoteLocalGpu, SendsRegionToRegionOnOneGpu) {
   ASSERT_TRUE(cv.ok());
   ASSERT_EQ(cv->done, uint64_t(n)) << p.a->log() << p.b->log();
   EXPECT_EQ(read(ds), want);
+}
+
+TEST_P(RemoteLocalGpu, SendsRegionToRegionOnOneGpu) {
+  if (testing::run_in_child([] { return cuda_device_count() > 0 ? 0 : 1; }) != 0) GTEST_SKIP() << "no CUDA device";
+  auto p = start_pair(std::string(GetParam()) == "cuda_ipc");
+  ASSERT_TRUE(p.ca && p.cb);
+  sends_region_to_region(p);
+}
+
+// A on GPU 0, B on GPU 1: A's copy engines write into B's GPU over NVLink (peer access granted to
+// the imported cuMem mapping; lazy peer access for IPC), the path the one-GPU test stands in for.
+TEST_P(RemoteLocalGpu, SendsRegionToRegionBetweenTwoGpus) {
+  if (testing::run_in_child([] { return cuda_device_count() > 1 ? 0 : 1; }) != 0)
+    GTEST_SKIP() << "needs two CUDA devices (one GPU runs SendsRegionToRegionOnOneGpu)";
+  auto p = start_pair(std::string(GetParam()) == "cuda_ipc", 1);
+  ASSERT_TRUE(p.ca && p.cb);
+  sends_region_to_region(p);
 }
 
 TEST_P(RemoteLocalGpu, ReceiverKilledMidTransfer) {
