@@ -9,6 +9,8 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -407,6 +409,46 @@ TEST(RemoteDaemons, SendRegionToRegionOnOneHost) {
   auto again = a->send_into(src.id, kKeys.keys(n, 35), iota_ids(n), peer_b, dst.id, iota_ids(n));
   ASSERT_TRUE(again.ok());
   EXPECT_EQ(again->done, uint64_t(n));
+}
+
+// The decode engine's cache is a tensor inside a larger buffer it registered at an offset (vLLM's
+// zero-copy registration): the import maps that buffer at the offset, so the blocks land in the
+// region and not one byte before or after it changes.
+TEST(RemoteDaemons, RegionToRegionIntoABufferRegisteredAtAnOffset) {
+  auto t = start_two();
+  ASSERT_TRUE(t.ok());
+  auto &pa = t.d[0], &pb = t.d[1];
+  constexpr int64_t n = 8;
+  const KvCacheSpec spec = spec_of(EntryFormat::mla_bf16(), n);
+  const uint64_t bytes = static_cast<uint64_t>(spec.region_bytes());
+  const uint64_t offset = 5 * 4096 + 256;
+  const uint64_t alloc = (offset + bytes + 8192 + 4095) / 4096 * 4096;
+  const int fd = ::memfd_create("engine-kv-big", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  ASSERT_GE(fd, 0);
+  UniqueFd mfd(fd);
+  ASSERT_EQ(::ftruncate(fd, static_cast<off_t>(alloc)), 0);
+  ASSERT_EQ(::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  void* mem = ::mmap(nullptr, alloc, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(mem, MAP_FAILED);
+  auto* all = static_cast<uint8_t*>(mem);
+  std::memset(all, 0xAB, alloc);
+  Client::OwnBuffer buf;
+  buf.fd = fd;
+  buf.base = mem;
+  buf.alloc_bytes = alloc;
+  buf.offset = offset;
+  auto rid = t.b->register_region("decode-at-offset", spec, buf);
+  ASSERT_TRUE(rid.ok()) << rid.status().to_string();
+  Region src = create(*t.a, "prefill", spec);
+  fill_mla(src, 51);
+  auto sd = t.a->send_into(src.id, kKeys.keys(n, 50), iota_ids(n), t.peer_b, *rid, iota_ids(n));
+  ASSERT_TRUE(sd.ok()) << sd.status().to_string();
+  EXPECT_EQ(sd->done, uint64_t(n)) << pa->log() << pb->log();
+  EXPECT_EQ(std::memcmp(all + offset, src.base, bytes), 0);
+  for (uint64_t i = 0; i < offset; ++i) ASSERT_EQ(all[i], 0xAB) << "byte " << i << " before the region";
+  for (uint64_t i = offset + bytes; i < alloc; ++i) ASSERT_EQ(all[i], 0xAB) << "byte " << i << " after the region";
+  EXPECT_NE(pa->log().find("imported region"), std::string::npos) << pa->log();
+  ::munmap(mem, alloc);
 }
 
 // A receiver killed (-9) while a sender keeps sending region to region: every send after it ends

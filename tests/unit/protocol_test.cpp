@@ -113,6 +113,15 @@ TEST(Protocol, RegionHandleOptionalFieldFollowsFieldMask) {
   EXPECT_EQ(d2.status().code(), ErrorCode::kProtocol);
   // Unknown bits are ignored (forward compatibility).
   EXPECT_TRUE(decode_region_handle(plain.payload, 1u << 30).ok());
+  // A region inside a larger buffer carries its offset (kFieldOffset), after the IPC handle.
+  m.offset = 3 * 4096 + 256;
+  auto off = one_frame(encode(m));
+  EXPECT_EQ(off.header.field_mask, kFieldIpcHandle | kFieldOffset);
+  auto d3 = decode_region_handle(off.payload, off.header.field_mask);
+  ASSERT_TRUE(d3.ok()) << d3.status().to_string();
+  EXPECT_EQ(d3->offset, m.offset);
+  EXPECT_EQ(0, std::memcmp(d3->ipc_handle, m.ipc_handle, 64));
+  EXPECT_EQ(decode_region_handle(withh.payload, kFieldIpcHandle | kFieldOffset).status().code(), ErrorCode::kProtocol);
 }
 
 TEST(Protocol, StatusReplyRoundTrip) {

@@ -306,7 +306,8 @@ Frame encode(const RegionHandle& m) {
   Writer w;
   put_region(w, m.region);
   if (m.has_ipc_handle) w.bytes(std::span<const uint8_t>(m.ipc_handle, 64));
-  return finish(MsgType::kRegionHandle, w, m.has_ipc_handle ? kFieldIpcHandle : 0);
+  if (m.offset) w.u64(m.offset);
+  return finish(MsgType::kRegionHandle, w, (m.has_ipc_handle ? kFieldIpcHandle : 0) | (m.offset ? kFieldOffset : 0));
 }
 Result<RegionHandle> decode_region_handle(std::span<const uint8_t> p, uint32_t field_mask) {
   Reader r(p);
@@ -319,6 +320,7 @@ Result<RegionHandle> decode_region_handle(std::span<const uint8_t> p, uint32_t f
       m.has_ipc_handle = true;
     }
   }
+  if (field_mask & kFieldOffset) m.offset = r.u64("offset");
   return done(r, std::move(m));
 }
 
