@@ -375,12 +375,17 @@ TEST_F(OffloadIt, KilledClientMidSaveLeavesNoPinNorHalfBlock) {
     EXPECT_TRUE(code == ErrorCode::kOk || code == ErrorCode::kNotFound) << error_code_name(code);
 }
 
-TEST_F(OffloadIt, LookupsDoNotWaitBehindTransfers) {
-  auto a = connect(*d_, "busy");
-  auto b = connect(*d_, "busy");
+TEST(OffloadLookups, LookupsDoNotWaitBehindTransfers) {
+  // Each save's copy waits 500 ms first (--test-copy-delay-ms), so the three saves below hold both
+  // data workers for a second or more however fast this machine copies, while a lookup takes
+  // microseconds: a lookup that waited behind them would come back after the last one.
+  DaemonProcess d(kSmallPool, {}, "cpu", {"--metrics-listen", "", "--test-copy-delay-ms", "500"});
+  ASSERT_TRUE(d.ready()) << d.log();
+  auto a = connect(d, "busy");
+  auto b = connect(d, "busy");
   ASSERT_TRUE(a && b);
   // Saves of 128 blocks of 2 x 64 tokens x 1152 B = 18 MiB each (three fit the 64 MiB pool, so
-  // nothing is evicted): milliseconds of copying and hashing, against microseconds for a lookup.
+  // nothing is evicted).
   const KvCacheSpec spec = spec_of(EntryFormat::mla_bf16(), 2, 128, 64);
   Region r = create(*a, "busy", spec);
   fill_bytes(r, 4);
