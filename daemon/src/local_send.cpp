@@ -110,11 +110,6 @@ uint64_t LocalSender::blocks_sent() const {
   return blocks_;
 }
 
-uint64_t LocalSender::imports_made() const {
-  std::lock_guard g(mu_);
-  return made_;
-}
-
 void LocalSender::forget(const std::string& peer, const std::string& ns_name, uint32_t region) {
   std::lock_guard g(mu_);
   imports_.erase({peer, ns_name, region});
@@ -171,7 +166,6 @@ Result<std::shared_ptr<LocalSender::Import>> LocalSender::import(const std::stri
   spdlog::info("remote tier: imported region {} '{}' of {} ({}, {}) for region-to-region sends", region, imp->desc.name,
                peer, imp->desc.spec.format.name(), imp->device ? "GPU memory" : "host memory");
   std::lock_guard g(mu_);
-  ++made_;
   return imports_.try_emplace({peer, ns_name, region}, imp).first->second;
 }
 

@@ -52,9 +52,8 @@ class LocalSender {
                                           std::span<const int64_t> ids, std::span<const int64_t> peer_ids,
                                           Clock::time_point deadline);
 
-  /// Blocks sent region to region, and imports made (for the metrics and the tests).
+  /// Blocks sent region to region (for the metrics).
   uint64_t blocks_sent() const;
-  uint64_t imports_made() const;
 
   struct Import;
 
@@ -70,7 +69,7 @@ class LocalSender {
   mutable std::mutex mu_;
   std::map<std::tuple<std::string, std::string, uint32_t>, std::shared_ptr<Import>> imports_;
   std::map<std::string, Clock::time_point> elsewhere_;  // peers that cannot import: retried after this
-  uint64_t blocks_ = 0, made_ = 0;
+  uint64_t blocks_ = 0;
 };
 
 }  // namespace kvferry::daemon

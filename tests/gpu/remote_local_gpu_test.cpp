@@ -49,12 +49,7 @@ std::vector<uint8_t> fill(const GpuRegion& r, uint32_t seed) {
 
 using testing::iota_ids;
 
-std::vector<ops::Key> keys(int64_t n, uint64_t salt) {
-  std::vector<ops::Key> k(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i)
-    k[size_t(i)] = {0x6C0C000000000000ull ^ salt, uint64_t(i) * 0x9e3779b97f4a7c15ull + 1};
-  return k;
-}
+constexpr testing::TestKeys kKeys{0x6C0C000000000000ull};
 
 struct Pair {
   int port_a = 0, port_b = 0;
@@ -120,7 +115,7 @@ void sends_region_to_region(Pair& p) {
     ASSERT_EQ(cudaMemcpy(dst.base, zeros.data(), zeros.size(), cudaMemcpyHostToDevice), cudaSuccess);
     std::vector<int64_t> theirs(n);
     for (int64_t i = 0; i < n; ++i) theirs[size_t(i)] = (i * 7) % n;  // a permutation (7 and 40 are coprime)
-    const auto k = keys(n, layout == Layout::kBlockMajor ? 1 : 2);
+    const auto k = kKeys.keys(n, layout == Layout::kBlockMajor ? 1 : 2);
     auto sd = a->send_into(src.id, k, iota_ids(n), p.peer_b(), dst.id, theirs);
     ASSERT_TRUE(sd.ok()) << sd.status().to_string();
     ASSERT_EQ(sd->done, uint64_t(n)) << p.a->log() << p.b->log();
@@ -150,7 +145,7 @@ void sends_region_to_region(Pair& p) {
   const auto sb = fill(src, 7);
   std::vector<uint8_t> want(static_cast<size_t>(ds_spec.region_bytes()));
   ASSERT_TRUE(kernels::convert_blocks_cpu(sb.data(), fs, iota_ids(n), want.data(), ds_spec, iota_ids(n)).ok());
-  auto cv = a->send_into(src.id, keys(n, 3), iota_ids(n), p.peer_b(), ds.id, iota_ids(n));
+  auto cv = a->send_into(src.id, kKeys.keys(n, 3), iota_ids(n), p.peer_b(), ds.id, iota_ids(n));
   ASSERT_TRUE(cv.ok());
   ASSERT_EQ(cv->done, uint64_t(n)) << p.a->log() << p.b->log();
   EXPECT_EQ(read(ds), want);
@@ -184,13 +179,13 @@ TEST_P(RemoteLocalGpu, ReceiverKilledMidTransfer) {
   GpuRegion dst = create(*b, "decode", spec);
   ASSERT_TRUE(src.base && dst.base);
   ASSERT_EQ(cudaMemset(src.base, 0x11, size_t(spec.region_bytes())), cudaSuccess);
-  auto first = a->send_into(src.id, keys(n, 10), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
+  auto first = a->send_into(src.id, kKeys.keys(n, 10), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
   ASSERT_TRUE(first.ok());
   ASSERT_EQ(first->done, uint64_t(n)) << p.a->log() << p.b->log();
   std::atomic<bool> killed{false};
   auto sender = std::async(std::launch::async, [&] {
     return testing::sends_after_kill(killed, [&](uint64_t k) {
-      return a->send_into(src.id, keys(n, 11 + k % 64), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
+      return a->send_into(src.id, kKeys.keys(n, 11 + k % 64), iota_ids(n), p.peer_b(), dst.id, iota_ids(n));
     });
   });
   std::this_thread::sleep_for(30ms);
@@ -204,7 +199,7 @@ TEST_P(RemoteLocalGpu, ReceiverKilledMidTransfer) {
     for (ErrorCode e : r.blocks) EXPECT_TRUE(e == ErrorCode::kUnavailable || e == ErrorCode::kTimeout) << int(e);
   }
   // A still serves its own client: a save of the same region completes.
-  auto sv = a->save(src.id, keys(8, 99), iota_ids(8));
+  auto sv = a->save(src.id, kKeys.keys(8, 99), iota_ids(8));
   ASSERT_TRUE(sv.ok());
   EXPECT_EQ(sv->done, 8u) << p.a->log();
 }

@@ -337,11 +337,10 @@ struct RemoteStore::Impl {
     wire::CommitReply rep;
     rep.codes.resize(q.keys.size(), ErrorCode::kInternal);
     std::lock_guard g(commit_mu);
-    auto& set = landed[q.ns];
     uint64_t n = 0;
     for (size_t i = 0; i < q.keys.size() && i < st.size(); ++i) {
       rep.codes[i] = st[i].code();
-      if (!st[i].ok() || !set.insert(q.keys[i]).second) continue;
+      if (!st[i].ok() || !landed[q.ns].insert(q.keys[i]).second) continue;  // the entry only once one lands
       landed_order.emplace_back(q.ns, q.keys[i]);
       ++n;
     }
@@ -353,7 +352,6 @@ struct RemoteStore::Impl {
       }
       landed_order.pop_front();
     }
-    if (landed.count(q.ns) && landed[q.ns].empty()) landed.erase(q.ns);
     local_landed->add(n);
     ++commits;
     commit_cv.notify_all();
